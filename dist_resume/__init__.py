@@ -1,0 +1,73 @@
+"""dist_resume: resume PyTorch training under DDP and torchrun without surprises.
+
+Everything public is importable from here; the modules behind it are private.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._devices import check_devices, device_report
+from ._env import RankInfo, init_distributed, rank_device, rank_info
+from ._errors import (
+    CheckpointConsensusError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DeviceMismatchError,
+    DistResumeError,
+    EnvironmentMismatchError,
+    KeyMismatchError,
+    NotACheckpointError,
+    OptimizerStateMismatchError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from ._layout import Layout
+from ._load import load_checkpoint, rank_map_location
+from ._optim import optimizer_to
+from ._prefix import adapt_state_dict, add_prefix, canonical_key, strip_prefix, unwrap_model
+from ._restore import ResumeResult, resume
+from ._save import save_checkpoint
+
+__all__ = [
+    "__version__",
+    # environment
+    "RankInfo",
+    "rank_info",
+    "rank_device",
+    "init_distributed",
+    # loading
+    "rank_map_location",
+    "load_checkpoint",
+    # prefixes
+    "strip_prefix",
+    "add_prefix",
+    "unwrap_model",
+    "canonical_key",
+    "adapt_state_dict",
+    # optimizer and devices
+    "optimizer_to",
+    "device_report",
+    "check_devices",
+    # checkpoints
+    "save_checkpoint",
+    "resume",
+    "ResumeResult",
+    "Layout",
+    # errors
+    "DistResumeError",
+    "EnvironmentMismatchError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "NotACheckpointError",
+    "UnsafeCheckpointError",
+    "CheckpointWriteError",
+    "CheckpointConsensusError",
+    "StateMismatchError",
+    "KeyMismatchError",
+    "OptimizerStateMismatchError",
+    "DeviceMismatchError",
+]

@@ -1,0 +1,232 @@
+"""resume(): read a checkpoint, validate every part against the live objects, then apply all of it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from ._layout import CheckpointParts, Layout, split_checkpoint
+from ._load import MapLocation, PathLike, load_checkpoint
+from ._log import log_rank0
+from ._optim import optimizer_to, prepare_optimizer_state
+from ._prefix import adapt_state_dict
+
+__all__ = ["ResumeResult", "resume", "restore_parts"]
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What :func:`resume` found and restored."""
+
+    path: Path
+    layout: Layout
+    step: int | None
+    epoch: int | None
+    extra: Any
+    metadata: dict[str, Any]
+    restored: tuple[str, ...]
+    skipped: tuple[str, ...] = ()
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+
+
+def _check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, source: str) -> None:
+    live = model.state_dict(keep_vars=True)
+    problems = []
+    for key, value in adapted.items():
+        want = live.get(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor)) or value.dtype == want.dtype:
+            continue
+        cast_ok = value.is_floating_point() and want.is_floating_point()
+        if strict or not cast_ok:
+            problems.append(f"{key}: checkpoint {value.dtype}, model {want.dtype}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise KeyMismatchError(
+            f"{source}: dtypes differ ({shown}); convert the model (model.to(dtype)) to the checkpoint's dtype "
+            "before resuming, or pass strict=False to cast floating-point tensors on load",
+            mismatched=problems,
+        )
+
+
+def _check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
+    if not isinstance(saved, Mapping):
+        raise StateMismatchError(f"{source}: the scheduler entry is a {type(saved).__name__}, not a state dict")
+    live = scheduler.state_dict()
+    if set(saved) != set(live):
+        raise StateMismatchError(
+            f"{source}: the saved LR scheduler state does not fit {type(scheduler).__name__} (saved keys "
+            f"{sorted(set(saved) - set(live))} not expected, {sorted(set(live) - set(saved))} missing); "
+            "build the same scheduler class as the run that saved it"
+        )
+
+
+def _check_scaler(saved: Any, scaler: Any, source: str) -> None:
+    if not isinstance(saved, Mapping):
+        raise StateMismatchError(f"{source}: the GradScaler entry is a {type(saved).__name__}, not a state dict")
+    if scaler.is_enabled() and not saved:
+        raise StateMismatchError(
+            f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
+            "enabled; pass strict=False to keep the scaler's fresh state"
+        )
+
+
+def _storage_ptrs(obj: Any) -> set[int]:
+    ptrs: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "cpu":
+                ptrs.add(item.untyped_storage().data_ptr())
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return ptrs
+
+
+def _detach_from_file(optimizer: torch.optim.Optimizer, loaded: set[int]) -> None:
+    """Clone state tensors that still alias the memory-mapped checkpoint (CPU params, same dtype)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" \
+                    and value.untyped_storage().data_ptr() in loaded:
+                state[key] = value.clone()
+
+
+def restore_parts(
+    parts: CheckpointParts,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    strict: bool = True,
+    source: str = "checkpoint",
+) -> tuple[tuple[str, ...], tuple[str, ...], list[str], list[str]]:
+    """Validate every part against the live objects, then apply them all (see :func:`resume`)."""
+    skipped: list[str] = []
+
+    def absent(what: str) -> None:
+        if strict:
+            raise StateMismatchError(
+                f"{source} ({parts.layout.value} layout) has no {what} state but a {what} was passed; "
+                f"pass strict=False to restore what the file has, or do not pass the {what}"
+            )
+        skipped.append(what)
+
+    # 1. validate everything, change nothing
+    adapted = adapt_state_dict(parts.model, model, strict=strict)
+    _check_dtypes(adapted, model, strict, source)
+    live_keys = model.state_dict().keys()
+    missing = [k for k in live_keys if k not in adapted]
+    unexpected = [k for k in parts.model if k not in adapted] if len(adapted) < len(parts.model) else []
+    opt_sd = None
+    if optimizer is not None:
+        saved_class = parts.meta.get("optimizer_class")
+        if parts.optimizer is None:
+            absent("optimizer")
+        elif saved_class and saved_class != type(optimizer).__name__:
+            raise OptimizerStateMismatchError(
+                f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
+                f"{type(optimizer).__name__}; build a {saved_class}, or pass strict=False and no optimizer"
+            )
+        else:
+            opt_sd = prepare_optimizer_state(parts.optimizer, optimizer, model, source=source)
+    if scheduler is not None:
+        if parts.scheduler is None:
+            absent("scheduler")
+        else:
+            _check_scheduler(parts.scheduler, scheduler, source)
+    if scaler is not None:
+        if parts.scaler is None:
+            absent("scaler")
+        elif not parts.scaler and not strict:
+            skipped.append("scaler")
+        else:
+            _check_scaler(parts.scaler, scaler, source)
+
+    # 2. apply; the cheap parts first so they can be rolled back if a later step fails
+    restored: list[str] = []
+    before_opt = optimizer.state_dict() if opt_sd is not None and optimizer is not None else None
+    before_sched = scheduler.state_dict() if scheduler is not None and "scheduler" not in skipped else None
+    before_scaler = scaler.state_dict() if scaler is not None and "scaler" not in skipped else None
+    try:
+        if before_scaler is not None:
+            scaler.load_state_dict(parts.scaler)
+            restored.append("scaler")
+        if opt_sd is not None and optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
+            _detach_from_file(optimizer, _storage_ptrs(parts.optimizer))
+            optimizer_to(optimizer)
+            restored.append("optimizer")
+        if before_sched is not None:
+            scheduler.load_state_dict(parts.scheduler)
+            restored.append("scheduler")
+        model.load_state_dict(adapted, strict=strict)
+    except Exception:
+        if before_scaler is not None and "scaler" in restored:
+            scaler.load_state_dict(before_scaler)
+        if before_opt is not None and "optimizer" in restored:
+            optimizer.load_state_dict(before_opt)  # type: ignore[union-attr]
+        if before_sched is not None and "scheduler" in restored:
+            scheduler.load_state_dict(before_sched)
+        raise
+    restored.insert(0, "model")
+    return tuple(restored), tuple(skipped), missing, unexpected
+
+
+def resume(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    strict: bool = True,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
+) -> ResumeResult:
+    """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
+
+    Local: each rank reads the file and restores its own objects (call it on every rank, after
+    wrapping the model in DDP or before, either works). Reads this toolkit's files and the common
+    foreign layouts (a bare state dict, ``{"model", "optimizer"}``, ``{"state_dict"}``,
+    ``{"model_state_dict", "optimizer_state_dict"}``), with any ``module.``/``_orig_mod.`` prefixes,
+    into a plain or wrapped model on any device.
+
+    By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
+    rank holds a second full copy on its GPU (``map_location`` overrides). Keys, shapes, dtypes,
+    optimizer groups, parameter names and state shapes are validated before anything changes; on
+    any error model, optimizer, scheduler and scaler are as before. Afterwards optimizer state
+    sits on its parameters' devices. ``strict=False`` allows missing/unexpected model keys and
+    parts the file lacks.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=7)
+        >>> dist_resume.resume("ckpt.pt", model=model, optimizer=opt).step
+        7
+    """
+    source = f"checkpoint {str(path)!r}"
+    obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
+                          mmap=mmap, weights_only=weights_only)
+    parts = split_checkpoint(obj, source)
+    restored, skipped, missing, unexpected = restore_parts(
+        parts, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict, source=source
+    )
+    log_rank0(logging.INFO, "resumed from %s (%s layout, step %s, epoch %s; restored %s)",
+              path, parts.layout.value, parts.step, parts.epoch, ", ".join(restored))
+    return ResumeResult(Path(path), parts.layout, parts.step, parts.epoch, parts.extra, dict(parts.meta),
+                        restored, skipped, missing, unexpected)

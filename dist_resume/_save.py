@@ -1,0 +1,214 @@
+"""Writing checkpoints: one writer, atomic replacement, a payload that loads under ``weights_only=True``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._env import is_distributed
+from . import _errors
+from ._errors import CheckpointWriteError, DistResumeError
+from ._layout import FORMAT_NAME, FORMAT_VERSION, Key
+from ._load import PathLike
+from ._log import log_rank0
+from ._optim import canonical_optimizer_state
+from ._prefix import canonical_state_dict, unwrap_model
+
+__all__ = ["save_checkpoint", "build_payload", "atomic_write", "check_weights_only_safe", "run_on_rank0"]
+
+_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size, torch.dtype,
+                torch.device)
+
+
+def check_weights_only_safe(obj: Any, path: str = "extra") -> None:
+    """Raise :class:`CheckpointWriteError` if ``obj`` holds something ``torch.load(weights_only=True)`` refuses."""
+    if type(obj) in _SAFE_LEAVES or isinstance(obj, torch.Tensor):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            check_weights_only_safe(key, f"{path} key")
+            check_weights_only_safe(value, f"{path}[{key!r}]")
+        return
+    if type(obj) in (list, tuple, set, frozenset):
+        for i, value in enumerate(obj):
+            check_weights_only_safe(value, f"{path}[{i}]")
+        return
+    hint = "vars(obj) or a dict of plain values"
+    if isinstance(obj, str):
+        hint = "str(obj)"
+    raise CheckpointWriteError(
+        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) "
+        f"refuses, so the checkpoint could not be loaded safely; store {hint} instead"
+    )
+
+
+def build_payload(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    extra: Any = None,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
+    from . import __version__
+
+    check_weights_only_safe(extra)
+    for name, value in (("step", step), ("epoch", epoch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    payload: dict[str, Any] = {
+        Key.FORMAT: FORMAT_NAME,
+        Key.VERSION: FORMAT_VERSION,
+        Key.MODEL: canonical_state_dict(model),
+        Key.META: {
+            "step": step,
+            "epoch": epoch,
+            "world_size": world_size,
+            "torch_version": str(torch.__version__),
+            "dist_resume_version": __version__,
+            "model_class": type(unwrap_model(model)).__name__,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "saved_at": time.time(),
+        },
+    }
+    if optimizer is not None:
+        payload[Key.OPTIMIZER] = canonical_optimizer_state(optimizer, model)
+    if scheduler is not None:
+        payload[Key.SCHEDULER] = scheduler.state_dict()
+        check_weights_only_safe(payload[Key.SCHEDULER], "scheduler.state_dict()")
+    if scaler is not None:
+        payload[Key.SCALER] = scaler.state_dict()
+    if extra is not None:
+        payload[Key.EXTRA] = extra
+    return payload
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
+    """Write ``path`` through a temporary file in the same folder, fsync it, then ``os.replace`` it in.
+
+    A reader sees the old file or the new one, never a partial one; on error the temporary file is
+    removed and :class:`CheckpointWriteError` says why.
+    """
+    dest = Path(path)
+    folder = dest.parent
+    if not folder.is_dir():
+        raise CheckpointWriteError(f"cannot save {str(dest)!r}: the folder {str(folder)!r} does not exist; create it first")
+    tmp_name = None
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, dest)
+        tmp_name = None
+        _fsync_dir(folder)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise CheckpointWriteError(
+            f"saving {str(dest)!r} failed: {reason}; the previous checkpoint (if any) is untouched. "
+            "Free disk space or fix permissions, then save again"
+        ) from err
+    except RuntimeError as err:  # torch.save reports write errors as RuntimeError
+        raise CheckpointWriteError(
+            f"saving {str(dest)!r} failed: {str(err).splitlines()[0]}; the previous checkpoint (if any) is untouched"
+        ) from err
+    finally:
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+    return dest
+
+
+def run_on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error.
+
+    Collective under torch.distributed (one broadcast), so a failure on rank 0 never leaves the
+    other ranks waiting in a barrier: they raise the same dist_resume error class.
+    """
+    if not is_distributed():
+        return fn()
+    outcome: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", fn())
+        except Exception as err:  # reported to every rank below
+            failure = err
+            outcome[0] = ("error", type(err).__name__, str(err))
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0][0] == "ok":
+        return outcome[0][1]
+    if failure is not None:
+        raise failure
+    _, name, message = outcome[0]
+    cls = getattr(_errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, DistResumeError):
+        raise cls(f"{message} (reported by rank 0)")
+    raise CheckpointWriteError(f"rank 0 failed: {name}: {message}")
+
+
+def save_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    extra: Any = None,
+) -> Path:
+    """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
+
+    Collective under torch.distributed: call it on every rank; global rank 0 writes and every rank
+    returns once the file is in place (or raises rank 0's error). Local in a single process.
+    Model keys are stored in canonical form (no ``module.``/``_orig_mod.``) and optimizer groups
+    carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
+    The file loads under ``torch.load(weights_only=True)``.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
+        PosixPath('ckpt.pt')
+    """
+    world_size = dist.get_world_size() if is_distributed() else 1
+
+    def write() -> Path:
+        payload = build_payload(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                step=step, epoch=epoch, extra=extra, world_size=world_size)
+        dest = atomic_write(path, lambda f: torch.save(payload, f))
+        log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
+        return dest
+
+    result: Path = run_on_rank0(write)
+    return result
