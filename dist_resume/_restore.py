@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ._errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from ._folder import resolve_checkpoint
 from ._layout import CheckpointParts, Layout, split_checkpoint
 from ._load import MapLocation, PathLike, load_checkpoint
 from ._log import log_rank0
@@ -219,6 +220,7 @@ def resume(
         >>> dist_resume.resume("ckpt.pt", model=model, optimizer=opt).step
         7
     """
+    path = resolve_checkpoint(path)
     source = f"checkpoint {str(path)!r}"
     obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
                           mmap=mmap, weights_only=weights_only)
