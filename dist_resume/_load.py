@@ -30,6 +30,8 @@ MapLocation: TypeAlias = (
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+# weights_only unpickler messages that mean damaged bytes, not a refused object
+_GARBLED_PICKLE = ("Unsupported operand", "String is too long", "Expected bytes, got")
 
 
 def rank_map_location(device: torch.device | str | int | None = None) -> torch.device:
@@ -101,14 +103,22 @@ def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
 
 
 def _first_line(err: BaseException) -> str:
-    text = (str(err).splitlines() or [""])[0].split(". This is an internal")[0]
+    lines = str(err).splitlines() or [""]
+    detail = [line for line in lines if any(m in line for m in _GARBLED_PICKLE)]
+    text = (detail or lines)[0].split(". This is an internal")[0]
     return f"{type(err).__name__}: {text[:200]}"
 
 
 def _unsafe(path: Path, err: BaseException) -> UnsafeCheckpointError:
-    found = re.search(r"GLOBAL (\S+) was not an allowed global", str(err))
+    text = str(err)
+    blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
     name = found.group(1) if found else None
-    if name:
+    if blocked:
+        what = (f"it calls {blocked.group(1)}, from the module {blocked.group(2).rstrip('.')} that "
+                "torch.load(weights_only=True) blocks entirely: loading it would run code")
+        fix = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
+    elif name:
         module, _, attr = name.rpartition(".")
         what = f"it references {name}, which torch.load(weights_only=True) refuses"
         fix = (
@@ -153,7 +163,8 @@ def load_checkpoint(
     try:
         return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        if "Weights only load failed" in str(err):
+        text = str(err)
+        if "Weights only load failed" in text and not any(m in text for m in _GARBLED_PICKLE):
             raise _unsafe(p, err) from err
         raise _corrupt(p, err) from err
     except (EOFError, zipfile.BadZipFile, ValueError) as err:
@@ -164,6 +175,11 @@ def load_checkpoint(
             raise CheckpointError(
                 f"checkpoint {str(p)!r} was saved from a GPU and map_location={map_location!r} does not move "
                 "every storage to a device this process has; use dist_resume.rank_map_location()"
+            ) from err
+        if 'hasRecord("version")' in text or "failed locating file data.pkl" in text:
+            raise NotACheckpointError(
+                f"{str(p)!r} is a zip archive but not one written by torch.save (it has no data.pkl/version "
+                "record); point to a .pt/.pth file saved with torch.save"
             ) from err
         if "PytorchStreamReader" in text or "zip archive" in text or "storage" in text.lower():
             raise _corrupt(p, err) from err

@@ -1,0 +1,282 @@
+"""load_checkpoint / rank_map_location: GPU-saved files on this host, and a clear error for every bad file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+import dist_resume as dr
+from tests.helpers import save_with_device_tag
+from tests.models import TinyNet
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only-host behaviour")
+
+
+@pytest.fixture
+def state():
+    return {"model": TinyNet().state_dict(), "step": torch.tensor(7), "lr": 0.1}
+
+
+@pytest.fixture
+def good_file(tmp_path, state):
+    path = tmp_path / "good.pt"
+    torch.save(state, path)
+    return path
+
+
+def _assert_loaded(loaded, state):
+    assert loaded["step"].item() == 7 and loaded["lr"] == 0.1
+    for key, value in state["model"].items():
+        assert loaded["model"][key].device == torch.device("cpu")
+        assert loaded["model"][key].dtype == value.dtype
+        assert torch.equal(loaded["model"][key], value), key
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_rank_map_location_values():
+    assert dr.rank_map_location() == torch.device("cpu")  # rank_device() on this host
+    assert dr.rank_map_location("cpu") == torch.device("cpu")
+    assert dr.rank_map_location(torch.device("meta")) == torch.device("meta")
+    assert dr.rank_map_location(1) == torch.device("cuda", 1)
+    assert dr.rank_map_location("cuda:2") == torch.device("cuda", 2)
+
+
+@pytest.mark.parametrize("tag", ["cuda:0", "cuda:3"])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_gpu_tagged_file_loads_on_this_cpu_host(tmp_path, state, tag, mmap):
+    path = tmp_path / f"saved_on_{tag.replace(':', '')}.pt"
+    save_with_device_tag(state, path, tag=tag)
+    with pytest.raises(RuntimeError, match="CUDA"):  # what users get with plain torch.load
+        torch.load(path, weights_only=True)
+    _assert_loaded(dr.load_checkpoint(path, mmap=mmap), state)  # default: rank_map_location()
+    _assert_loaded(dr.load_checkpoint(path, mmap=mmap, map_location=dr.rank_map_location()), state)
+
+
+def test_gpu_tagged_file_with_mixed_tags_all_land_on_cpu(tmp_path, state):
+    path = tmp_path / "mixed.pt"
+    tags = iter(["cuda:0", "cuda:3", "cpu"] * 100)
+    save_with_device_tag(state, path, tag=lambda storage: next(tags))
+    _assert_loaded(dr.load_checkpoint(path), state)
+
+
+def test_a_dict_map_location_does_not_move_other_cuda_tags(tmp_path, state):
+    """FACTS #3: {'cuda:0': 'cpu'} maps the exact tag only; a cuda:3 storage still targets cuda:3."""
+    path = tmp_path / "cuda3.pt"
+    save_with_device_tag(state, path, tag="cuda:3")
+    with pytest.raises(dr.CheckpointError) as info:
+        dr.load_checkpoint(path, map_location={"cuda:0": "cpu"})
+    msg = str(info.value)
+    assert str(path) in msg and "rank_map_location" in msg
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # while the same dict works for a cuda:0 file
+    cuda0 = tmp_path / "cuda0.pt"
+    save_with_device_tag(state, cuda0, tag="cuda:0")
+    _assert_loaded(dr.load_checkpoint(cuda0, map_location={"cuda:0": "cpu"}), state)
+
+
+def test_callable_map_location_is_passed_through(good_file, state):
+    seen = []
+
+    def where(storage, location):
+        seen.append(location)
+        return storage
+
+    _assert_loaded(dr.load_checkpoint(good_file, map_location=where, mmap=False), state)
+    assert seen and set(seen) == {"cpu"}
+
+
+def _mapped_from(path) -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
+def test_mmap_true_maps_the_file(good_file):
+    loaded = dr.load_checkpoint(good_file, mmap=True)
+    ptr = loaded["model"]["fc.weight"].data_ptr()
+    assert any(a <= ptr < b for a, b in _mapped_from(good_file))  # the bytes live in the mapping
+    del loaded
+    loaded = dr.load_checkpoint(good_file, mmap=False)
+    ptr = loaded["model"]["fc.weight"].data_ptr()
+    assert not any(a <= ptr < b for a, b in _mapped_from(good_file))
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def _expect(exc_type, path, **kwargs):
+    with pytest.raises(exc_type) as info:
+        dr.load_checkpoint(path, **kwargs)
+    err = info.value
+    assert isinstance(err, dr.CheckpointError)
+    assert str(path) in str(err), str(err)
+    for bare in (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
+        assert not isinstance(err, bare)
+    return err
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_missing_file(tmp_path, mmap):
+    err = _expect(dr.CheckpointNotFoundError, tmp_path / "nope.pt", mmap=mmap)
+    assert "does not exist" in str(err)
+    err = _expect(dr.CheckpointNotFoundError, tmp_path / "no_dir" / "nope.pt", mmap=mmap)
+    assert "folder" in str(err)
+    assert isinstance(err, FileNotFoundError)  # still catchable the usual way
+
+
+def test_folder_is_not_a_file(tmp_path):
+    err = _expect(dr.CheckpointNotFoundError, tmp_path)
+    assert "folder" in str(err)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_empty_file(tmp_path, mmap):
+    path = tmp_path / "empty.pt"
+    path.write_bytes(b"")
+    err = _expect(dr.CheckpointCorruptError, path, mmap=mmap)
+    assert "empty" in str(err) and "earlier checkpoint" in str(err)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("fraction", [0.0005, 0.01, 0.25, 0.5, 0.9, 0.99, -22, -1])
+def test_truncated_file(tmp_path, good_file, fraction, mmap):
+    data = good_file.read_bytes()
+    cut = max(1, int(len(data) * fraction)) if fraction > 0 else len(data) + fraction
+    path = tmp_path / "truncated.pt"
+    path.write_bytes(data[:cut])
+    with pytest.raises(dr.CheckpointError) as info:
+        dr.load_checkpoint(path, mmap=mmap)
+    err = info.value
+    assert str(path) in str(err)
+    if cut >= 4:  # with the zip magic intact the file is recognisably a damaged checkpoint
+        assert isinstance(err, dr.CheckpointCorruptError)
+        assert "interrupted" in str(err)
+    else:
+        assert isinstance(err, (dr.CheckpointCorruptError, dr.NotACheckpointError))
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_random_bytes(tmp_path, mmap):
+    path = tmp_path / "noise.pt"
+    g = torch.Generator().manual_seed(0)
+    path.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).tolist()))
+    assert path.read_bytes()[:1] != b"\x80"
+    err = _expect(dr.NotACheckpointError, path, mmap=mmap)
+    assert "torch.save" in str(err)
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"lr": 0.1}))
+    _expect(dr.NotACheckpointError, path)
+
+
+def test_plain_pickle(tmp_path):
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(pickle.dumps({"w": [1, 2, 3]}))
+    err = _expect(dr.NotACheckpointError, path, mmap=False)
+    assert "pickle" in str(err)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_zip_without_data_pkl(tmp_path, mmap):
+    path = tmp_path / "other.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/notes.txt", "hello")
+    err = _expect(dr.CheckpointError, path, mmap=mmap)
+    assert isinstance(err, (dr.NotACheckpointError, dr.CheckpointCorruptError))
+    path2 = tmp_path / "almost.pt"  # a torch-like archive that lacks its data.pkl
+    with zipfile.ZipFile(path2, "w") as zf:
+        zf.writestr("archive/version", "3\n")
+        zf.writestr("archive/byteorder", "little")
+    err = _expect(dr.CheckpointError, path2, mmap=mmap)
+    assert isinstance(err, (dr.NotACheckpointError, dr.CheckpointCorruptError))
+    assert "data.pkl" in str(err)
+
+
+def test_legacy_format(tmp_path, state):
+    path = tmp_path / "legacy.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    err = _expect(dr.NotACheckpointError, path, mmap=True)
+    assert "legacy" in str(err) and "mmap=False" in str(err)
+    _assert_loaded(dr.load_checkpoint(path, mmap=False), state)
+
+
+def test_legacy_format_saved_on_gpu(tmp_path, state):
+    path = tmp_path / "legacy_gpu.pt"
+    from tests.helpers import device_tagging
+
+    with device_tagging("cuda:3"):
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    _assert_loaded(dr.load_checkpoint(path, mmap=False), state)
+
+
+def test_weights_only_refused_global_names_it_and_the_fix(tmp_path):
+    path = tmp_path / "args.pt"
+    torch.save({"model": {"w": torch.ones(1)}, "args": argparse.Namespace(lr=0.1)}, path)
+    err = _expect(dr.UnsafeCheckpointError, path)
+    msg = str(err)
+    assert "argparse.Namespace" in msg and "add_safe_globals" in msg and "weights_only=False" in msg
+    assert isinstance(err.__cause__, pickle.UnpicklingError)
+    # the suggested fix works
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        assert dr.load_checkpoint(path)["args"].lr == 0.1
+    assert dr.load_checkpoint(path, weights_only=False)["args"].lr == 0.1
+
+
+class _Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _OpenBoom(_Boom):
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("cls", [_Boom, _OpenBoom])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_code_running_pickle_is_refused_and_never_runs(tmp_path, cls, mmap):
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(1), "payload": cls(str(marker))}, path)
+    err = _expect(dr.UnsafeCheckpointError, path, mmap=mmap)
+    assert not marker.exists()
+    name = "system" if cls is _Boom else "open"
+    assert name in str(err)  # names the refused global
+    # a bare pickle with the same payload is not even unpickled
+    raw = tmp_path / "evil.pkl"
+    raw.write_bytes(pickle.dumps(cls(str(marker))))
+    _expect(dr.NotACheckpointError, raw, mmap=mmap)
+    _expect(dr.NotACheckpointError, raw, mmap=False, weights_only=False)
+    assert not marker.exists()
+
+
+def test_corrupt_pickle_inside_a_valid_archive(tmp_path, good_file):
+    path = tmp_path / "garbled.pt"
+    with zipfile.ZipFile(good_file) as src, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("data.pkl"):
+                data = data[:2] + b"\xff\xfe\xfd" + data[5:]
+            dst.writestr(item, data)
+    for weights_only in (True, False):
+        err = _expect(dr.CheckpointCorruptError, path, weights_only=weights_only)
+        assert "weights_only=False" not in str(err)  # damaged bytes are no reason to lower the guard
+        assert "Weights only load failed" not in str(err)
