@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ._errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from ._exact import check_sampler_state, param_device, restore_rank_rng
 from ._folder import resolve_checkpoint
 from ._layout import CheckpointParts, Layout, split_checkpoint
 from ._load import MapLocation, PathLike, load_checkpoint
@@ -196,6 +197,8 @@ def resume(
     map_location: MapLocation = None,
     mmap: bool = True,
     weights_only: bool = True,
+    sampler: Any = None,
+    rng: bool = True,
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
 
@@ -212,6 +215,12 @@ def resume(
     sits on its parameters' devices. ``strict=False`` allows missing/unexpected model keys and
     parts the file lacks.
 
+    Exact resume: ``sampler`` (a :class:`ResumableDistributedSampler`) continues at the saved epoch
+    and position, split over the ranks present now; with ``rng=True`` (the default) each rank
+    restores its own saved RNG streams. When the world size changed, ranks missing from the
+    checkpoint derive theirs from the saved seed, their rank and the step, and rank 0 logs it at
+    WARNING. A file without RNG state leaves the streams as they are (logged at INFO).
+
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
@@ -225,9 +234,24 @@ def resume(
     obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
                           mmap=mmap, weights_only=weights_only)
     parts = split_checkpoint(obj, source)
+    if sampler is not None and parts.sampler is None and strict:
+        raise StateMismatchError(
+            f"{source} ({parts.layout.value} layout) has no sampler state but a sampler was passed; "
+            "pass strict=False to start the epoch afresh, or do not pass the sampler"
+        )
+    if sampler is not None and parts.sampler is not None:
+        check_sampler_state(sampler, parts.sampler, source)  # validate before anything changes
     restored, skipped, missing, unexpected = restore_parts(
         parts, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict, source=source
     )
+    if sampler is not None:
+        if parts.sampler is None:
+            skipped += ("sampler",)
+        else:
+            sampler.load_state_dict(parts.sampler)
+            restored += ("sampler",)
+    if rng and restore_rank_rng(parts.rng, step=parts.step, device=param_device(model), source=source):
+        restored += ("rng",)
     log_rank0(logging.INFO, "resumed from %s (%s layout, step %s, epoch %s; restored %s)",
               path, parts.layout.value, parts.step, parts.epoch, ", ".join(restored))
     return ResumeResult(Path(path), parts.layout, parts.step, parts.epoch, parts.extra, dict(parts.meta),

@@ -18,6 +18,7 @@ from torch import nn
 from ._env import is_distributed
 from . import _errors
 from ._errors import CheckpointWriteError, DistResumeError
+from ._exact import gather_rank_states, merge_rank_states, param_device
 from ._layout import FORMAT_NAME, FORMAT_VERSION, Key
 from ._load import PathLike
 from ._log import log_rank0
@@ -62,6 +63,8 @@ def build_payload(
     epoch: int | None = None,
     extra: Any = None,
     world_size: int = 1,
+    rng: list[dict[str, Any]] | None = None,
+    sampler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
     from . import __version__
@@ -94,6 +97,11 @@ def build_payload(
         payload[Key.SCALER] = scaler.state_dict()
     if extra is not None:
         payload[Key.EXTRA] = extra
+    if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
+        payload[Key.RNG] = rng
+    if sampler is not None:
+        payload[Key.SAMPLER] = dict(sampler)
+        check_weights_only_safe(payload[Key.SAMPLER], "sampler.state_dict()")
     return payload
 
 
@@ -185,6 +193,8 @@ def save_checkpoint(
     step: int | None = None,
     epoch: int | None = None,
     extra: Any = None,
+    sampler: Any = None,
+    rng: bool = True,
 ) -> Path:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
@@ -194,6 +204,11 @@ def save_checkpoint(
     carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
     The file loads under ``torch.load(weights_only=True)``.
 
+    For exact resume, ``rng=True`` (the default) stores every rank's RNG streams (python, torch
+    CPU, the rank's own CUDA device, numpy), gathered on rank 0; ``sampler`` (a
+    :class:`ResumableDistributedSampler`, or anything with ``state_dict()``) stores the epoch and
+    the position in it, after checking that all ranks agree on it.
+
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
@@ -202,10 +217,15 @@ def save_checkpoint(
         PosixPath('ckpt.pt')
     """
     world_size = dist.get_world_size() if is_distributed() else 1
+    rank_states = None
+    if rng or sampler is not None:  # collective: every rank's RNG/sampler state to rank 0
+        rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
 
     def write() -> Path:
+        rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
         payload = build_payload(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                step=step, epoch=epoch, extra=extra, world_size=world_size)
+                                step=step, epoch=epoch, extra=extra, world_size=world_size,
+                                rng=rng_states, sampler=sampler_state)
         dest = atomic_write(path, lambda f: torch.save(payload, f))
         log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
         return dest
