@@ -17,6 +17,8 @@ _FIX_OPTIMIZER = (
     "move the model to its device before building the optimizer and loading its state, "
     "or call dist_resume.optimizer_to(optimizer) after model.to(device)"
 )
+# optimizers that create ``step`` on the parameter's device themselves, capturable or not
+_STEP_ON_PARAM_DEVICE = (torch.optim.ASGD,)
 _FIX_BATCH = "move every batch to the model's device (batch.to(device)) inside the training loop"
 
 
@@ -53,10 +55,13 @@ def device_report(
             for p in group["params"]:
                 state = optimizer.state.get(p) or {}
                 name = names.get(id(p), f"<parameter {tuple(p.shape)} not in the model>")
+                host_scalars = not step_on_param_device(group)
                 for key, value in state.items():
                     if not isinstance(value, torch.Tensor):
                         continue
-                    if key == "step" and not step_on_param_device(group):
+                    if host_scalars and value.dim() == 0 and value.device.type == "cpu":
+                        continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
+                    if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
                         if value.device.type != "cpu":
                             findings.append(
                                 f"optimizer.state[{name}]['step'] is on {value.device}; torch keeps it on cpu "

@@ -165,7 +165,7 @@ def _match_by_name(saved_groups: list[Any], live: list[list[str]] | None, source
     orders = []
     for i, (names, sgroup) in enumerate(zip(live, saved_groups)):
         saved_names = list(sgroup["param_names"])
-        pairs = match_keys(saved_names, {n: n for n in names})
+        pairs = match_keys(saved_names, {_canonical_name(n): n for n in names})
         if len(pairs) != len(saved_names) or len(set(pairs.values())) != len(names):
             missing = sorted(set(names) - set(pairs.values()))
             unexpected = sorted(set(saved_names) - set(pairs))
