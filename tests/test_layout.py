@@ -1,0 +1,111 @@
+"""Recognising this toolkit's file format and the foreign layouts people commonly save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_resume as dr
+from dist_resume._layout import FORMAT_NAME, FORMAT_VERSION, Key, is_state_dict, split_checkpoint
+from tests.models import TinyNet
+
+
+@pytest.fixture
+def model_sd():
+    return TinyNet().state_dict()
+
+
+@pytest.fixture
+def opt_sd():
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def test_toolkit_layout(model_sd, opt_sd):
+    obj = {
+        Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model_sd, Key.OPTIMIZER: opt_sd,
+        Key.SCHEDULER: {"last_epoch": 3}, Key.SCALER: {"scale": 2.0}, Key.EXTRA: {"note": "x"},
+        Key.META: {"step": 12, "epoch": 2, "world_size": 4},
+    }
+    parts = split_checkpoint(obj)
+    assert parts.layout is dr.Layout.TOOLKIT
+    assert parts.model is model_sd and parts.optimizer is opt_sd
+    assert parts.scheduler == {"last_epoch": 3} and parts.scaler == {"scale": 2.0}
+    assert (parts.step, parts.epoch, parts.extra) == (12, 2, {"note": "x"})
+    assert parts.meta["world_size"] == 4
+
+
+def test_toolkit_layout_without_model_is_an_error():
+    with pytest.raises(dr.NotACheckpointError, match="no model state"):
+        split_checkpoint({Key.FORMAT: FORMAT_NAME, Key.META: {}})
+
+
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod.module."])
+def test_bare_state_dict(model_sd, prefix):
+    sd = {prefix + k: v for k, v in model_sd.items()}
+    parts = split_checkpoint(sd)
+    assert parts.layout is dr.Layout.BARE
+    assert parts.model is sd and parts.optimizer is None and parts.step is None
+
+
+@pytest.mark.parametrize(
+    "layout, model_key, opt_key, extra",
+    [
+        (dr.Layout.MODEL_OPTIMIZER, "model", "optimizer", {"epoch": 4, "step": 40}),
+        (dr.Layout.STATE_DICT, "state_dict", "optimizer_states", {"epoch": 4, "global_step": 40}),  # Lightning
+        (dr.Layout.MODEL_STATE_DICT, "model_state_dict", "optimizer_state_dict", {"epoch": 4, "iteration": 40}),
+    ],
+)
+def test_foreign_layouts(model_sd, opt_sd, layout, model_key, opt_key, extra):
+    opt_value = [opt_sd] if opt_key == "optimizer_states" else opt_sd  # Lightning: one entry per optimizer
+    obj = {model_key: model_sd, opt_key: opt_value, "best_acc": 0.9, **extra}
+    parts = split_checkpoint(obj)
+    assert parts.layout is layout
+    assert parts.model is model_sd and parts.optimizer is opt_sd
+    assert parts.step == 40 and parts.epoch == 4
+    assert parts.extra["best_acc"] == 0.9
+    assert model_key not in parts.extra and opt_key not in parts.extra
+
+
+def test_foreign_layout_with_scheduler_and_scaler(model_sd, opt_sd):
+    obj = {"model_state_dict": model_sd, "optimizer_state_dict": opt_sd,
+           "scheduler_state_dict": {"last_epoch": 1}, "scaler_state_dict": {"scale": 8.0}, "epoch": torch.tensor(3)}
+    parts = split_checkpoint(obj)
+    assert parts.scheduler == {"last_epoch": 1} and parts.scaler == {"scale": 8.0}
+    assert parts.epoch == 3  # a tensor holding an int counts
+    assert parts.extra == {"epoch": obj["epoch"]}
+
+
+@pytest.mark.parametrize("bad", [True, 2.5, "7", torch.tensor([1, 2])])
+def test_non_integer_counters_are_ignored(model_sd, bad):
+    assert split_checkpoint({"model": model_sd, "step": bad}).step is None
+
+
+def test_model_entry_must_be_a_state_dict(model_sd):
+    with pytest.raises(dr.NotACheckpointError) as info:
+        split_checkpoint({"net": model_sd, "opt": {}}, "checkpoint 'x.pt'")
+    msg = str(info.value)
+    assert "checkpoint 'x.pt'" in msg and "'net', 'opt'" in msg and "'model_state_dict'" in msg
+
+
+@pytest.mark.parametrize("obj", [[1, 2], torch.ones(2), 3, None])
+def test_not_a_mapping(obj):
+    with pytest.raises(dr.NotACheckpointError, match="not a state dict"):
+        split_checkpoint(obj)
+
+
+def test_empty_dict_is_not_a_checkpoint():
+    with pytest.raises(dr.NotACheckpointError):
+        split_checkpoint({})
+
+
+def test_is_state_dict():
+    assert is_state_dict({"w": torch.ones(1)})
+    assert is_state_dict({"w": torch.ones(1), "layer._extra_state": {"anything": 1}})
+    assert not is_state_dict({})
+    assert not is_state_dict({"w": torch.ones(1), "epoch": 3})
+    assert not is_state_dict({0: torch.ones(1)})
+    assert not is_state_dict({"layer._extra_state": 1})  # no tensor at all
