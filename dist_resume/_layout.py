@@ -97,6 +97,8 @@ def _first(obj: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str | None, A
 
 
 def _as_int(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor) and value.is_meta:  # read without data (dist-resume inspect)
+        return None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool):
