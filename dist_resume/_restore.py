@@ -18,7 +18,7 @@ from ._layout import CheckpointParts, Layout, split_checkpoint
 from ._load import MapLocation, PathLike, load_checkpoint
 from ._log import log_rank0
 from ._optim import optimizer_to, prepare_optimizer_state
-from ._prefix import adapt_state_dict
+from ._prefix import adapt_state_dict, match_keys, model_key_map
 
 __all__ = ["ResumeResult", "resume", "restore_parts"]
 
@@ -126,11 +126,17 @@ def restore_parts(
         skipped.append(what)
 
     # 1. validate everything, change nothing
-    adapted = adapt_state_dict(parts.model, model, strict=strict)
+    try:
+        adapted = adapt_state_dict(parts.model, model, strict=strict)
+    except KeyMismatchError as err:  # say which file
+        raise KeyMismatchError(f"{source}: {err}", missing=err.missing, unexpected=err.unexpected,
+                               mismatched=err.mismatched) from err
     _check_dtypes(adapted, model, strict, source)
     live_keys = model.state_dict().keys()
     missing = [k for k in live_keys if k not in adapted]
-    unexpected = [k for k in parts.model if k not in adapted] if len(adapted) < len(parts.model) else []
+    # saved keys are in the checkpoint's form, adapted ones in the model's: compare through the pairing
+    paired = match_keys(parts.model.keys(), model_key_map(model)) if len(adapted) < len(parts.model) else {}
+    unexpected = [k for k in parts.model if k not in paired] if len(adapted) < len(parts.model) else []
     opt_sd = None
     if optimizer is not None:
         saved_class = parts.meta.get("optimizer_class")
