@@ -40,7 +40,7 @@ def check_weights_only_safe(obj: Any, path: str = "extra") -> None:
             check_weights_only_safe(key, f"{path} key")
             check_weights_only_safe(value, f"{path}[{key!r}]")
         return
-    if type(obj) in (list, tuple, set, frozenset):
+    if type(obj) in (list, tuple, set):  # weights_only refuses frozenset
         for i, value in enumerate(obj):
             check_weights_only_safe(value, f"{path}[{i}]")
         return

@@ -65,6 +65,16 @@ def test_metadata(tmp_path):
     assert (res.step, res.epoch, res.extra) == (12, 2, {"best": 0.5, "tags": ["a"]})
 
 
+def test_every_plain_value_that_save_accepts_loads_under_weights_only(tmp_path):
+    extra = {"i": 1, "f": 0.5, "c": 1j, "b": b"x", "s": "y", "n": None, "t": True, "set": {1, 2},
+             "tuple": (1, "a"), "list": [torch.ones(1)], "size": torch.Size([2]), "dtype": torch.float16,
+             "device": torch.device("cpu"), "nested": {"a": {"b": [{"c": 3}]}}}
+    dr.save_checkpoint(tmp_path / "x.pt", model=TinyNet(), extra=extra)
+    loaded = torch.load(tmp_path / "x.pt", weights_only=True)[Key.EXTRA]
+    assert loaded.keys() == extra.keys()
+    assert loaded["set"] == {1, 2} and loaded["dtype"] is torch.float16 and loaded["size"] == torch.Size([2])
+
+
 def test_model_only(tmp_path):
     net = TinyNet()
     dr.save_checkpoint(tmp_path / "m.pt", model=net)
@@ -79,6 +89,7 @@ def test_model_only(tmp_path):
         ({"args": argparse.Namespace(lr=0.1)}, "extra['args']"),
         ({"cfg": [1, {"v": torch.__version__}]}, "extra['cfg'][1]['v']"),  # TorchVersion, a str subclass
         ({"fn": print}, "extra['fn']"),
+        ({"ids": frozenset({1, 2})}, "extra['ids'] is a builtins.frozenset"),
     ],
 )
 def test_extra_that_weights_only_refuses_is_rejected_before_writing(tmp_path, extra, where):
