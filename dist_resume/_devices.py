@@ -56,21 +56,19 @@ def device_report(
                 state = optimizer.state.get(p) or {}
                 name = names.get(id(p), f"<parameter {tuple(p.shape)} not in the model>")
                 host_scalars = not step_on_param_device(group)
-                for key, value in state.items():
-                    if not isinstance(value, torch.Tensor):
-                        continue
-                    if host_scalars and value.dim() == 0 and value.device.type == "cpu":
-                        continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
-                    if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
-                        if value.device.type != "cpu":
-                            findings.append(
-                                f"optimizer.state[{name}]['step'] is on {value.device}; torch keeps it on cpu "
-                                "for a group that is neither fused nor capturable (a host sync every step)"
-                            )
-                    elif value.device != p.device:
-                        findings.append(
-                            f"optimizer.state[{name}][{key!r}] is on {value.device}, its parameter on {p.device}"
-                        )
+                for key, entry in state.items():
+                    # LBFGS keeps lists of tensors: look inside, as torch's load_state_dict does
+                    for where, value in _tensors(entry, f"optimizer.state[{name}][{key!r}]"):
+                        if host_scalars and value.dim() == 0 and value.device.type == "cpu":
+                            continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
+                        if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
+                            if value.device.type != "cpu":
+                                findings.append(
+                                    f"{where} is on {value.device}; torch keeps it on cpu "
+                                    "for a group that is neither fused nor capturable (a host sync every step)"
+                                )
+                        elif value.device != p.device:
+                            findings.append(f"{where} is on {value.device}, its parameter on {p.device}")
     if batch is not None:
         devices = {p.device for p in model.parameters()}
         if len(devices) == 1:

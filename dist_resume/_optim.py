@@ -55,15 +55,35 @@ def optimizer_to(
             continue
         where = target or p.device
         for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
             if key == "step" and not step_on_param_device(group):
                 dest = torch.device("cpu")
             else:
                 dest = where
-            if value.device != dest:
-                state[key] = value.to(dest)
+            moved = _moved(value, dest)
+            if moved is not value:
+                state[key] = moved
     return optimizer
+
+
+def _moved(value: Any, dest: torch.device) -> Any:
+    """``value`` with every tensor in it on ``dest``; the same object when nothing had to move.
+
+    Recurses into lists, tuples and dicts like torch's own ``load_state_dict`` (LBFGS keeps its
+    history as lists of tensors).
+    """
+    if isinstance(value, torch.Tensor):
+        return value if value.device == dest else value.to(dest)
+    if isinstance(value, (list, tuple)):
+        items = [_moved(v, dest) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items) if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        moved = {k: _moved(v, dest) for k, v in value.items()}
+        if all(moved[k] is v for k, v in value.items()):
+            return value
+        return type(value)(moved) if type(value) is not dict else moved
+    return value
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

@@ -289,3 +289,69 @@ def test_prepare_changes_nothing_and_result_trains():
     live.load_state_dict(prepared)
     batches = [(x[:, :3], torch.cat([y, y[:, :1]], dim=1)) for x, y in make_batches(3)]
     assert train_steps(target, live, batches) == train_steps(model, opt, batches)
+
+
+# ---------------------------------------------------------------- optimizers with unusual state
+
+
+def _lbfgs(model):
+    opt = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=3)
+    x, y = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.ones(5, 3)
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).square().sum()
+        loss.backward()
+        return loss
+
+    return opt, closure
+
+
+def test_lbfgs_history_lists_move_too():
+    model = TwinNet()
+    opt, closure = _lbfgs(model)
+    for _ in range(2):
+        opt.step(closure)
+    state = opt.state[model.a.weight]
+    assert isinstance(state["old_dirs"], list) and state["old_dirs"]
+    kept = {k: (v if not isinstance(v, list) else list(v)) for k, v in state.items()}
+    dr.optimizer_to(opt)  # in place: nothing replaced
+    assert all(state[k] is v or state[k] == v for k, v in kept.items() if not isinstance(v, list))
+    assert all(a is b for k in ("old_dirs", "old_stps", "ro") for a, b in zip(state[k], kept[k]))
+
+    meta_model = TwinNet().to(META)
+    meta_opt = torch.optim.LBFGS(meta_model.parameters(), history_size=3)
+    meta_opt.state[meta_model.a.weight] = copy.deepcopy(dict(state))
+    report = dr.device_report(meta_model, meta_opt)
+    assert "optimizer.state[a.weight]['old_dirs'][0] is on cpu, its parameter on meta" in report
+    dr.optimizer_to(meta_opt)
+    moved = meta_opt.state[meta_model.a.weight]
+    for key in ("old_dirs", "old_stps", "ro", "d", "prev_flat_grad", "H_diag"):
+        values = moved[key] if isinstance(moved[key], list) else [moved[key]]
+        assert values and all(v.device == META for v in values), key
+    assert [v is None for v in moved["al"]] == [v is None for v in state["al"]]
+    assert moved["n_iter"] == state["n_iter"] and moved["prev_loss"] == state["prev_loss"]
+    assert dr.device_report(meta_model, meta_opt) == []
+
+
+def test_lbfgs_resumes_and_continues_identically(tmp_path):
+    model = TwinNet()
+    opt, closure = _lbfgs(model)
+    opt.step(closure)
+    path = tmp_path / "lbfgs.pt"
+    dr.save_checkpoint(path, model=model, optimizer=opt)
+    model2 = TwinNet(seed=3)
+    opt2, closure2 = _lbfgs(model2)
+    dr.resume(path, model=model2, optimizer=opt2)
+    assert opt2.step(closure2).item() == opt.step(closure).item()
+    assert_same(model2.state_dict(), model.state_dict())
+
+
+def test_sparse_adam_integer_step():
+    emb = nn.Embedding(5, 3, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    assert opt.state[emb.weight]["step"] == 1  # a Python int, not a tensor
+    dr.optimizer_to(opt, META)
+    assert opt.state[emb.weight]["step"] == 1 and opt.state[emb.weight]["exp_avg"].device == META
