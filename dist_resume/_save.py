@@ -122,14 +122,14 @@ TEMP_NAME = re.compile(r"^\.(?P<dest>.+)\.(?P<token>[0-9a-f]{16})\.tmp$")
 """The names :func:`atomic_write` gives its temporary files: ``.<dest name>.<16 hex digits>.tmp``."""
 
 _WRITE_ERRORS = {
-    errno.ENOSPC: ("the disk is full (ENOSPC)", "free space or save to a larger disk"),
-    errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)", "free space within your quota"),
-    errno.EFBIG: ("the file grew past the file-size limit (EFBIG: `ulimit -f` / RLIMIT_FSIZE, or the "
-                  "filesystem's maximum file size)", "raise the limit (`ulimit -f unlimited`) or save to a "
-                  "filesystem that allows files this large"),
-    errno.EACCES: ("permission denied (EACCES)", "fix the folder's permissions"),
-    errno.EPERM: ("operation not permitted (EPERM)", "fix the folder's permissions"),
-    errno.EROFS: ("the filesystem is read-only (EROFS)", "save to a writable folder"),
+    errno.ENOSPC: ("the disk is full", "free space or save to a larger disk"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space within your quota"),
+    errno.EFBIG: ("the file grew past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or the filesystem's "
+                  "maximum file size", "raise the limit (`ulimit -f unlimited`) or save to a filesystem that "
+                  "allows files this large"),
+    errno.EACCES: ("permission denied", "fix the folder's permissions"),
+    errno.EPERM: ("operation not permitted", "fix the folder's permissions"),
+    errno.EROFS: ("the filesystem is read-only", "save to a writable folder"),
 }
 
 
@@ -165,6 +165,7 @@ def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
 def _write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
     if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
         what, fix = _WRITE_ERRORS[err.errno]
+        what = f"{what} ({errno.errorcode[err.errno]}: {err.strerror})"
     elif isinstance(err, OSError):
         what, fix = err.strerror or str(err), "fix the cause"
     else:
