@@ -52,7 +52,15 @@ class CheckpointWriteError(CheckpointError):
 
 
 class CheckpointConsensusError(CheckpointError):
-    """Ranks did not agree on which checkpoint to resume from."""
+    """Ranks did not agree on which checkpoint to resume from.
+
+    ``ranks`` lists the ranks whose view differs from rank 0's choice (empty when the agreement
+    itself failed: a rank died or never joined within the process-group timeout).
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks or []
 
 
 class StateMismatchError(DistResumeError, ValueError):

@@ -1,14 +1,309 @@
-"""Checkpoint folders: numbered checkpoints, rotation, the latest valid one, agreement between ranks."""
+"""Checkpoint folders: numbered checkpoints, rotation, the latest valid one, agreement between ranks.
+
+A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
+name appears only through :func:`~dist_resume._save.atomic_write`'s rename (after the data is
+fsynced), and the file must pass :func:`~dist_resume._integrity.inspect_checkpoint` (zip
+structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from pathlib import Path
+from typing import Any, Final
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._env import is_distributed
+from ._errors import (
+    CheckpointConsensusError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DistResumeError,
+    NotACheckpointError,
+)
+from ._integrity import CheckpointInfo, archive_digest, inspect_checkpoint
 from ._load import PathLike
+from ._log import log_rank0, logger
+from ._save import TEMP_NAME, run_on_rank0, save_checkpoint
 
-__all__ = ["resolve_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "resolve_checkpoint"]
+
+CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step`` in a checkpoint folder: ``ckpt_00000100.pt``."""
+    return f"ckpt_{step:08d}.pt"
+
+
+def _numbered(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every file named like a checkpoint, oldest first; [] for a missing folder."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise CheckpointError(f"cannot list checkpoint folder {str(folder)!r}: {err.strerror or err}; "
+                              "check that it is a readable folder") from err
+    found = [(int(m.group(1)), folder / name) for name in names if (m := CHECKPOINT_NAME.match(name))]
+    return sorted(found)
+
+
+def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
+    info = inspect_checkpoint(path, verify=verify)
+    if info.step != step:
+        raise NotACheckpointError(f"{str(path)!r} is named for step {step} but its metadata says step "
+                                  f"{info.step}; it was renamed or copied by hand: rename it to "
+                                  f"{checkpoint_name(info.step or 0)!r} or remove it")
+    return info
+
+
+def _find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
+    skipped: list[tuple[Path, Exception]] = []
+    for step, path in reversed(_numbered(folder)):
+        try:
+            return _check(path, step, verify), skipped
+        except (CheckpointError, OSError) as err:
+            skipped.append((path, err))
+            logger.warning("skipping checkpoint %s: %s", path, err)
+    return None, skipped
+
+
+def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
+
+    Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
+    WARNING) with the reason. ``verify=True`` checks the CRC-32 of every record (reads each
+    candidate once); ``verify=False`` checks the zip structure and metadata only. Temporary files
+    of interrupted saves never count. Under torch.distributed use :func:`resume` (or
+    :func:`resolve_checkpoint`) with the folder instead, so that every rank agrees.
+
+    Example::
+
+        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> mgr.save(100, model=torch.nn.Linear(2, 2))
+        PosixPath('ckpts/ckpt_00000100.pt')
+        >>> dist_resume.latest_checkpoint("ckpts")
+        PosixPath('ckpts/ckpt_00000100.pt')
+    """
+    info, _ = _find_latest(Path(folder), verify)
+    return None if info is None else info.path
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int (it names the file), got {step!r}")
+    return step
+
+
+class CheckpointManager:
+    """A folder of numbered checkpoints: crash-safe saves, rotation, the latest valid one.
+
+    ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest
+    ``keep_last`` checkpoints (never the one just written), so a crash at any moment leaves the
+    previous checkpoint in place. It also removes temporary files left by interrupted saves of
+    this folder's checkpoints (``.ckpt_<step>.pt.<16 hex>.tmp``, nothing else). ``latest()``
+    returns the newest checkpoint that passes the integrity check.
+
+    ``keep_last`` counts the checkpoint just written: 1 is crash-safe, because the old file is
+    deleted only after the new one is durable; the default 2 also keeps a fallback for a
+    checkpoint damaged later (disk, copy). The folder belongs to the manager: one job saves
+    into it.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> for step in (100, 200, 300):
+        ...     path = mgr.save(step, model=model, optimizer=opt)
+        >>> [p.name for p in mgr.checkpoints()]
+        ['ckpt_00000200.pt', 'ckpt_00000300.pt']
+        >>> dist_resume.resume("ckpts", model=model, optimizer=opt).step
+        300
+    """
+
+    def __init__(self, folder: PathLike, keep_last: int = 2) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(
+                f"keep_last must be an int >= 1, got {keep_last!r}: it counts the checkpoint just saved, "
+                "which is always kept (older ones are deleted only once it is durable, so 1 is crash-safe); "
+                "use 2 or more to keep a fallback in case the newest file is damaged later"
+            )
+        self.folder = Path(folder)
+        self.keep_last = keep_last
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.folder)!r}, keep_last={self.keep_last})"
+
+    def checkpoints(self) -> list[Path]:
+        """Every file named like a checkpoint, oldest step first. Local; checks names only."""
+        return [path for _, path in _numbered(self.folder)]
+
+    def latest(self, verify: bool = True) -> Path | None:
+        """The newest complete checkpoint, or None. Local; see :func:`latest_checkpoint`."""
+        return latest_checkpoint(self.folder, verify)
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        epoch: int | None = None,
+        extra: Any = None,
+        sampler: Any = None,
+        rng: bool = True,
+    ) -> Path:
+        """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
+
+        Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
+        removes stale temporary files, writes and rotates, and every rank returns once the file is
+        durable (or raises rank 0's :class:`CheckpointWriteError`). Local in a single process.
+        Rotation problems are logged, never raised: the new checkpoint is already safe.
+        """
+        path = self.folder / checkpoint_name(_check_step(step))
+        run_on_rank0(self._prepare)
+        save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                        step=step, epoch=epoch, extra=extra, sampler=sampler, rng=rng)
+        run_on_rank0(lambda: self._rotate(path, step))
+        return path
+
+    def _prepare(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            names = os.listdir(self.folder)
+        except OSError as err:
+            raise CheckpointWriteError(f"cannot create or list the checkpoint folder {str(self.folder)!r}: "
+                                       f"{err.strerror or err}; check the path and its permissions") from err
+        for name in names:
+            found = TEMP_NAME.match(name)
+            if found and CHECKPOINT_NAME.match(found.group("dest")):
+                try:
+                    (self.folder / name).unlink()
+                    log_rank0(logging.INFO, "removed %s, left by an interrupted save", self.folder / name)
+                except OSError as err:
+                    logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
+
+    def _rotate(self, new: Path, step: int) -> None:
+        numbered = _numbered(self.folder)
+        later = [path.name for s, path in numbered if s > step]
+        if later:
+            logger.warning("saved step %d into %s, which already holds later steps %s: latest() and resume() "
+                           "will pick those; delete them if that run was abandoned", step, self.folder, later)
+        keep = {path for _, path in numbered[-self.keep_last:]} | {new}
+        for _, path in numbered:
+            if path in keep:
+                continue
+            try:
+                path.unlink()
+                log_rank0(logging.INFO, "rotated out %s (keep_last=%d)", path, self.keep_last)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                logger.warning("could not delete old checkpoint %s: %s", path, err)
+
+
+def _choose(folder: Path) -> CheckpointInfo:
+    """Rank 0's choice: the newest complete checkpoint, or an error that says why there is none."""
+    info, skipped = _find_latest(folder, verify=True)
+    if info is not None:
+        return info
+    if skipped:
+        reasons = "; ".join(f"{p.name}: {type(e).__name__}" for p, e in skipped[:5])
+        raise CheckpointCorruptError(
+            f"checkpoint folder {str(folder)!r} holds {len(skipped)} checkpoint(s) and none is complete and "
+            f"intact ({reasons}; first: {skipped[0][1]}); restore a good checkpoint into it, or pass a "
+            "checkpoint file to resume() explicitly"
+        )
+    others = sorted(os.listdir(folder))
+    found = f"; it holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}" if others else " (it is empty)"
+    raise CheckpointNotFoundError(
+        f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt{found}; start from "
+        "scratch (catch CheckpointNotFoundError), or pass a checkpoint file to resume()"
+    )
+
+
+def _view(path: Path) -> tuple[str, str, int, str, str]:
+    """What this rank sees at ``path``: (status, path, size, digest, reason)."""
+    try:
+        return ("ok", str(path), path.stat().st_size, archive_digest(path), "")
+    except (CheckpointNotFoundError, FileNotFoundError):
+        return ("missing", str(path), -1, "", "")
+    except (CheckpointError, OSError) as err:
+        return ("unreadable", str(path), -1, "", f"{type(err).__name__}: {err}")
+
+
+def _describe(rank: int, view: tuple[str, str, int, str, str]) -> str:
+    status, path, size, digest, reason = view
+    if status == "missing":
+        return f"rank {rank} has no file {path!r}"
+    if status == "unreadable":
+        return f"rank {rank} cannot read {path!r} ({reason})"
+    return f"rank {rank} sees {path!r} with {size} bytes, digest {digest[:12]}"
+
+
+def _agree(folder: Path) -> Path:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        chosen: CheckpointInfo = run_on_rank0(lambda: _choose(folder))
+        mine = folder / chosen.path.name
+        view = ("ok", str(mine), chosen.size, chosen.digest, "") if rank == 0 else _view(mine)
+        views: list[Any] = [None] * world_size
+        dist.all_gather_object(views, view)
+    except DistResumeError:
+        raise
+    except RuntimeError as err:  # a rank died, hangs, or never called: the process-group timeout ends it
+        raise CheckpointConsensusError(
+            f"rank {rank}: agreeing with the other ranks on the checkpoint in {str(folder)!r} failed "
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}); a rank died, is stuck, or did "
+            "not call resume() with a checkpoint folder; check every rank's log, then restart the job"
+        ) from err
+    differ = [r for r, v in enumerate(views) if v[0] != "ok" or (v[2], v[3]) != (chosen.size, chosen.digest)]
+    if differ:
+        shown = "; ".join(_describe(r, views[r]) for r in differ[:8])
+        raise CheckpointConsensusError(
+            f"ranks {differ} do not see the checkpoint rank 0 chose, {chosen.path.name} (step {chosen.step}, "
+            f"{chosen.size} bytes, digest {chosen.digest[:12]}): {shown}. Every rank must resume from the same "
+            "file: use a folder on a shared filesystem, or copy the checkpoint to every node (and let the copy "
+            "finish) before resuming",
+            ranks=differ,
+        )
+    return mine
 
 
 def resolve_checkpoint(path: PathLike) -> Path:
-    """The file to resume from: ``path`` itself, or for a folder its newest valid checkpoint."""
-    return Path(path)
+    """The file to resume from: ``path`` itself, or for a folder the newest complete checkpoint in it.
+
+    For a file: local, returns it unchanged (:func:`load_checkpoint` reports what is wrong with it).
+    For a folder: collective under torch.distributed (call it on every rank, each with its own view
+    of the folder): rank 0 chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts
+    the choice; every rank checks it sees that file with the same size and digest (a local copy in
+    its own folder is fine). A rank that sees something else makes every rank raise
+    :class:`CheckpointConsensusError` naming the ranks that differ; a dead or absent rank ends in
+    the same error within the process-group timeout. An empty folder raises
+    :class:`CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
+    :class:`CheckpointCorruptError` (never silently "start from scratch").
+
+    Example::
+
+        >>> path = dist_resume.CheckpointManager("ckpts").save(5, model=torch.nn.Linear(2, 2))
+        >>> resolve_checkpoint("ckpts")
+        PosixPath('ckpts/ckpt_00000005.pt')
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    if is_distributed():
+        return _agree(p)
+    return _choose(p).path

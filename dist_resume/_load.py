@@ -137,6 +137,7 @@ def load_checkpoint(
     map_location: MapLocation = None,
     mmap: bool = True,
     weights_only: bool = True,
+    verify: bool = False,
 ) -> Any:
     """``torch.load`` with rank-aware placement and errors that name the file and the fix.
 
@@ -144,7 +145,8 @@ def load_checkpoint(
     to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
     maps the file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
     and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
-    ``UnpicklingError``.
+    ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``
+    never does; reads the file once more) and raises :class:`CheckpointCorruptError` on a mismatch.
 
     Example::
 
@@ -153,6 +155,10 @@ def load_checkpoint(
         tensor([1., 1.])
     """
     p = check_file(path)
+    if verify:  # refuses the legacy format, which has no checksums
+        from ._archive import verify_archive  # _archive imports this module
+
+        verify_archive(p)
     if file_kind(p) == "legacy" and mmap:
         raise NotACheckpointError(
             f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "

@@ -205,14 +205,18 @@ def resume(
     weights_only: bool = True,
     sampler: Any = None,
     rng: bool = True,
+    verify: bool = False,
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
 
-    Local: each rank reads the file and restores its own objects (call it on every rank, after
-    wrapping the model in DDP or before, either works). Reads this toolkit's files and the common
-    foreign layouts (a bare state dict, ``{"model", "optimizer"}``, ``{"state_dict"}``,
-    ``{"model_state_dict", "optimizer_state_dict"}``), with any ``module.``/``_orig_mod.`` prefixes,
-    into a plain or wrapped model on any device.
+    Local for a file: each rank reads the file and restores its own objects (call it on every rank,
+    after wrapping the model in DDP or before, either works). ``path`` may also be a checkpoint
+    folder (:class:`CheckpointManager`): then it is collective under torch.distributed, rank 0
+    picks the newest complete checkpoint and every rank confirms it sees the same file (see
+    :func:`resolve_checkpoint`). ``verify=True`` checks the CRC-32 of every record before loading.
+    Reads this toolkit's files and the common foreign layouts (a bare state dict,
+    ``{"model", "optimizer"}``, ``{"state_dict"}``, ``{"model_state_dict", "optimizer_state_dict"}``),
+    with any ``module.``/``_orig_mod.`` prefixes, into a plain or wrapped model on any device.
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its GPU (``map_location`` overrides). Keys, shapes, dtypes,
@@ -238,7 +242,7 @@ def resume(
     path = resolve_checkpoint(path)
     source = f"checkpoint {str(path)!r}"
     obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
-                          mmap=mmap, weights_only=weights_only)
+                          mmap=mmap, weights_only=weights_only, verify=verify)
     parts = split_checkpoint(obj, source)
     if sampler is not None and parts.sampler is None and strict:
         raise StateMismatchError(
