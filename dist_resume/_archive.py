@@ -198,6 +198,12 @@ def _blocked_or_unsafe(path: Path, err: Exception) -> UnsafeCheckpointError:
             f"allows module {found.group(2)!r} in weights_only mode (the file would run code when loaded); "
             "do not load it unless you made it yourself"
         )
+    builtin = re.search(r"GLOBAL (\w+) was not an allowed global", str(err))  # torch drops the "builtins." part
+    if builtin:
+        return UnsafeCheckpointError(
+            f"checkpoint {_name(path)} cannot be loaded safely: it references the builtin {builtin.group(1)}, which "
+            "torch.load(weights_only=True) refuses and no checkpoint needs (the file would run code when loaded)"
+        )
     return _unsafe(path, err)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import fcntl
+import glob
 import os
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from ._errors import CheckpointWriteError, KeyMismatchError
 from ._layout import Layout, split_checkpoint
 from ._load import PathLike
 from ._prefix import DDP_PREFIX, canonical_key, prefix_style
-from ._save import atomic_write
+from ._save import TEMP_NAME, atomic_write
 
 __all__ = ["KeyForm", "ConvertResult", "convert_checkpoint", "target_key", "remove_stale_temps"]
 
@@ -123,6 +124,14 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise UsageError(f"DST {str(dst)!r} already exists", "pass --force to replace it")
 
 
+def _temps(dst: Path) -> Iterator[Path]:
+    """The temporary files atomic_write may have left for ``dst`` (``.<name>.<16 hex>.tmp``)."""
+    for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.*.tmp"):
+        match = TEMP_NAME.match(tmp.name)
+        if match and match.group("dest") == dst.name:
+            yield tmp
+
+
 def remove_stale_temps(dst: Path) -> list[Path]:
     """Delete temp files a killed conversion to ``dst`` left behind; return them.
 
@@ -131,7 +140,7 @@ def remove_stale_temps(dst: Path) -> list[Path]:
     belongs to no one.
     """
     removed = []
-    for tmp in dst.parent.glob(f".{dst.name}.*.tmp"):
+    for tmp in _temps(dst):
         try:
             fd = os.open(tmp, os.O_RDONLY)
         except OSError:
@@ -168,16 +177,14 @@ def convert_checkpoint(src: PathLike, dst: PathLike, to: KeyForm, *, force: bool
     renamed = _convert_state_dict(model, to, str(src_path))
     names = _convert_param_names(parts.optimizer, to)
     new_pickle = dump_pickle(contents.obj, contents)
-    mode = src_path.stat().st_mode & 0o777
     written = 0
 
     def write(f: Any) -> None:
         nonlocal written
         fd = f.fileno()
         fcntl.flock(fd, fcntl.LOCK_EX)  # marks the temp file as live for remove_stale_temps
-        os.fchmod(fd, mode)
         written = rewrite_archive(contents, new_pickle, fd, progress)
-        _check_output(fd, contents.records[0].name, len(contents.records), new_pickle)
+        _check_output(_temp_path(dst_path, fd), contents.records[0].name, len(contents.records), new_pickle)
 
     if dst_path.parent.is_dir():
         remove_stale_temps(dst_path)
@@ -186,9 +193,20 @@ def convert_checkpoint(src: PathLike, dst: PathLike, to: KeyForm, *, force: bool
                          renamed, names, written, time.perf_counter() - start)
 
 
-def _check_output(fd: int, first: str, count: int, new_pickle: bytes) -> None:
+def _temp_path(dst: Path, fd: int) -> Path:
+    st = os.fstat(fd)
+    for tmp in _temps(dst):
+        try:
+            if os.path.samestat(tmp.stat(), st):
+                return tmp
+        except OSError:
+            continue
+    raise CheckpointWriteError(f"the temporary file for {str(dst)!r} disappeared while it was written")
+
+
+def _check_output(path: Path, first: str, count: int, new_pickle: bytes) -> None:
     """Read back the archive just written: its directory must list every record, its data.pkl must match."""
-    with open(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as zf:
+    with zipfile.ZipFile(path) as zf:
         infos = zf.infolist()
         name = first.partition("/")[0] + "/data.pkl"
         if len(infos) != count or infos[0].filename != first or zf.read(name) != new_pickle:
