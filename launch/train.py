@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Reference training script: DDP, checkpoints, exact resume — built on the public dist_resume API only.
+
+One process or any number under torchrun (gloo on CPU, nccl on GPUs)::
+
+    python launch/train.py --ckpt-dir ckpt --steps 100
+    torchrun --standalone --nproc_per_node=2 launch/train.py --ckpt-dir ckpt --steps 100
+
+Run it again (or let torchrun restart it) and it continues from the newest checkpoint in
+``--ckpt-dir`` (``--resume auto``) with the same sampler position and RNG streams, so an
+interrupted run ends bitwise equal to an uninterrupted one at the same world size. A different
+world size finishes the interrupted epoch with every sample seen once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+try:
+    import dist_resume as dr
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import dist_resume as dr
+
+log = logging.getLogger("train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"), help="numbered checkpoints go here")
+    p.add_argument("--resume", default="auto",
+                   help="'auto': newest checkpoint in --ckpt-dir if any; 'none': start fresh; or a file/folder")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start a new run from this checkpoint's model and optimizer (any world size); "
+                        "ignored when --resume finds a checkpoint of this run")
+    p.add_argument("--steps", type=int, default=100, help="total optimizer steps")
+    p.add_argument("--epochs", type=int, default=None, help="stop after this many epochs (default: --steps decides)")
+    p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep in --ckpt-dir")
+    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=512, help="size of the synthetic dataset")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--amp", action="store_true", help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.use_deterministic_algorithms, so reruns are bitwise equal on GPUs too")
+    p.add_argument("--log-every", type=int, default=10)
+    test = p.add_argument_group("for tests")
+    test.add_argument("--dump-losses", type=Path, default=None,
+                      help="append one JSON line per step to DIR/rank<R>.jsonl (loss, sample indices, attempt)")
+    test.add_argument("--dump-final", type=Path, default=None, help="rank 0 saves final model+optimizer state here")
+    test.add_argument("--stop-after", type=int, default=None, help="checkpoint at this step and exit, as if preempted")
+    test.add_argument("--kill-at-step", type=int, default=None,
+                      help="SIGKILL one rank after this step, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)")
+    test.add_argument("--kill-rank", type=int, default=None, help="the rank to kill (default: the last)")
+    args = p.parse_args(argv)
+    for name in ("steps", "save_every", "batch_size", "num_samples", "log_every", "keep_last"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.epochs is not None and args.epochs < 1:
+        p.error("--epochs must be at least 1")
+    return args
+
+
+class SyntheticDataset(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """A fixed, offline classification task (a noisy random linear teacher); items are (index, x, y)."""
+
+    def __init__(self, num_samples: int, features: int = 32, classes: int = 4) -> None:
+        g = torch.Generator().manual_seed(1234)  # the data never depends on --seed
+        self.x = torch.randn(num_samples, features, generator=g)
+        teacher = torch.randn(features, classes, generator=g)
+        self.y = (self.x @ teacher + 0.5 * torch.randn(num_samples, classes, generator=g)).argmax(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def build_model(features: int = 32, classes: int = 4) -> nn.Module:
+    return nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, classes))
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cpu":
+        return torch.device("cpu")
+    device = dr.rank_device()  # cuda:<LOCAL_RANK>, never RANK
+    if choice == "cuda" and device.type != "cuda":
+        raise SystemExit("--device cuda, but CUDA is not available; use --device auto or cpu")
+    return device
+
+
+# --- checkpoint folder glue: numbered files step_<N>.pt; switch to dist_resume.CheckpointManager once exported ---
+def ckpt_path(folder: Path, step: int) -> Path:
+    return folder / f"step_{step:08d}.pt"
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    files = sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
+    return files[-1] if files else None
+
+
+def prune_checkpoints(folder: Path, keep_last: int) -> None:
+    for old in sorted(folder.glob("step_*.pt"))[:-keep_last]:
+        old.unlink(missing_ok=True)
+# --- end of glue ---
+
+
+def choose_checkpoint(args: argparse.Namespace) -> Path | None:
+    """Rank 0 picks the checkpoint to resume from and every rank follows (FACTS #17)."""
+    choice: list[Any] = [None]
+    if dr.rank_info().rank == 0:
+        if args.resume == "auto":
+            choice[0] = newest_checkpoint(args.ckpt_dir)
+        elif args.resume != "none":
+            target = Path(args.resume)
+            choice[0] = newest_checkpoint(target) if target.is_dir() else target
+            if choice[0] is None:
+                choice[0] = target  # resume() then names the problem
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return None if choice[0] is None else Path(choice[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initialises
+        torch.use_deterministic_algorithms(True)
+    device = pick_device(args.device)
+    info = dr.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format=f"[rank {info.rank}] %(name)s: %(message)s")
+    try:
+        train(args, info, device)
+    finally:
+        # Free the DDP model (its Reducer holds the process group) *before* destroying the group:
+        # a gloo group destroyed from the Reducer's destructor holds the GIL while joining its
+        # worker threads, and a worker that still needs the GIL deadlocks the exit.
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> None:
+    rank, world = info.rank, info.world_size
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model: nn.Module = build_model().to(device)
+    dr.seed_rng(args.seed, rank=rank, device=device)  # then each rank its own dropout stream
+    if info.is_distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = 10
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    use_amp = args.amp
+    scaler = torch.amp.GradScaler(device.type, enabled=use_amp and device.type == "cuda")
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+
+    dataset = SyntheticDataset(args.num_samples)
+    sampler = dr.ResumableDistributedSampler(dataset, seed=args.seed)
+    # The loader gets its own generator: otherwise each new iterator draws from the global RNG
+    # and a resumed run (one extra iterator) would drift from the uninterrupted one.
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                        generator=torch.Generator().manual_seed(args.seed))
+
+    step = 0
+    ckpt = choose_checkpoint(args)
+    if ckpt is not None:
+        res = dr.resume(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        step = res.step or 0
+        log.info("resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
+                 res.path, step, sampler.epoch, sampler.consumed, len(dataset),
+                 res.metadata.get("world_size", "?"), world, attempt)
+    elif args.init_from is not None:
+        res = dr.resume(args.init_from, model=model, optimizer=optimizer, rng=False)
+        for group in optimizer.param_groups:  # a new run: its own learning-rate schedule
+            group["lr"] = group["initial_lr"] = args.lr
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        log.info("initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
+                 res.path, res.step, res.metadata.get("world_size", "?"), world)
+    else:
+        log.info("no checkpoint to resume from (--resume %s): starting at step 0 with %d rank(s)", args.resume, world)
+    dr.check_devices(model, optimizer)
+
+    losses = None
+    if args.dump_losses is not None:
+        args.dump_losses.mkdir(parents=True, exist_ok=True)
+        losses = open(args.dump_losses / f"rank{rank}.jsonl", "a", buffering=1)
+    if rank == 0:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    kill_rank = world - 1 if args.kill_rank is None else args.kill_rank
+    last = min(args.steps, args.stop_after or args.steps)
+    saved_at = step if ckpt is not None else None
+
+    def save() -> None:
+        nonlocal saved_at
+        extra = {"seed": args.seed, "num_samples": args.num_samples, "batch_size": args.batch_size}
+        dr.save_checkpoint(ckpt_path(args.ckpt_dir, step), model=model, optimizer=optimizer, scheduler=scheduler,
+                           scaler=scaler, step=step, epoch=sampler.epoch, sampler=sampler, extra=extra)
+        if rank == 0:
+            prune_checkpoints(args.ckpt_dir, args.keep_last)
+        saved_at = step
+
+    model.train()
+    while step < last and (args.epochs is None or sampler.epoch < args.epochs):
+        epoch = sampler.epoch
+        for idx, x, y in loader:  # the sampler resumes mid-epoch and moves to the next epoch by itself
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            if losses is not None:
+                losses.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(), "indices": idx.tolist(),
+                                         "attempt": attempt, "world_size": world}) + "\n")
+            if step % args.log_every == 0:
+                log.info("step %d  epoch %d  loss %.4f  lr %.2e", step, epoch, loss.item(), scheduler.get_last_lr()[0])
+            if step == args.kill_at_step and attempt == 0 and rank == kill_rank:
+                log.warning("rank %d: SIGKILL at step %d (--kill-at-step, first attempt only)", rank, step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step % args.save_every == 0 or step == last:
+                save()
+            if step >= last:
+                break
+    if saved_at != step:
+        save()  # --epochs ended the run between checkpoints
+    log.info("done: step %d, epoch %d, sample %d of %d", step, sampler.epoch, sampler.consumed, len(dataset))
+    if args.dump_final is not None and rank == 0:
+        torch.save({"model": dr.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "step": step}, args.dump_final)
+    if losses is not None:
+        losses.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
