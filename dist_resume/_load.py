@@ -178,6 +178,11 @@ def load_checkpoint(
     except RuntimeError as err:
         text = str(err)
         if "on a CUDA device but torch.cuda.is_available() is False" in text or "invalid device ordinal" in text:
+            if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda":
+                raise CheckpointError(
+                    f"cannot load checkpoint {str(p)!r} onto map_location={map_location!r}: this process has "
+                    f"{torch.cuda.device_count()} visible CUDA device(s); use dist_resume.rank_map_location()"
+                ) from err
             raise CheckpointError(
                 f"checkpoint {str(p)!r} was saved from a GPU and map_location={map_location!r} does not move "
                 "every storage to a device this process has; use dist_resume.rank_map_location()"

@@ -82,6 +82,14 @@ def test_a_dict_map_location_does_not_move_other_cuda_tags(tmp_path, state):
     _assert_loaded(dr.load_checkpoint(cuda0, map_location={"cuda:0": "cpu"}), state)
 
 
+@pytest.mark.parametrize("where", ["cuda", "cuda:1", torch.device("cuda", 0)])
+def test_map_location_to_a_gpu_this_host_lacks(good_file, where):
+    err = _expect(dr.CheckpointError, good_file, map_location=where)
+    msg = str(err)
+    assert "0 visible CUDA device(s)" in msg and "rank_map_location" in msg
+    assert "saved from a GPU" not in msg  # it was not: the map_location asked for one
+
+
 def test_callable_map_location_is_passed_through(good_file, state):
     seen = []
 
