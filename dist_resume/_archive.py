@@ -27,7 +27,7 @@ import torch
 from torch import _weights_only_unpickler as _wo
 
 from ._errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
-from ._load import PathLike, _unsafe, check_file, file_kind
+from ._load import _GARBLED_PICKLE, PathLike, _unsafe, check_file, file_kind
 
 __all__ = [
     "Record", "StorageInfo", "ArchiveContents", "ArchiveFinding",
@@ -37,9 +37,6 @@ __all__ = [
 LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 LOCAL_SIGNATURE: Final = 0x04034B50
 _CRC_CHUNK: Final = 16 << 20
-# messages of torch's weights_only unpickler that mean "refused", not "damaged"
-_REFUSALS: Final = ("Unsupported global", "Trying to", "Can only", "Only persistent_load", "persistent_load id",
-                    "Unsupported operand")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +152,10 @@ def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
                   info.CRC, info.compress_type)
 
 
+class _Garbled(pickle.UnpicklingError):
+    """data.pkl is not what torch.save writes (raised by the persistent_load below)."""
+
+
 class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
     """torch's weights_only unpickler, with every storage replaced by a zero-byte meta storage."""
 
@@ -165,11 +166,11 @@ class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
 
     def persistent_load(self, pid: Any) -> torch.storage.TypedStorage:
         if not (isinstance(pid, tuple) and len(pid) == 5):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+            raise _Garbled(f"unexpected persistent id {pid!r}")
         _, storage_type, key, location, numel = pid
         location = torch.serialization._maybe_decode_ascii(location)
         if not (isinstance(key, str) and isinstance(location, str) and isinstance(numel, int) and numel >= 0):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+            raise _Garbled(f"unexpected persistent id {pid!r}")
         if key in self._typed:
             return self._typed[key]
         if storage_type is torch.UntypedStorage:
@@ -178,27 +179,20 @@ class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
             dtype = storage_type.dtype
             cls = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
         else:
-            raise pickle.UnpicklingError(f"unexpected storage type {storage_type!r}")
-        nbytes = numel * torch._utils._element_size(dtype)
-        untyped = torch.UntypedStorage(nbytes, device="meta")
+            raise _Garbled(f"unexpected storage type {storage_type!r}")
+        nbytes = numel * torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+        untyped = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
         info = StorageInfo(key, dtype, location, numel, nbytes, ("storage", cls, key, location, numel))
         self._contents.storages[key] = info
         self._contents._by_cdata[untyped._cdata] = info
         self._contents._keepalive.append(untyped)
-        typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
         self._typed[key] = typed
         return typed
 
 
-def _blocked_or_unsafe(path: Path, err: Exception) -> UnsafeCheckpointError:
-    found = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", str(err))
-    if found:
-        return UnsafeCheckpointError(
-            f"checkpoint {_name(path)} cannot be loaded safely: it references {found.group(1)}, and torch never "
-            f"allows module {found.group(2)!r} in weights_only mode (the file would run code when loaded); "
-            "do not load it unless you made it yourself"
-        )
-    builtin = re.search(r"GLOBAL (\w+) was not an allowed global", str(err))  # torch drops the "builtins." part
+def _refused(path: Path, err: Exception) -> UnsafeCheckpointError:
+    builtin = re.search(r"GLOBAL (\w+) was not an allowed global", str(err))  # torch drops "builtins."
     if builtin:
         return UnsafeCheckpointError(
             f"checkpoint {_name(path)} cannot be loaded safely: it references the builtin {builtin.group(1)}, which "
@@ -234,10 +228,10 @@ def read_archive(path: PathLike) -> ArchiveContents:
     contents = ArchiveContents(p, archive_name, records, len(data), None, {})
     pending = len(torch._utils._sparse_tensors_to_validate)
     try:
-        contents.obj = _MetaUnpickler(data, contents).load()
+        contents.obj = _MetaUnpickler(data, contents).load()  # type: ignore[no-untyped-call]
     except pickle.UnpicklingError as err:
-        if str(err).startswith(_REFUSALS):
-            raise _blocked_or_unsafe(p, err) from err
+        if not isinstance(err, _Garbled) and not any(m in str(err) for m in _GARBLED_PICKLE):
+            raise _refused(p, err) from err  # what torch.load(weights_only=True) refuses, named
         raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
     except (EOFError, IndexError, KeyError, struct.error) as err:
         raise CheckpointCorruptError(

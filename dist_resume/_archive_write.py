@@ -69,14 +69,14 @@ class _MetaPickler(pickle.Pickler):
             raise NotACheckpointError(f"cannot rewrite a {obj.layout} tensor without loading it")
         args: tuple[Any, ...] = (_StorageRef(info.pid), obj.storage_offset(), tuple(obj.size()), obj.stride(),
                                  obj.requires_grad, OrderedDict())
-        metadata = torch._utils.get_tensor_metadata(obj)
+        metadata = torch._utils.get_tensor_metadata(obj)  # type: ignore[no-untyped-call]
         if info.dtype == obj.dtype:
             func: Any = torch._utils._rebuild_tensor_v2
         else:  # a tensor over an untyped storage
             func, args = torch._utils._rebuild_tensor_v3, args + (obj.dtype,)
         if metadata:
             args = args + (metadata,)
-        state = torch._utils._get_obj_state(obj)
+        state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]
         if type(obj) is not torch.Tensor or state:
             return (torch._tensor._rebuild_from_type_v2, (func, type(obj), args, state))
         return (func, args)

@@ -54,10 +54,11 @@ def _optimizer_signatures() -> dict[str, tuple[frozenset[str], Any]]:
     """Each ``torch.optim`` class's hyper-parameter names (and decoupled_weight_decay), from a live instance."""
     out = {}
     for name in sorted(dir(torch.optim)):
-        cls = getattr(torch.optim, name)
+        cls: Any = getattr(torch.optim, name)
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            make: Any = cls
             try:
-                opt = cls([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.01)
+                opt = make([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.01)
             except Exception:  # optimizers with required arguments or constraints: not recognisable
                 continue
             out[name] = (frozenset(opt.defaults), opt.defaults.get("decoupled_weight_decay"))
