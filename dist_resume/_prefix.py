@@ -260,6 +260,19 @@ def adapt_state_dict(
     targets = model_key_map(model, target_sd.keys())
     pairs = match_keys(state_dict.keys(), targets)
     matched_targets = set(pairs.values())
+    if len(matched_targets) < len(pairs):
+        first: dict[str, str] = {}
+        extra = []
+        for src, dst in pairs.items():
+            if dst in first:
+                extra.append(src)
+            first.setdefault(dst, src)
+        clashes = "; ".join(f"{first[pairs[k]]!r} and {k!r} -> {pairs[k]!r}" for k in extra[:5])
+        raise KeyMismatchError(
+            f"checkpoint keys are ambiguous ({len(extra)}): {clashes}; the state dict mixes wrapped and "
+            "unwrapped forms of the same entries, keep one form (strip_prefix) and load again",
+            unexpected=extra,
+        )
     missing = [k for k in target_sd if k not in matched_targets]
     unexpected = [k for k in state_dict if k not in pairs]
     mismatched = []

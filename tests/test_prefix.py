@@ -251,3 +251,31 @@ def test_adapt_state_dict_nothing_fits():
         dr.adapt_state_dict(nn.Linear(3, 3).state_dict(), TinyNet())
     assert info.value.unexpected == ["weight", "bias"]
     assert len(info.value.missing) == len(TinyNet().state_dict())
+
+
+def test_adapt_state_dict_refuses_two_checkpoint_keys_for_one_entry():
+    sd = {"weight": torch.zeros(2, 2), "_orig_mod.weight": torch.ones(2, 2), "bias": torch.zeros(2)}
+    with pytest.raises(dr.KeyMismatchError, match="ambiguous") as info:
+        dr.adapt_state_dict(sd, nn.Linear(2, 2))
+    assert "'weight' and '_orig_mod.weight' -> 'weight'" in str(info.value)
+    assert info.value.unexpected == ["_orig_mod.weight"]
+
+
+def test_adapt_state_dict_with_a_compiled_submodule():
+    class Outer(nn.Module):
+        def __init__(self, compiled: bool) -> None:
+            super().__init__()
+            torch.manual_seed(int(compiled))
+            block = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            self.block = torch.compile(block) if compiled else block
+            self.head = nn.Linear(2, 1)
+
+    for src_compiled, dst_compiled, dst_wrap in itertools.product([False, True], [False, True], ["plain", "dp"]):
+        src, dst = Outer(src_compiled), wrap(Outer(dst_compiled), dst_wrap)
+        adapted = dr.adapt_state_dict(src.state_dict(), dst)
+        assert list(adapted) == list(dst.state_dict())
+        dst.load_state_dict(adapted, strict=True)
+        inner = dr.unwrap_model(dst)
+        assert torch.equal(inner.block[0].weight if not dst_compiled else inner.block._orig_mod[0].weight,
+                           src.block[0].weight if not src_compiled else src.block._orig_mod[0].weight)
+    assert dr.canonical_key("block._orig_mod.0.weight") == "block.0.weight"
