@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Benchmark ``dist-resume convert`` against ``cp`` and against the naive load + rename + save.
+
+For two checkpoint sizes (``--size-gib`` and a quarter of it) this builds a DDP-keyed
+checkpoint of many tensors of mixed sizes plus Adam state, then measures, each in its own
+process and with the page cache warm:
+
+* ``cp SRC DST`` and ``cp`` followed by an fsync of DST (``convert`` fsyncs: that is the fair twin);
+* ``python -m dist_resume convert SRC DST --to single`` (process wall time, and the conversion's
+  own time as the command reports it, without interpreter start-up and imports);
+* the naive ``sd = torch.load(SRC); rename keys; torch.save(sd, DST)``, with and without ``mmap=True``;
+* the import floor: a process that only imports ``dist_resume.cli`` (torch's own libraries are
+  mapped copy-on-write, so importing torch alone costs ~150 MiB of anonymous memory).
+
+Peak anonymous memory is the highest ``RssAnon`` the parent sees polling ``/proc/<pid>/status``
+every 2 ms (VmHWM would count the page cache of memory-mapped files too). Prints a table per size
+and one JSON document; ``--json-out`` also writes it to a file. Files are deleted unless ``--keep``.
+
+    python scripts/bench_convert.py                # ~2 GiB and ~0.5 GiB, needs ~6 GiB of disk
+    python scripts/bench_convert.py --size-gib 0.2 # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# shapes cycled through to build the model: big embeddings and projections, small norms and biases
+SHAPES = [(8192, 1024), (1024, 4096), (4096,), (4096, 1024), (1024,), (1024, 1024), (1024,), (256, 256), (64,)]
+
+BUILD = r"""
+import sys, torch
+path, target = sys.argv[1], int(sys.argv[2])
+shapes = {shapes!r}
+torch.manual_seed(0)
+model, state, names, total, i = {{}}, {{}}, [], 0, 0
+while total < target:
+    shape = shapes[i % len(shapes)]
+    name = f"module.blocks.{{i // len(shapes)}}.layer{{i % len(shapes)}}.{{'weight' if len(shape) > 1 else 'bias'}}"
+    p = torch.randn(shape)
+    model[name] = p
+    state[i] = {{"step": torch.tensor(float(i + 1)), "exp_avg": torch.randn(shape), "exp_avg_sq": torch.rand(shape)}}
+    names.append(name)
+    total += 3 * p.numel() * 4
+    i += 1
+groups = [{{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+           "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+           "decoupled_weight_decay": False, "params": list(range(i)), "param_names": names}}]
+torch.save({{"model": model, "optimizer": {{"state": state, "param_groups": groups}}, "epoch": 3}}, path)
+print(i)
+"""
+
+NAIVE = r"""
+import sys, torch
+src, dst, mmap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+ckpt = torch.load(src, weights_only=True, mmap=mmap)
+ckpt["model"] = {k.removeprefix("module."): v for k, v in ckpt["model"].items()}
+for g in ckpt["optimizer"]["param_groups"]:
+    g["param_names"] = [n.removeprefix("module.") for n in g["param_names"]]
+torch.save(ckpt, dst)
+"""
+
+
+def _rss_anon_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def measure(cmd: list[str]) -> dict[str, Any]:
+    """Run ``cmd``; its wall time, peak RssAnon (polled) and stdout."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    peak = 0
+    while proc.poll() is None:
+        value = _rss_anon_kib(proc.pid)
+        if value is not None:
+            peak = max(peak, value)
+        time.sleep(0.002)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
+    return {"seconds": wall, "peak_rss_anon_mib": peak / 1024, "stdout": out}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
+    src, dst = folder / f"src_{size_bytes}.pt", folder / f"dst_{size_bytes}.pt"
+    built = subprocess.run([sys.executable, "-c", BUILD.format(shapes=SHAPES), str(src), str(size_bytes)],
+                           check=True, capture_output=True, text=True)
+    n_params = int(built.stdout.strip())
+    py = sys.executable
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in
+                                             ("cp", "cp+fsync", "convert", "naive", "naive_mmap", "import floor")}
+    for _ in range(repeat):
+        for name in runs:
+            dst.unlink(missing_ok=True)
+            os.sync()  # no dirty pages from the previous run throttle this one
+            _warm(src)
+            if name in ("cp", "cp+fsync"):
+                start = time.perf_counter()
+                subprocess.run(["cp", str(src), str(dst)], check=True)
+                if name == "cp+fsync":
+                    _fsync(dst)
+                runs[name].append({"seconds": time.perf_counter() - start, "peak_rss_anon_mib": None})
+            elif name == "convert":
+                r = measure([py, "-m", "dist_resume", "convert", str(src), str(dst), "--to", "single", "--json"])
+                r["in_process_seconds"] = json.loads(r.pop("stdout"))["seconds"]
+                runs[name].append(r)
+            elif name.startswith("naive"):
+                r = measure([py, "-c", NAIVE, str(src), str(dst), "1" if name == "naive_mmap" else "0"])
+                r.pop("stdout")
+                runs[name].append(r)
+            else:
+                r = measure([py, "-c", "import dist_resume.cli"])
+                r.pop("stdout")
+                runs[name].append(r)
+    pickle_bytes = _pickle_bytes(src)
+    file_bytes = src.stat().st_size
+    src.unlink()
+    dst.unlink(missing_ok=True)
+    # per parameter: the weight, exp_avg, exp_avg_sq and a scalar step
+    result: dict[str, Any] = {"file_bytes": file_bytes, "params": n_params, "tensors": 4 * n_params,
+                              "pickle_bytes": pickle_bytes}
+    for name, rs in runs.items():
+        entry = {"seconds": statistics.median(r["seconds"] for r in rs)}
+        if rs[0]["peak_rss_anon_mib"] is not None:
+            entry["peak_rss_anon_mib"] = max(r["peak_rss_anon_mib"] for r in rs)
+        if "in_process_seconds" in rs[0]:
+            entry["in_process_seconds"] = statistics.median(r["in_process_seconds"] for r in rs)
+        result[name] = entry
+    conv, cp, cps = result["convert"], result["cp"]["seconds"], result["cp+fsync"]["seconds"]
+    floor = result["import floor"]["peak_rss_anon_mib"]
+    result["ratios"] = {
+        "convert_process_vs_cp": conv["seconds"] / cp,
+        "convert_in_process_vs_cp": conv["in_process_seconds"] / cp,
+        "convert_in_process_vs_cp_fsync": conv["in_process_seconds"] / cps,
+    }
+    result["convert_anon_above_import_floor_mib"] = conv["peak_rss_anon_mib"] - floor
+    result["target_anon_mib"] = 64 + pickle_bytes / 2**20
+    return result
+
+
+def _pickle_bytes(path: Path) -> int:
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        return next(i.file_size for i in zf.infolist() if i.filename.endswith("/data.pkl"))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [f"{'size':>9} {'what':<15} {'seconds':>8} {'peak RssAnon MiB':>17}"]
+    for r in results:
+        size = f"{r['file_bytes'] / 2**30:.2f} GiB"
+        for name in ("cp", "cp+fsync", "convert", "naive", "naive_mmap", "import floor"):
+            e = r[name]
+            anon = f"{e['peak_rss_anon_mib']:.0f}" if "peak_rss_anon_mib" in e else "-"
+            rows.append(f"{size:>9} {name:<15} {e['seconds']:8.2f} {anon:>17}")
+            if name == "convert":
+                rows.append(f"{'':>9} {'  (in process)':<15} {e['in_process_seconds']:8.2f} {'':>17}")
+        q = r["ratios"]
+        rows.append(f"{'':>9} convert/cp: process {q['convert_process_vs_cp']:.2f}x, in process "
+                    f"{q['convert_in_process_vs_cp']:.2f}x (vs cp+fsync {q['convert_in_process_vs_cp_fsync']:.2f}x); "
+                    f"convert anon above import floor {r['convert_anon_above_import_floor_mib']:.0f} MiB "
+                    f"(target <= {r['target_anon_mib']:.0f} MiB); {r['tensors']} tensors, data.pkl "
+                    f"{r['pickle_bytes'] / 2**10:.0f} KiB")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="the larger checkpoint (the other is 1/4 of it)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median time, max memory)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the files (default: a temp folder)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the folder (files are always deleted)")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="bench_convert.", dir=args.dir))
+    try:
+        sizes = [int(args.size_gib * 2**30 / 4), int(args.size_gib * 2**30)]
+        results = [bench_size(folder, size, args.repeat) for size in sizes]
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    doc = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "results": results}
+    print(table(results))
+    print(json.dumps(doc, indent=2))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
