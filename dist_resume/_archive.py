@@ -186,7 +186,8 @@ class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
         self._contents.storages[key] = info
         self._contents._by_cdata[untyped._cdata] = info
         self._contents._keepalive.append(untyped)
-        typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
+        typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=untyped, dtype=dtype, _internal=True)
         self._typed[key] = typed
         return typed
 

@@ -12,6 +12,7 @@ import torch
 
 from ._archive import ArchiveContents, StorageInfo, read_archive
 from ._cli_common import SCHEMA_PREFIX, dtype_name, human_bytes, jsonable
+from ._errors import NotACheckpointError
 from ._layout import Key, Layout, split_checkpoint
 from ._load import PathLike
 from ._optim import _FACTORED_KEYS, _GROUP_BOOKKEEPING, step_on_param_device
@@ -106,8 +107,9 @@ def _optimizer(contents: ArchiveContents, opt: Any, model: Mapping[str, Any], me
             where["python number"] += 1
     gpu_steps = sorted(k for k in where if k.startswith("cuda"))
     if gpu_steps and not on_device_policy:
-        warnings.append(f"optimizer 'step' tensors are on {', '.join(gpu_steps)} though no group is fused or capturable: "
-                        "torch keeps them on the CPU (a GPU step forces a host sync per parameter per step); "
+        warnings.append(f"optimizer 'step' tensors are on {', '.join(gpu_steps)} though no group is fused or "
+                        "capturable: torch keeps them on the CPU (a GPU step forces a host sync per parameter "
+                        "per step); "
                         "dist_resume.optimizer_to() puts them back")
     _shape_warnings(state, ids, names, model, warnings)
     if names and prefix_style(names) != prefix_style(model):
@@ -163,52 +165,64 @@ def _archive_info(contents: ArchiveContents) -> dict[str, Any]:
             "storage_alignment": small.get(".storage_alignment"), "byteorder": small.get("byteorder")}
 
 
-def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
-    """The ``inspect --json`` report for ``path``. Local; reads the zip directory and data.pkl only."""
-    contents = read_archive(path)
-    parts = split_checkpoint(contents.obj, source=str(path))
-    warnings: list[str] = []
-    model = parts.model
+def _device_tags(contents: ArchiveContents) -> dict[str, dict[str, int]]:
     tags: dict[str, dict[str, int]] = {}
     for info in contents.storages.values():
         entry = tags.setdefault(info.location, {"storages": 0, "bytes": 0})
         entry["storages"] += 1
         entry["bytes"] += info.nbytes
-    style = prefix_style(model)
-    if style == "mixed":
-        styles = sorted({prefix_style([k]) for k in model})
-        warnings.append(f"model keys mix prefixes ({', '.join(styles)}): parts of the state dict come from "
-                        "differently wrapped models")
+    return tags
+
+
+def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
+    """The ``inspect --json`` report for ``path``. Local; reads the zip directory and data.pkl only.
+
+    A file in no layout dist_resume knows is still described (tensors, device tags), with
+    ``layout`` ``null`` and a warning saying why.
+    """
+    contents = read_archive(path)
+    warnings: list[str] = []
+    tags = _device_tags(contents)
     gpu = sorted(t for t in tags if t != "cpu")
     if gpu:
         warnings.append(f"saved with device tags {', '.join(gpu)}: plain torch.load puts those tensors back on those "
                         "devices (every rank on the same GPU, or an error on a CPU-only host); load with "
                         "map_location=dist_resume.rank_map_location() or dist_resume.load_checkpoint()")
-    optimizer = _optimizer(contents, parts.optimizer, model, parts.meta, warnings)
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "path": str(path), "file_bytes": contents.path.stat().st_size,
+        "archive": _archive_info(contents), "layout": None, "tensors": _summary(contents, contents.obj),
+        "device_tags": tags, "model": None, "optimizer": None, "scheduler": False, "scaler": False, "meta": {},
+        "extra_keys": sorted(map(str, contents.obj)) if isinstance(contents.obj, Mapping) else [],
+        "warnings": warnings,
+    }
+    try:
+        parts = split_checkpoint(contents.obj, source=str(path))
+    except NotACheckpointError as err:
+        warnings.append(str(err))
+        return report
+    model = parts.model
+    style = prefix_style(model)
+    if style == "mixed":
+        styles = sorted({prefix_style([k]) for k in model})
+        warnings.append(f"model keys mix prefixes ({', '.join(styles)}): parts of the state dict come from "
+                        "differently wrapped models")
     model_summary = _summary(contents, model)
     meta = dict(parts.meta)
     meta.setdefault("step", parts.step)
     meta.setdefault("epoch", parts.epoch)
     if parts.layout is Layout.TOOLKIT:
         meta.setdefault("format_version", contents.obj.get(Key.VERSION))
-    extra = sorted(str(k) for k in parts.extra) if isinstance(parts.extra, Mapping) else []
-    return {
-        "schema": SCHEMA,
-        "path": str(path),
-        "file_bytes": contents.path.stat().st_size,
-        "archive": _archive_info(contents),
-        "layout": parts.layout.value,
-        "tensors": _summary(contents, contents.obj),
-        "device_tags": tags,
-        "model": {"keys": len(model), "tensors": model_summary["count"], "bytes": model_summary["bytes"],
-                  "prefix_style": style, "first_keys": list(model)[:5]},
-        "optimizer": optimizer,
-        "scheduler": parts.scheduler is not None,
-        "scaler": parts.scaler is not None,
-        "meta": jsonable(meta),
-        "extra_keys": extra,
-        "warnings": warnings,
-    }
+    report.update(
+        layout=parts.layout.value,
+        model={"keys": len(model), "tensors": model_summary["count"], "bytes": model_summary["bytes"],
+               "prefix_style": style, "first_keys": list(model)[:5]},
+        optimizer=_optimizer(contents, parts.optimizer, model, parts.meta, warnings),
+        scheduler=parts.scheduler is not None,
+        scaler=parts.scaler is not None,
+        meta=jsonable(meta),
+        extra_keys=sorted(str(k) for k in parts.extra) if isinstance(parts.extra, Mapping) else [],
+    )
+    return report
 
 
 def render_inspect(report: dict[str, Any]) -> str:
@@ -217,23 +231,26 @@ def render_inspect(report: dict[str, Any]) -> str:
     lines = [
         f"checkpoint   {report['path']}  ({human_bytes(report['file_bytes'])}, "
         f"data.pkl {human_bytes(report['archive']['pickle_bytes'])})",
-        f"layout       {report['layout']}",
-        f"model        {model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
-        f"prefix: {model['prefix_style']}",
+        f"layout       {report['layout'] or 'not recognised'}",
     ]
-    if opt is None:
-        lines.append("optimizer    none")
-    elif opt.get("kind") is not None or "params" in opt:
-        lines.append(f"optimizer    {opt['kind'] or 'unknown kind'}: {opt['param_groups']} group(s), "
-                     f"{opt['params']} params ({opt['params_with_state']} with state), "
-                     f"state keys: {', '.join(opt['state_keys']) or 'none'}")
-        if opt["step"]["count"]:
-            where = ", ".join(f"{n} on {w}" for w, n in opt["step"]["where"].items())
-            lines.append(f"             step: {where}")
-        names = opt["param_names"]
-        lines.append(f"             param_names: {'prefix ' + names['prefix_style'] if names['present'] else 'absent'}")
-    lines.append(f"scheduler    {'yes' if report['scheduler'] else 'no'}    "
-                 f"GradScaler {'yes' if report['scaler'] else 'no'}")
+    if model is not None:
+        lines.append(f"model        {model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
+                     f"prefix: {model['prefix_style']}")
+    if report["layout"] is not None:
+        if opt is None:
+            lines.append("optimizer    none")
+        elif opt.get("kind") is not None or "params" in opt:
+            lines.append(f"optimizer    {opt['kind'] or 'unknown kind'}: {opt['param_groups']} group(s), "
+                         f"{opt['params']} params ({opt['params_with_state']} with state), "
+                         f"state keys: {', '.join(opt['state_keys']) or 'none'}")
+            if opt["step"]["count"]:
+                where = ", ".join(f"{n} on {w}" for w, n in opt["step"]["where"].items())
+                lines.append(f"             step: {where}")
+            names = opt["param_names"]
+            form = f"prefix {names['prefix_style']}" if names["present"] else "absent"
+            lines.append(f"             param_names: {form}")
+        lines.append(f"scheduler    {'yes' if report['scheduler'] else 'no'}    "
+                     f"GradScaler {'yes' if report['scaler'] else 'no'}")
     tensors = report["tensors"]
     dtypes = ", ".join(f"{d} {human_bytes(v['bytes'])} ({v['count']})" for d, v in tensors["by_dtype"].items())
     lines.append(f"tensors      {tensors['count']}, {human_bytes(tensors['bytes'])}: {dtypes or '-'}")

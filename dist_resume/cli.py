@@ -82,7 +82,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
     elif not args.quiet:
-        print(f"wrote {result.dst} ({human_bytes(result.bytes_written)}, {result.seconds:.2f}s): {result.layout.value}, "
+        print(f"wrote {result.dst} ({human_bytes(result.bytes_written)}, {result.seconds:.2f}s): "
+              f"{result.layout.value}, "
               f"model keys {result.prefix_before} -> {result.prefix_after} ({result.renamed_keys} of "
               f"{result.model_keys} renamed), {result.param_names} optimizer param_names")
     return ExitCode.OK
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, json_help: str | None) -> argparse.ArgumentParser:
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str,
+            json_help: str | None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_, description=help_, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if json_help:
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("inspect", _cmd_inspect, "what a checkpoint holds: layout, prefixes, tensors per dtype, device tags, "
-            "optimizer, metadata, warnings (reads no tensor data)", "print the report as JSON (schema dist-resume/inspect/1)")
+            "optimizer, metadata, warnings (reads no tensor data)",
+            "print the report as JSON (schema dist-resume/inspect/1)")
     p.add_argument("checkpoint", type=Path, metavar="CKPT")
     p = add("convert", _cmd_convert, "re-key model keys and optimizer param_names for a single-process or a DDP model; "
             "tensor data is copied byte for byte", "print a JSON summary (schema dist-resume/convert/1)")

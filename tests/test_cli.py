@@ -6,6 +6,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,7 +151,8 @@ def test_each_foreign_layout(tmp_path: Path, run: Run, layout: str) -> None:
     code, out, _ = run("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "single", "--json")
     summary = json.loads(out)
     assert code == 0
-    assert summary["layout"] == ("bare state dict" if layout == "bare" else layout) and summary["prefix_after"] == "none"
+    assert summary["layout"] == ("bare state dict" if layout == "bare" else layout)
+    assert summary["prefix_after"] == "none"
     loaded = torch.load(tmp_path / "b.pt", weights_only=True)
     Net().load_state_dict(loaded[model_key] if model_key else loaded)
     if opt_key:
@@ -386,3 +388,29 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_cleans_up(tmp_path: Pa
     assert list(tmp_path.glob(".*.tmp")) == []
     assert torch.equal(torch.load(dst, weights_only=True, mmap=True)["module.w"],
                        torch.load(tmp_path / "big.pt", weights_only=True, mmap=True)["w"])
+
+
+def test_inspect_describes_a_file_in_no_known_layout(tmp_path: Path, run: Run) -> None:
+    torch.save({"ema": {"w": torch.ones(2)}, "net": {"w": torch.ones(2, dtype=torch.float64)}}, tmp_path / "a.pt")
+    code, out, _ = run("inspect", tmp_path / "a.pt", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["layout"] is None and report["model"] is None
+    assert report["tensors"]["by_dtype"] == {"float32": {"count": 1, "bytes": 8}, "float64": {"count": 1, "bytes": 16}}
+    assert report["extra_keys"] == ["ema", "net"] and "no model state dict" in report["warnings"][0]
+    code, _, err = run("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "ddp")
+    assert code == ExitCode.INPUT and "'ema', 'net'" in err and not (tmp_path / "b.pt").exists()
+
+
+def test_convert_refuses_keys_that_would_collide(tmp_path: Path, run: Run) -> None:
+    torch.save({"fc.weight": torch.ones(2), "module.fc.weight": torch.zeros(2)}, tmp_path / "a.pt")
+    code, _, err = run("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "single")
+    assert code == ExitCode.INPUT and "collide" in err and "'fc.weight' and 'module.fc.weight'" in err
+    assert not (tmp_path / "b.pt").exists()
+
+
+@pytest.mark.skipif(shutil.which("dist-resume") is None, reason="package not installed (pip install -e .)")
+def test_console_script(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    done = subprocess.run(["dist-resume", "inspect", str(tmp_path / "a.pt"), "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["layout"] == "bare state dict"
