@@ -165,7 +165,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         store_timeout = timeout or timedelta(minutes=5)
         uses_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         try:
-            base = dist.TCPStore(
+            base = dist.TCPStore(  # type: ignore[attr-defined]
                 addr,
                 int(port),
                 info.world_size,
@@ -176,7 +176,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         except ValueError as err:
             raise EnvironmentMismatchError(f"MASTER_PORT={port!r} is not a valid port") from err
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"dist_resume/attempt_{attempt}", base)
+        store = dist.PrefixStore(f"dist_resume/attempt_{attempt}", base)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, **kwargs)  # type: ignore[arg-type]
     else:
         dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, **kwargs)  # type: ignore[arg-type]

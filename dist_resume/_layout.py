@@ -136,11 +136,12 @@ def split_checkpoint(obj: Any, source: str = "checkpoint") -> CheckpointParts:
                         used.add(key)
                 _, step = _first(obj, _STEP_KEYS)
                 extra = {k: v for k, v in obj.items() if k not in used}
-                return CheckpointParts(layout, obj[model_key], *parts, step=_as_int(step),
+                optimizer, scheduler, scaler = parts
+                return CheckpointParts(layout, obj[model_key], optimizer, scheduler, scaler, step=_as_int(step),
                                        epoch=_as_int(obj.get("epoch")), extra=extra or None)
-        keys = ", ".join(repr(k) for k in list(obj)[:8])
+        shown = ", ".join(repr(k) for k in list(obj)[:8])
         raise NotACheckpointError(
-            f"{source} has no model state dict in a layout dist_resume knows (top-level keys: {keys}); "
+            f"{source} has no model state dict in a layout dist_resume knows (top-level keys: {shown}); "
             "expected a state dict, or a dict with 'model', 'state_dict' or 'model_state_dict'; "
             "pass the model's state dict yourself (adapt_state_dict + load_state_dict)"
         )

@@ -167,7 +167,7 @@ def load_checkpoint(
     if map_location is None:
         map_location = rank_map_location()
     try:
-        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)
+        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
         text = str(err)
         if "Weights only load failed" in text and not any(m in text for m in _GARBLED_PICKLE):
