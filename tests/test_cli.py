@@ -414,3 +414,26 @@ def test_console_script(tmp_path: Path) -> None:
     done = subprocess.run(["dist-resume", "inspect", str(tmp_path / "a.pt"), "--json"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and json.loads(done.stdout)["layout"] == "bare state dict"
+
+
+@pytest.mark.dist
+def test_env_under_torchrun_one_json_line_per_rank() -> None:
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node=2", "-m", "dist_resume", "env", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err
+    reports = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["rank_info"]["rank"])
+    assert [r["rank_info"]["local_rank"] for r in reports] == [0, 1]
+    assert all(r["rank_info"]["world_size"] == 2 and r["launched_by_torchrun"] and r["backend"] == "gloo"
+               for r in reports)
+    assert reports[0]["torchrun"]["MASTER_PORT"] == reports[1]["torchrun"]["MASTER_PORT"] is not None
