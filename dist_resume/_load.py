@@ -25,7 +25,7 @@ __all__ = ["MapLocation", "PathLike", "rank_map_location", "load_checkpoint", "c
 
 PathLike: TypeAlias = str | os.PathLike[str]
 MapLocation: TypeAlias = (
-    str | torch.device | dict[str, str] | Callable[[torch.UntypedStorage, str], Any] | None
+    str | int | torch.device | dict[str, str] | Callable[[torch.UntypedStorage, str], Any] | None
 )
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -164,8 +164,8 @@ def load_checkpoint(
             f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "
             "pass mmap=False, or re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
         )
-    if map_location is None:
-        map_location = rank_map_location()
+    if map_location is None or isinstance(map_location, int):
+        map_location = rank_map_location(map_location)
     try:
         return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
