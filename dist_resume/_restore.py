@@ -204,7 +204,7 @@ def resume(
     mmap: bool = True,
     weights_only: bool = True,
     sampler: Any = None,
-    rng: bool = True,
+    rng: bool = False,
     verify: bool = False,
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
@@ -226,10 +226,11 @@ def resume(
     parts the file lacks.
 
     Exact resume: ``sampler`` (a :class:`ResumableDistributedSampler`) continues at the saved epoch
-    and position, split over the ranks present now; with ``rng=True`` (the default) each rank
-    restores its own saved RNG streams. When the world size changed, ranks missing from the
-    checkpoint derive theirs from the saved seed, their rank and the step, and rank 0 logs it at
-    WARNING. A file without RNG state leaves the streams as they are (logged at INFO).
+    and position, split over the ranks present now; ``rng=True`` makes each rank restore its own
+    saved RNG streams (python, torch CPU, its CUDA device, numpy). When the world size changed,
+    ranks missing from the checkpoint derive theirs from the saved seed, their rank and the step,
+    and rank 0 logs it at WARNING. A file without RNG state leaves the streams as they are
+    (logged at INFO). Both are validated before anything changes and listed in ``restored``.
 
     Example::
 

@@ -186,13 +186,14 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     step = 0
     ckpt = choose_checkpoint(args)
     if ckpt is not None:
-        res = dr.resume(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        res = dr.resume(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                        sampler=sampler, rng=True)
         step = res.step or 0
         log.info("resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
                  res.path, step, sampler.epoch, sampler.consumed, len(dataset),
                  res.metadata.get("world_size", "?"), world, attempt)
     elif args.init_from is not None:
-        res = dr.resume(args.init_from, model=model, optimizer=optimizer, rng=False)
+        res = dr.resume(args.init_from, model=model, optimizer=optimizer)
         for group in optimizer.param_groups:  # a new run: its own learning-rate schedule
             group["lr"] = group["initial_lr"] = args.lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -236,7 +237,8 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
             step += 1
             if losses is not None:
                 losses.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(), "indices": idx.tolist(),
-                                         "attempt": attempt, "world_size": world}) + "\n")
+                                         "rank": rank, "local_rank": info.local_rank, "node_rank": info.node_rank,
+                                         "device": str(device), "attempt": attempt, "world_size": world}) + "\n")
             if step % args.log_every == 0:
                 log.info("step %d  epoch %d  loss %.4f  lr %.2e", step, epoch, loss.item(), scheduler.get_last_lr()[0])
             if step == args.kill_at_step and attempt == 0 and rank == kill_rank:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Fault-tolerant run: when any worker dies, torchrun stops the others and restarts the whole
+# group (up to MAX_RESTARTS times); train.py then resumes from the newest checkpoint in --ckpt-dir
+# (--resume auto), with the sampler position and every rank's RNG streams.
+#
+#   bash launch/elastic.sh --ckpt-dir ckpt --steps 1000 --save-every 50
+#   MAX_RESTARTS=10 NNODES=1:4 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 bash launch/elastic.sh --ckpt-dir /shared/ckpt
+#
+# Without MASTER_ADDR it runs on this node (--standalone). With MASTER_ADDR it uses a c10d
+# rendezvous (NNODES may be MIN:MAX: nodes can leave and join; each change restarts the group,
+# and the new world size finishes the interrupted epoch with every sample seen once).
+# Optional: MAX_RESTARTS (default 3), NPROC_PER_NODE, MASTER_PORT (default 29500), RDZV_ID,
+# TORCHRUN, TORCHRUN_ARGS, TRAIN_SCRIPT. Arguments after the script go to train.py.
+set -euo pipefail
+
+default_nproc() {
+    local n=0
+    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+        [ -n "$CUDA_VISIBLE_DEVICES" ] && n=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    fi
+    if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
+}
+
+if [ -n "${MASTER_ADDR:-}" ]; then
+    rdzv=(--nnodes="${NNODES:-1}" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+          --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-dist_resume}}")
+else
+    rdzv=(--standalone)
+fi
+read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
+read -r -a extra <<<"${TORCHRUN_ARGS:-}"
+exec "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="${NPROC_PER_NODE:-$(default_nproc)}" \
+    --max-restarts="${MAX_RESTARTS:-3}" ${extra[@]+"${extra[@]}"} \
+    "${TRAIN_SCRIPT:-$(dirname "$0")/train.py}" --resume auto "$@"
