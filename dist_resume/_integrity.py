@@ -73,6 +73,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
         3
     """
     p = Path(path)
+    read_records(p)  # a damaged structure raises here, with the plain reason
     if verify:
         verify_archive(p)
     obj = read_archive(p).obj
