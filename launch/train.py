@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.use_deterministic_algorithms, so reruns are bitwise equal on GPUs too")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds a collective may wait for the other ranks before the process group gives up")
     test = p.add_argument_group("for tests")
     test.add_argument("--dump-losses", type=Path, default=None,
                       help="append one JSON line per step to DIR/rank<R>.jsonl (loss, sample indices, attempt)")
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initialises
         torch.use_deterministic_algorithms(True)
     device = pick_device(args.device)
-    info = dr.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    info = dr.init_distributed(backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=timedelta(seconds=args.timeout))
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[rank {info.rank}] %(name)s: %(message)s")
     try:

@@ -1,0 +1,190 @@
+"""launch/train.py and the launch scripts under the real torchrun (gloo on localhost).
+
+Every launch costs seconds on a 2-core machine, so each test launches a few runs and checks
+many things about them. Timeouts nest: train.py's --timeout (process group) < each launch's
+timeout < the test's pytest timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import harness
+from tests.dist.harness import run_torchrun
+
+pytestmark = pytest.mark.dist
+
+REPO = harness.REPO_ROOT
+TRAIN = str(REPO / "launch" / "train.py")
+# 256 samples, batch 16: an epoch is 8 steps on 2 ranks, 16 on 1, 4 on 4
+COMMON = ["--steps", "20", "--save-every", "8", "--batch-size", "16", "--num-samples", "256",
+          "--log-every", "100", "--timeout", "60"]
+TORCHRUN = f"{sys.executable} -m torch.distributed.run"  # what the scripts run instead of `torchrun`
+LAUNCH_TIMEOUT = 100.0
+
+
+def _launch(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
+            timeout: float = LAUNCH_TIMEOUT) -> CompletedProcess[str]:
+    """One command (a launch script or a single-process run) with the harness's kill-on-timeout."""
+    return harness._launch([cmd], cwd, {"TORCHRUN": TORCHRUN, **(env or {})}, timeout)[0]
+
+
+def _ok(res: CompletedProcess[str]) -> str:
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"{' '.join(res.args)} exited with {res.returncode}\n{out[-5000:]}"
+    return out
+
+
+def _records(folder: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> the JSON lines train.py --dump-losses wrote, in order."""
+    return {int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()]
+            for f in sorted(folder.glob("rank*.jsonl"))}
+
+
+def _losses(records: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> loss; a step recomputed after a restart overrides the first attempt's value."""
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _assert_bitwise_equal(path: Path, reference: Path) -> None:
+    got, want = torch.load(path, weights_only=True), torch.load(reference, weights_only=True)
+    assert got["step"] == want["step"]
+    assert got["model"].keys() == want["model"].keys()
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), f"model {key} differs from the uninterrupted run"
+    opt_got, opt_want = got["optimizer"]["state"], want["optimizer"]["state"]
+    assert opt_got.keys() == opt_want.keys() and opt_want
+    for pid, state in opt_want.items():
+        for name, value in state.items():
+            assert torch.equal(opt_got[pid][name], value), f"optimizer state[{pid}][{name!r}] differs"
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert got["scheduler"] == want["scheduler"]
+
+
+def _seen_once(indices: list[int], n: int) -> None:
+    counts = collections.Counter(indices)
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    missing = sorted(set(range(n)) - set(counts))
+    assert not twice and not missing, f"seen twice: {twice[:10]}, never seen: {missing[:10]}"
+
+
+@pytest.mark.timeout(480)
+def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    # reference: launch/single_node.sh, 20 uninterrupted steps on 2 ranks
+    ref = _launch(["bash", str(REPO / "launch/single_node.sh"), *COMMON, "--ckpt-dir", "ref",
+                   "--dump-final", "ref.pt", "--dump-losses", "ref_losses"], tmp_path, {"NPROC_PER_NODE": "2"})
+    assert "starting at step 0 with 2 rank(s)" in _ok(ref)
+    reference = _records(tmp_path / "ref_losses")
+    assert sorted(reference) == [0, 1] and [r["step"] for r in reference[1]] == list(range(1, 21))
+
+    # stop at step 13 (mid-epoch 1), then --resume auto
+    first = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--stop-after", "13", "--dump-losses", "b_losses"],
+                         nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
+    assert "done: step 13, epoch 1, sample 160 of 256" in _ok(first)
+    second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--resume", "auto", "--dump-final", "b.pt",
+                           "--dump-losses", "b_losses"], nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
+    out = _ok(second)
+    assert "resumed from b/step_00000013.pt: step 13, epoch 1, sample 160 of 256" in out
+    assert "restored model, scaler, optimizer, scheduler, sampler, rng" in out
+    _assert_bitwise_equal(tmp_path / "b.pt", tmp_path / "ref.pt")
+    resumed = _records(tmp_path / "b_losses")
+    for rank in (0, 1):
+        assert [r["step"] for r in resumed[rank]] == list(range(1, 21)), "each step exactly once"
+        assert _losses(resumed[rank]) == _losses(reference[rank]), f"rank {rank}: loss sequence differs"
+        assert [r["indices"] for r in resumed[rank]] == [r["indices"] for r in reference[rank]]
+
+    # launch/elastic.sh: rank 1 SIGKILLs itself after step 11 on the first attempt; torchrun restarts the
+    # group, which resumes from step 8 (the end of epoch 0) and ends bitwise equal
+    elastic = _launch(["bash", str(REPO / "launch/elastic.sh"), *COMMON, "--ckpt-dir", "e", "--kill-at-step", "11",
+                       "--kill-rank", "1", "--dump-final", "e.pt", "--dump-losses", "e_losses"], tmp_path,
+                      {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "2"}, timeout=LAUNCH_TIMEOUT + 60)
+    out = _ok(elastic)
+    assert "rank 1: SIGKILL at step 11" in out and "exitcode: -9" in out
+    # saved after the last batch of epoch 0: the sampler moves on to epoch 1 when iterated
+    assert "resumed from e/step_00000008.pt: step 8, epoch 0, sample 256 of 256" in out
+    assert "attempt 1)" in out
+    _assert_bitwise_equal(tmp_path / "e.pt", tmp_path / "ref.pt")
+    records = _records(tmp_path / "e_losses")
+    for rank in (0, 1):
+        attempts = collections.defaultdict(dict)
+        for r in records[rank]:
+            attempts[r["attempt"]][r["step"]] = r["loss"]
+        assert sorted(attempts) == [0, 1], f"rank {rank} did not run twice"
+        assert max(attempts[0]) == 11 if rank == 1 else max(attempts[0]) >= 10  # lockstep: 0 lags at most 1
+        assert min(attempts[1]) == 9
+        redone = set(attempts[0]) & set(attempts[1])
+        assert redone and all(attempts[0][s] == attempts[1][s] for s in redone), "a recomputed step differs"
+        assert _losses(records[rank]) == _losses(reference[rank]), f"rank {rank}: loss sequence differs"
+
+
+@pytest.mark.timeout(480)
+def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
+    n = 256
+    single = [sys.executable, TRAIN, *COMMON]
+    # 2 -> 1: a 2-rank checkpoint at step 5 (160 of 256 samples of epoch 0) resumed in one process
+    first = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "a", "--stop-after", "5", "--dump-losses", "a1"],
+                         nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
+    assert "sample 160 of 256" in _ok(first)
+    out = _ok(_launch([*single, "--ckpt-dir", "a", "--dump-losses", "a2"], tmp_path))
+    assert "resumed from a/step_00000005.pt: step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
+    assert "holds RNG state for 2 rank(s) but the job has 1" in out  # the stated policy, logged
+    assert "done: step 20" in out
+    before, after = _records(tmp_path / "a1"), _records(tmp_path / "a2")
+    assert [r["world_size"] for r in after[0]] == [1] * 15
+    _seen_once([i for rank in (0, 1) for r in before[rank] for i in r["indices"]]
+               + [i for r in after[0] if r["epoch"] == 0 for i in r["indices"]], n)
+    assert {r["epoch"] for r in after[0]} == {0, 1}, "training continued into the next epoch"
+
+    # 1 -> 2: a single-process checkpoint at step 5 (80 samples) resumed by 2 ranks
+    _ok(_launch([*single, "--ckpt-dir", "b", "--stop-after", "5", "--dump-losses", "b1"], tmp_path))
+    second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--dump-losses", "b2"], nproc=2, cwd=tmp_path,
+                          timeout=LAUNCH_TIMEOUT)
+    out = _ok(second)
+    assert "resumed from b/step_00000005.pt: step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
+    assert "ranks 1..1 derive new streams from the saved seed 0, their rank and step 5" in out
+    before, after = _records(tmp_path / "b1"), _records(tmp_path / "b2")
+    _seen_once([i for r in before[0] for i in r["indices"]]
+               + [i for rank in (0, 1) for r in after[rank] if r["epoch"] == 0 for i in r["indices"]], n)
+    assert all(r["loss"] == r["loss"] for rank in (0, 1) for r in after[rank])  # no NaN
+    assert [r["step"] for r in after[1]][-1] == 20
+
+
+@pytest.mark.timeout(300)
+def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp_path):
+    n = 256
+    _ok(_launch([sys.executable, TRAIN, *COMMON, "--ckpt-dir", "ck", "--stop-after", "3", "--dump-losses", "single"],
+                tmp_path))  # 48 samples of epoch 0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          timeout=timedelta(seconds=LAUNCH_TIMEOUT))
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RDZV_ID": uuid.uuid4().hex,
+           "NPROC_PER_NODE": "2", "TORCHRUN": TORCHRUN,
+           "TORCHRUN_ARGS": "--rdzv-conf=is_host=false --local-addr=127.0.0.1"}
+    try:  # the store outlives both agents
+        cmds = [["env", f"NODE_RANK={node}", "bash", str(REPO / "launch/multi_node.sh"), *COMMON, "--steps", "10",
+                 "--ckpt-dir", "ck", "--dump-losses", "multi"] for node in (0, 1)]
+        nodes = harness._launch(cmds, tmp_path, env, LAUNCH_TIMEOUT + 40)
+    finally:
+        del store
+    out = "".join(_ok(node) for node in nodes)
+    assert "resumed from ck/step_00000003.pt: step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
+    records = _records(tmp_path / "multi")
+    assert sorted(records) == [0, 1, 2, 3]
+    placement = {(r["rank"], r["local_rank"], r["node_rank"], r["device"]) for rs in records.values() for r in rs}
+    assert len(placement) == 4 and {p[2] for p in placement} == {0, 1}
+    for rank, local_rank, node_rank, device in placement:  # two processes per node, GPU index = LOCAL_RANK
+        assert local_rank == rank - 2 * node_rank and local_rank in (0, 1) and device == "cpu"
+    assert {r["world_size"] for rs in records.values() for r in rs} == {4}
+    _seen_once([i for r in _records(tmp_path / "single")[0] for i in r["indices"]]
+               + [i for rs in records.values() for r in rs if r["epoch"] == 0 for i in r["indices"]], n)
+    assert [r["step"] for r in records[3]][-1] == 10
