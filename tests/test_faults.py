@@ -1,0 +1,193 @@
+"""Fault injection: SIGKILL at random moments of a ~100 MB save, and a file-size limit hit mid-write.
+
+The kills run in forkserver children (torch preloaded, so a trial costs a fork, not an import);
+each trial saves into a folder that already holds a good checkpoint, and afterwards
+``CheckpointManager.latest()`` must return a complete, loadable checkpoint: the new one or the
+previous one, never a partial one. Run with ``-s`` to see the trial counts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dist_resume as dr
+from dist_resume._folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
+from dist_resume._integrity import inspect_checkpoint
+from dist_resume._save import TEMP_NAME
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRIALS = 24
+WIDTH = 2048  # 3 layers of 2048x2048 float32 + SGD momentum: ~101 MB on disk
+KEEP_LAST = 2
+_CTX = mp.get_context("forkserver")
+# applies when the fork server starts (shared with tests/dist/harness.py, hence torch.distributed);
+# torch._dynamo is what building the first optimizer imports (~0.8 s a child otherwise)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dist_resume", __name__])
+
+
+def _big(step: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """~50 MB of parameters equal to ``step`` and momentum buffers equal to ``step + 0.5``."""
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False, device="meta") for _ in range(3)))
+    model.to_empty(device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+            opt.state[p]["momentum_buffer"] = torch.full_like(p, step + 0.5)
+    return model, opt
+
+
+def _save_child(folder: str, step: int, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    model, opt = _big(step)
+    mgr = CheckpointManager(folder, keep_last=KEEP_LAST)
+    conn.send(("ready", time.monotonic()))
+    mgr.save(step, model=model, optimizer=opt)
+    conn.send(("done", time.monotonic()))
+
+
+def _run_child(folder: Path, step: int, kill_after: float | None) -> tuple[bool, float]:
+    """Save ``step`` in a child; SIGKILL it ``kill_after`` seconds after it starts saving.
+
+    Returns (whether the save had finished, seconds from the start of the save to its end or the kill).
+    """
+    reader, writer = _CTX.Pipe(duplex=False)
+    proc = _CTX.Process(target=_save_child, args=(str(folder), step, writer), daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        if not reader.poll(60):
+            raise AssertionError("the saving child did not start within 60 s")
+        try:
+            _, started = reader.recv()
+        except EOFError:
+            proc.join(10)
+            raise AssertionError(f"the saving child died before saving (exit code {proc.exitcode})") from None
+        if kill_after is None:
+            if not reader.poll(60):
+                raise AssertionError("an uninterrupted save took more than 60 s")
+            return True, reader.recv()[1] - started
+        time.sleep(max(0.0, started + kill_after - time.monotonic()))
+        try:
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        except ProcessLookupError:  # it had already finished and exited
+            pass
+        killed_at = time.monotonic()
+        proc.join(10)
+        try:
+            finished = reader.recv()[0] == "done"
+        except EOFError:  # killed before it could report
+            finished = False
+        return finished, killed_at - started
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        reader.close()
+
+
+def _check_folder(folder: Path, previous: int, new: int) -> tuple[str, list[str]]:
+    """Which checkpoint latest() returns ('new'/'previous'), and every broken promise found."""
+    problems = []
+    names = sorted(n for n in os.listdir(folder) if CHECKPOINT_NAME.match(n))
+    if names[-1:] != [checkpoint_name(previous)]:  # the completion rule: a checkpoint name means a complete file
+        try:
+            inspect_checkpoint(folder / names[-1], verify=True)
+        except (dr.DistResumeError, IndexError) as err:
+            problems.append(f"{names[-1:]} carries a checkpoint name but is not complete: {err}")
+    latest = CheckpointManager(folder).latest()
+    if latest is None:
+        return "none", problems + ["latest() found no checkpoint"]
+    if latest.name != names[-1]:
+        problems.append(f"latest() returned {latest.name}, the newest checkpoint is {names[-1]}")
+    model, opt = _big(-1)
+    step = dr.resume(latest, model=model, optimizer=opt, rng=False).step
+    if step not in (previous, new):
+        problems.append(f"latest() returned step {step}, expected {previous} or {new}")
+    if not all(torch.all(p == step) for p in model.parameters()):
+        problems.append(f"{latest.name}: parameters differ from what step {step} saved")
+    if not all(torch.all(s["momentum_buffer"] == step + 0.5) for s in opt.state.values()):
+        problems.append(f"{latest.name}: momentum buffers differ from what step {step} saved")
+    return ("new" if step == new else "previous"), problems
+
+
+def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpts"
+    _run_child(folder, 1, None)  # the good checkpoint already in the folder (and the fork server warm)
+    _, duration = _run_child(folder, 2, None)
+    size_mb = (folder / checkpoint_name(2)).stat().st_size / 1e6
+    assert size_mb > 95
+    rng = random.Random(20240605)
+    previous, outcomes, phases, failures = 2, Counter(), Counter(), []
+    left_behind = 0
+    for trial in range(TRIALS):
+        new = 3 + trial
+        # stratified over [0, 1.3 x the measured save time]: kills land before, during and after the write
+        kill_after = duration * 1.3 * (trial + rng.random()) / TRIALS
+        stale = {n for n in os.listdir(folder) if TEMP_NAME.match(n)}
+        finished, _ = _run_child(folder, new, kill_after)
+        fresh = {n for n in os.listdir(folder) if TEMP_NAME.match(n)} - stale
+        left_behind += len(fresh)
+        phases["finished" if finished else "killed after the rename" if (folder / checkpoint_name(new)).exists()
+               else "killed mid-write" if fresh else "killed before writing"] += 1
+        outcome, problems = _check_folder(folder, previous, new)
+        outcomes[outcome] += 1
+        failures += [f"trial {trial} (kill at {kill_after:.3f}s): {p}" for p in problems]
+        previous = new if outcome == "new" else previous
+    _run_child(folder, 1000, None)  # the next save cleans what killed saves left behind
+    left = sorted(os.listdir(folder))
+    remaining = sum(1 for n in left if TEMP_NAME.match(n))
+    print(f"\nfault injection: {TRIALS} SIGKILL trials of a {size_mb:.0f} MB save (uninterrupted: {duration:.2f}s); "
+          f"{len(failures)} failures; latest() returned {dict(outcomes)}; kills: {dict(phases)}; "
+          f"temp files left by killed saves: {left_behind}, remaining after the next save: {remaining}")
+    assert not failures, "\n".join(failures)
+    assert phases["killed mid-write"] >= 1, f"no kill landed mid-write: {dict(phases)}"
+    assert remaining == 0
+    assert left == [checkpoint_name(previous), checkpoint_name(1000)], left
+
+
+_RLIMIT_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    import torch
+    from dist_resume._folder import CheckpointManager
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    model = torch.nn.Linear(1024, 1024)  # 4 MB, over the 1 MB limit
+    try:
+        CheckpointManager(sys.argv[1], keep_last=1).save(2, model=model)
+    except Exception as err:
+        print(type(err).__name__)
+        print(err)
+    else:
+        print("saved")
+""")
+
+
+def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    good = mgr.save(1, model=nn.Linear(4, 4))
+    before = good.read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _RLIMIT_CHILD, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    kind, _, message = out.stdout.partition("\n")
+    assert kind == "CheckpointWriteError", out.stdout + out.stderr
+    assert "EFBIG" in message and "ulimit -f" in message and str(tmp_path / checkpoint_name(2)) in message
+    assert "previous checkpoint (if any) is untouched" in message
+    assert sorted(os.listdir(tmp_path)) == [good.name]  # no temp file, no partial ckpt_00000002.pt
+    assert good.read_bytes() == before and mgr.latest() == good
