@@ -162,6 +162,12 @@ def convert_checkpoint(src: PathLike, dst: PathLike, to: KeyForm, *, force: bool
 
     Local. Reads only ``src``'s data.pkl; tensor records are copied byte for byte. ``dst`` appears
     atomically (temp file in its folder, fsync, rename) or not at all.
+
+    Example::
+
+        >>> torch.save({"fc.weight": torch.ones(2, 2)}, "single.pt")
+        >>> convert_checkpoint("single.pt", "ddp.pt", KeyForm.DDP).prefix_after
+        'module.'
     """
     start = time.perf_counter()
     src_path, dst_path = Path(src), Path(dst)
