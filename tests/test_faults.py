@@ -26,11 +26,10 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
-from dist_resume._integrity import inspect_checkpoint
 from dist_resume._save import TEMP_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRIALS = 24
+TRIALS = 20
 WIDTH = 2048  # 3 layers of 2048x2048 float32 + SGD momentum: ~101 MB on disk
 KEEP_LAST = 2
 _CTX = mp.get_context("forkserver")
@@ -104,16 +103,11 @@ def _check_folder(folder: Path, previous: int, new: int) -> tuple[str, list[str]
     """Which checkpoint latest() returns ('new'/'previous'), and every broken promise found."""
     problems = []
     names = sorted(n for n in os.listdir(folder) if CHECKPOINT_NAME.match(n))
-    if names[-1:] != [checkpoint_name(previous)]:  # the completion rule: a checkpoint name means a complete file
-        try:
-            inspect_checkpoint(folder / names[-1], verify=True)
-        except (dr.DistResumeError, IndexError) as err:
-            problems.append(f"{names[-1:]} carries a checkpoint name but is not complete: {err}")
-    latest = CheckpointManager(folder).latest()
+    latest = CheckpointManager(folder).latest()  # verify=True: zip structure, every CRC, metadata
     if latest is None:
-        return "none", problems + ["latest() found no checkpoint"]
-    if latest.name != names[-1]:
-        problems.append(f"latest() returned {latest.name}, the newest checkpoint is {names[-1]}")
+        return "none", [f"latest() found no complete checkpoint among {names}"]
+    if latest.name != names[-1]:  # the completion rule: a checkpoint name means a complete file
+        problems.append(f"{names[-1]} carries a checkpoint name but is not complete (latest() skipped it)")
     model, opt = _big(-1)
     step = dr.resume(latest, model=model, optimizer=opt, rng=False).step
     if step not in (previous, new):
