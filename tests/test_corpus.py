@@ -40,7 +40,8 @@ class Net(nn.Module):
         self.head = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.fc2(self.fc1(x).relu()))
+        out: torch.Tensor = self.head(self.fc2(self.fc1(x).relu()))
+        return out
 
 
 class OtherNet(nn.Module):
@@ -243,8 +244,9 @@ def _other_optimizer(good: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _group_sizes(good: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, _ = _trained(seed=2)
-    opt = torch.optim.SGD([{"params": list(model.fc1.parameters()) + list(model.fc2.parameters())},
-                           {"params": list(model.head.parameters()), "lr": 0.01}], lr=0.1, momentum=0.9)
+    groups: list[dict[str, Any]] = [{"params": [*model.fc1.parameters(), *model.fc2.parameters()]},
+                                    {"params": list(model.head.parameters()), "lr": 0.01}]
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     return model, opt
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ def _prepare(root: Path) -> None:
         (root / "broken" / f"rank{rank}" / checkpoint_name(9)).write_bytes(b"PK\x03\x04 torn")
 
 
-def _consensus_error(results: list[dict], scenario: str, reason: str) -> None:
+def _consensus_error(results: list[dict[str, Any]], scenario: str, reason: str) -> None:
     for rank, res in enumerate(results):
         status, cls, msg, ranks = res[scenario]
         assert (status, cls, ranks) == ("error", "CheckpointConsensusError", [1]), f"rank {rank}: {res[scenario]}"
@@ -55,7 +56,7 @@ def _consensus_error(results: list[dict], scenario: str, reason: str) -> None:
 @pytest.mark.timeout(120)
 def test_ranks_agree_or_all_raise(tmp_path: Path) -> None:
     _prepare(tmp_path)
-    results = run_ranks(W.agreement, 2, tmp_path=tmp_path, args=(str(tmp_path),), pg_timeout=30, deadline=90)
+    results: list[dict[str, Any]] = run_ranks(W.agreement, 2, tmp_path=tmp_path, args=(str(tmp_path),), pg_timeout=30, deadline=90)
     r0, r1 = results
     shared = tmp_path / "shared"
     # a collective save: rank 0 writes and rotates, both ranks return the same paths
