@@ -21,7 +21,6 @@ from collections import Counter
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
