@@ -9,13 +9,8 @@ __version__ = "0.1.0"
 
 from ._devices import check_devices, device_report
 from ._env import RankInfo, init_distributed, rank_device, rank_info
-from ._exact import (
-    ResumableDistributedSampler,
-    derive_seed,
-    load_rng_state_dict,
-    rng_state_dict,
-    seed_rng,
-)
+from ._exact import ResumableDistributedSampler
+from ._rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._errors import (
     CheckpointConsensusError,
     CheckpointCorruptError,

@@ -1,11 +1,10 @@
-"""Exact resume: each rank's RNG streams, and a sampler that knows how far into its epoch the job got."""
+"""Exact resume: a sampler that knows how far into its epoch the job got, and the per-rank state
+(RNG streams, sampler position) that save_checkpoint gathers and resume restores."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import random
 from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -14,139 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ._env import is_distributed, rank_info
+from ._env import is_distributed
 from ._errors import StateMismatchError
 from ._log import log_rank0, logger
+from ._rng import param_device, rank_world, restore_rank_rng, rng_state_dict
 
-__all__ = ["ResumableDistributedSampler", "rng_state_dict", "load_rng_state_dict", "seed_rng", "derive_seed",
-           "gather_rank_states", "merge_rank_states", "restore_rank_rng", "check_sampler_state", "param_device"]
-
-_base_seed: int | None = None  # the seed last given to seed_rng(); stored so new ranks can derive from it
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    info = rank_info()
-    return info.rank, info.world_size
-
-
-def param_device(model: torch.nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter or buffer (``cpu`` for an empty model): the rank's device."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def derive_seed(seed: int, rank: int = 0, step: int = 0) -> int:
-    """A 63-bit seed for ``rank`` at ``step``, a pure function of its arguments. Local.
-
-    Example::
-
-        >>> dist_resume.derive_seed(0, rank=1) == dist_resume.derive_seed(0, rank=1) != dist_resume.derive_seed(0)
-        True
-    """
-    digest = hashlib.sha256(f"dist_resume:{int(seed)}:{int(rank)}:{int(step)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch.device | str | None = None) -> int:
-    """Seed python ``random``, torch's CPU generator, ``device``'s CUDA generator and numpy for this rank.
-
-    Local. Each rank gets its own stream, ``derive_seed(seed, rank, step)`` (``rank`` defaults to
-    this process's global rank); returns that derived seed. Build the model *before* calling it
-    (after ``torch.manual_seed(seed)``) so every rank starts from the same weights.
-
-    Example::
-
-        >>> dist_resume.seed_rng(1234, rank=0) == dist_resume.derive_seed(1234, 0)
-        True
-    """
-    global _base_seed
-    if rank is None:
-        rank = _rank_world()[0]
-    derived = derive_seed(seed, rank, step)
-    random.seed(derived)
-    torch.default_generator.manual_seed(derived)
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
-        with torch.cuda.device(dev):
-            torch.cuda.manual_seed(derived)  # this rank's device only
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        np.random.seed(derived % 2**32)
-    _base_seed = int(seed)
-    return derived
-
-
-def rng_state_dict(device: torch.device | str | None = None) -> dict[str, Any]:
-    """This process's RNG streams: python ``random``, torch CPU, ``device``'s CUDA stream, numpy.
-
-    Local. Only the CUDA generator of ``device`` is read (never ``get_rng_state_all``, which
-    initialises every visible GPU); numpy's state is stored as a tensor and plain numbers, so the
-    result loads under ``torch.load(weights_only=True)``. numpy is skipped when not installed.
-
-    Example::
-
-        >>> state = dist_resume.rng_state_dict("cpu")
-        >>> a = torch.rand(1); dist_resume.load_rng_state_dict(state, "cpu"); torch.equal(a, torch.rand(1))
-        True
-    """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
-        "numpy": None,
-        "seed": _base_seed if _base_seed is not None else torch.initial_seed(),
-    }
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state["numpy"] = {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | None = None) -> None:
-    """Restore what :func:`rng_state_dict` captured. Local.
-
-    A CUDA state is applied to ``device`` only; when this process has no CUDA device (or numpy is
-    not installed) that part is skipped with a WARNING, never silently.
-
-    Example::
-
-        >>> dist_resume.load_rng_state_dict(dist_resume.rng_state_dict())
-    """
-    if not isinstance(state, Mapping) or not {"python", "torch"} <= set(state):
-        raise StateMismatchError(
-            f"RNG state must be a mapping with 'python' and 'torch' entries (from rng_state_dict()), got "
-            f"{type(state).__name__} with keys {sorted(state) if isinstance(state, Mapping) else '-'}"
-        )
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if dev.type == "cuda":
-            torch.cuda.set_rng_state(cuda.to("cpu", torch.uint8), dev)
-        else:
-            logger.warning("the saved CUDA RNG state is not restored: this process runs on %s", dev)
-    saved_np = state.get("numpy")
-    if saved_np is not None:
-        try:
-            import numpy as np
-        except ImportError:
-            logger.warning("the saved numpy RNG state is not restored: numpy is not installed")
-            return
-        np.random.set_state((saved_np["bit_generator"], saved_np["keys"].numpy().astype(np.uint32),
-                             saved_np["pos"], saved_np["has_gauss"], saved_np["cached_gaussian"]))
+__all__ = ["ResumableDistributedSampler", "check_sampler_state", "gather_rank_states", "merge_rank_states",
+           "param_device", "restore_rank_rng"]
 
 
 def gather_rank_states(*, rng: bool, sampler: Any = None,
@@ -154,13 +27,13 @@ def gather_rank_states(*, rng: bool, sampler: Any = None,
     """Every rank's RNG and sampler state, gathered on rank 0 (``None`` on the others).
 
     Collective under torch.distributed (one ``gather_object``): call it on every rank. Local in a
-    single process.
+    single process. ``sampler`` is a sampler with ``state_dict()`` or such a state dict itself.
     """
-    mine = {"rng": rng_state_dict(device) if rng else None,
-            "sampler": dict(sampler.state_dict()) if sampler is not None else None}
+    state = sampler if sampler is None or isinstance(sampler, Mapping) else sampler.state_dict()
+    mine = {"rng": rng_state_dict(device) if rng else None, "sampler": None if state is None else dict(state)}
     if not is_distributed():
         return [mine]
-    rank, world = _rank_world()
+    rank, world = rank_world()
     out: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, out, dst=0)
     return out
@@ -179,38 +52,10 @@ def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]
         if len(set(positions)) > 1:
             raise StateMismatchError(
                 f"the ranks' samplers are at different positions (epoch, samples consumed): "
-                f"{positions}; every rank must draw the same number of "
-                "batches before saving (a DataLoader with workers prefetches: pass consumed= to state_dict())"
+                f"{positions}; every rank must draw the same number of batches before saving. A DataLoader "
+                "with workers prefetches: pass sampler=sampler.state_dict(consumed=<samples trained on>)"
             )
     return (rngs if rngs[0] is not None else None), sampler
-
-
-def restore_rank_rng(states: Any, *, step: int | None, device: torch.device | None, source: str) -> bool:
-    """Restore this rank's RNG streams from a checkpoint's per-rank list; return whether anything was restored.
-
-    Local. Policy when the world size changed: ranks that exist in the checkpoint restore their own
-    streams; new ranks seed theirs with ``derive_seed(saved seed, rank, step)``; rank 0 logs the
-    change at WARNING, including saved streams that no rank restores.
-    """
-    if states is None:
-        log_rank0(logging.INFO, "%s holds no RNG state; the RNG streams are left as they are", source)
-        return False
-    if not isinstance(states, (list, tuple)) or not states:
-        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
-    rank, world = _rank_world()
-    if rank < len(states):
-        load_rng_state_dict(states[rank], device)
-    else:
-        derived = seed_rng(int(states[0]["seed"]), rank=rank, step=step or 0, device=device)
-        logger.debug("rank %d: no saved RNG state; seeded with %d", rank, derived)
-    if len(states) != world:
-        new = f"ranks {len(states)}..{world - 1} derive new streams from the saved seed {states[0]['seed']}, " \
-              f"their rank and step {step}" if world > len(states) else \
-              f"the saved streams of ranks {world}..{len(states) - 1} are not used"
-        log_rank0(logging.WARNING, "%s holds RNG state for %d rank(s) but the job has %d: ranks 0..%d restore "
-                  "their own streams, %s; the run continues but does not reproduce the original one exactly",
-                  source, len(states), world, min(world, len(states)) - 1, new)
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,16 +94,19 @@ class ResumableDistributedSampler(Sampler[int]):
     so with the same world size the run continues exactly, and with another one the epoch still
     ends with every sample seen once.
 
-    Padding: only the final round of an epoch (fewer than ``num_replicas`` samples left) is
+    Padding: only an epoch's final round, when fewer than ``num_replicas`` samples are left, is
     padded with the permutation's first samples (``drop_last=False``) or dropped
-    (``drop_last=True``), as in ``DistributedSampler``; a resume adds no padding of its own.
+    (``drop_last=True``), as in ``DistributedSampler``. A resume adds no padding of its own: an
+    interrupted epoch covers the same samples as an uninterrupted one, except that the final
+    round follows the world size the epoch ends with.
 
     Epochs advance by themselves: when an iteration reaches the end of the epoch the sampler moves
     to the next one, so forgetting ``set_epoch`` cannot repeat a shuffle. ``set_epoch(e)`` for the
     current epoch is a no-op (it keeps a resumed position); another ``e`` starts that epoch afresh.
 
     The position counts what the sampler has yielded, exact for a ``DataLoader`` with
-    ``num_workers=0``; with workers that prefetch, pass ``consumed=`` to :meth:`state_dict`.
+    ``num_workers=0``. With workers that prefetch, save
+    ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``.
 
     Example::
 
@@ -273,7 +121,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset: Sized | int, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
-            cur_rank, cur_world = _rank_world()
+            cur_rank, cur_world = rank_world()
             num_replicas = cur_world if num_replicas is None else num_replicas
             rank = cur_rank if rank is None else rank
         n = dataset if isinstance(dataset, int) and not isinstance(dataset, bool) else len(dataset)  # type: ignore[arg-type]

@@ -270,8 +270,9 @@ def save_checkpoint(
 
     For exact resume, ``rng=True`` (the default) stores every rank's RNG streams (python, torch
     CPU, the rank's own CUDA device, numpy), gathered on rank 0; ``sampler`` (a
-    :class:`ResumableDistributedSampler`, or anything with ``state_dict()``) stores the epoch and
-    the position in it, after checking that all ranks agree on it.
+    :class:`ResumableDistributedSampler`, anything with ``state_dict()``, or such a state dict, e.g.
+    ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores the epoch and the
+    position in it, after checking that all ranks agree on it.
 
     Example::
 

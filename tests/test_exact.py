@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import dist_resume
 from dist_resume import ResumableDistributedSampler as Sampler
 from dist_resume import StateMismatchError
-from dist_resume import _exact
+from dist_resume import _exact, _rng
 
 np = pytest.importorskip("numpy")
 
@@ -275,10 +275,10 @@ def _states(world: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("rank,world,saved", [(1, 2, 2), (1, 2, 3), (2, 3, 2), (0, 1, 2)])
 def test_world_size_policy(monkeypatch, caplog, rank, world, saved):
     states = _states(saved)
-    monkeypatch.setattr(_exact, "_rank_world", lambda: (rank, world))
-    monkeypatch.setattr(_exact, "log_rank0", lambda level, msg, *a: logging.getLogger("dist_resume").log(level, msg, *a))
+    monkeypatch.setattr(_rng, "rank_world", lambda: (rank, world))
+    monkeypatch.setattr(_rng, "log_rank0", lambda level, msg, *a: logging.getLogger("dist_resume").log(level, msg, *a))
     with caplog.at_level(logging.INFO, logger="dist_resume"):
-        assert _exact.restore_rank_rng(states, step=40, device=torch.device("cpu"), source="ckpt")
+        assert _rng.restore_rank_rng(states, step=40, device=torch.device("cpu"), source="ckpt")
     got = torch.rand(3)
     if rank < saved:  # its own saved stream, not rank 0's
         dist_resume.load_rng_state_dict(states[rank])
@@ -292,7 +292,7 @@ def test_world_size_policy(monkeypatch, caplog, rank, world, saved):
         assert f"holds RNG state for {saved} rank(s) but the job has {world}" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dist_resume"):
-        assert not _exact.restore_rank_rng(None, step=1, device=None, source="old.pt")
+        assert not _rng.restore_rank_rng(None, step=1, device=None, source="old.pt")
     assert "old.pt holds no RNG state" in caplog.text
 
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dist_resume
 from tests.dist import harness
-from tests.dist.harness import run_torchrun
+from tests.dist.harness import RankFailure, run_ranks, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -77,6 +78,40 @@ def _seen_once(indices: list[int], n: int) -> None:
     twice = sorted(i for i, c in counts.items() if c > 1)
     missing = sorted(set(range(n)) - set(counts))
     assert not twice and not missing, f"seen twice: {twice[:10]}, never seen: {missing[:10]}"
+
+
+def _per_rank_state_worker(rank: int, world_size: int, path: str, skew: bool) -> dict[str, Any]:
+    """Save with every rank's RNG and sampler state, then resume: each rank must get its own stream back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    dist_resume.seed_rng(3, rank=rank)
+    sampler = dist_resume.ResumableDistributedSampler(64, seed=1)
+    it = iter(sampler)
+    for _ in range(5 + (rank if skew else 0)):
+        next(it)
+    dist_resume.save_checkpoint(path, model=model, step=5, sampler=sampler)  # gathers RNG + sampler on rank 0
+    expected = torch.rand(4)
+    torch.rand(8)
+    fresh = dist_resume.ResumableDistributedSampler(64, seed=1)
+    res = dist_resume.resume(path, model=model, sampler=fresh, rng=True)
+    return {"restored": res.restored, "rand": torch.rand(4), "expected": expected, "consumed": fresh.consumed,
+            "next": next(iter(fresh)), "want_next": next(it)}
+
+
+def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_path):
+    path = str(tmp_path / "c.pt")
+    results = run_ranks(_per_rank_state_worker, 2, tmp_path=tmp_path, args=(path, False))
+    saved = torch.load(path, weights_only=True)
+    assert len(saved["rng"]) == 2 and saved["sampler"]["consumed"] == 10
+    assert not torch.equal(saved["rng"][0]["torch"], saved["rng"][1]["torch"])  # per-rank streams
+    for r in results:
+        assert r["restored"][-2:] == ("sampler", "rng") and r["consumed"] == 10
+        assert torch.equal(r["rand"], r["expected"]) and r["next"] == r["want_next"]
+    assert not torch.equal(results[0]["rand"], results[1]["rand"])
+    with pytest.raises(RankFailure) as err:  # ranks that drew different batch counts: refused on every rank
+        run_ranks(_per_rank_state_worker, 2, tmp_path=tmp_path, args=(str(tmp_path / "skew.pt"), True))
+    assert sorted(err.value.failures) == [0, 1]
+    assert all("samplers are at different positions" in f for f in err.value.failures.values())
 
 
 @pytest.mark.timeout(480)
@@ -152,7 +187,7 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
                           timeout=LAUNCH_TIMEOUT)
     out = _ok(second)
     assert "resumed from b/step_00000005.pt: step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
-    assert "ranks 1..1 derive new streams from the saved seed 0, their rank and step 5" in out
+    assert "new streams on rank 1, derived from the saved seed 0, the rank and step 5" in out
     before, after = _records(tmp_path / "b1"), _records(tmp_path / "b2")
     _seen_once([i for r in before[0] for i in r["indices"]]
                + [i for rank in (0, 1) for r in after[rank] if r["epoch"] == 0 for i in r["indices"]], n)
