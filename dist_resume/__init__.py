@@ -25,7 +25,12 @@ from ._errors import (
     OptimizerStateMismatchError,
     StateMismatchError,
     UnsafeCheckpointError,
+    UsageError,
 )
+from ._archive import verify_archive
+from ._convert import KeyForm, convert_checkpoint
+from ._folder import CheckpointManager, latest_checkpoint
+from ._integrity import CheckpointInfo, inspect_checkpoint
 from ._layout import Layout
 from ._load import load_checkpoint, rank_map_location
 from ._optim import optimizer_to
@@ -58,6 +63,14 @@ __all__ = [
     "resume",
     "ResumeResult",
     "Layout",
+    # checkpoint folders, integrity, conversion
+    "CheckpointManager",
+    "latest_checkpoint",
+    "CheckpointInfo",
+    "inspect_checkpoint",
+    "verify_archive",
+    "convert_checkpoint",
+    "KeyForm",
     # exact resume
     "ResumableDistributedSampler",
     "rng_state_dict",
@@ -78,4 +91,5 @@ __all__ = [
     "KeyMismatchError",
     "OptimizerStateMismatchError",
     "DeviceMismatchError",
+    "UsageError",
 ]

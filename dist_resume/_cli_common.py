@@ -10,7 +10,7 @@ from typing import Any, Final, TextIO
 
 import torch
 
-from ._errors import DistResumeError
+from ._errors import UsageError
 
 __all__ = ["ExitCode", "UsageError", "SCHEMA_PREFIX", "print_json", "human_bytes", "dtype_name", "ProgressBar",
            "jsonable"]
@@ -27,14 +27,6 @@ class ExitCode(enum.IntEnum):
     WRITE = 3  # the output could not be written (permissions, disk full, missing folder)
     INTERNAL = 4  # a bug in dist-resume: please report it with the traceback
     INTERRUPTED = 130  # Ctrl-C
-
-
-class UsageError(DistResumeError, ValueError):
-    """The command cannot run as asked (SRC == DST, DST exists, ...); ``hint`` says what to do instead."""
-
-    def __init__(self, message: str, hint: str) -> None:
-        super().__init__(message)
-        self.hint = hint
 
 
 def jsonable(value: Any) -> Any:

@@ -16,6 +16,7 @@ __all__ = [
     "OptimizerStateMismatchError",
     "StateMismatchError",
     "DeviceMismatchError",
+    "UsageError",
 ]
 
 
@@ -97,3 +98,11 @@ class DeviceMismatchError(DistResumeError, RuntimeError):
     def __init__(self, message: str, *, findings: list[str] | None = None) -> None:
         super().__init__(message)
         self.findings = findings or []
+
+
+class UsageError(DistResumeError, ValueError):
+    """An operation cannot run as asked (SRC == DST, DST exists, ...); ``hint`` says what to do instead."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint

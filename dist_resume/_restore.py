@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._broadcast import agree_across_ranks, load_broadcast
+from ._env import is_distributed
 from ._errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
 from ._exact import check_sampler_state, param_device, restore_rank_rng
 from ._folder import resolve_checkpoint
@@ -113,8 +115,13 @@ def restore_parts(
     scaler: Any = None,
     strict: bool = True,
     source: str = "checkpoint",
+    agree: Callable[[BaseException | None], None] | None = None,
 ) -> tuple[tuple[str, ...], tuple[str, ...], list[str], list[str]]:
-    """Validate every part against the live objects, then apply them all (see :func:`resume`)."""
+    """Validate every part against the live objects, then apply them all (see :func:`resume`).
+
+    ``agree`` is called between the two phases with this rank's validation error (or None); under
+    broadcast loading it makes every rank raise if any rank failed, so no rank applies alone.
+    """
     skipped: list[str] = []
 
     def absent(what: str) -> None:
@@ -127,40 +134,48 @@ def restore_parts(
 
     # 1. validate everything, change nothing
     try:
-        adapted = adapt_state_dict(parts.model, model, strict=strict)
-    except KeyMismatchError as err:  # say which file
-        raise KeyMismatchError(f"{source}: {err}", missing=err.missing, unexpected=err.unexpected,
-                               mismatched=err.mismatched) from err
-    _check_dtypes(adapted, model, strict, source)
-    live_keys = model.state_dict().keys()
-    missing = [k for k in live_keys if k not in adapted]
-    # saved keys are in the checkpoint's form, adapted ones in the model's: compare through the pairing
-    paired = match_keys(parts.model.keys(), model_key_map(model)) if len(adapted) < len(parts.model) else {}
-    unexpected = [k for k in parts.model if k not in paired] if len(adapted) < len(parts.model) else []
-    opt_sd = None
-    if optimizer is not None:
-        saved_class = parts.meta.get("optimizer_class")
-        if parts.optimizer is None:
-            absent("optimizer")
-        elif saved_class and saved_class != type(optimizer).__name__:
-            raise OptimizerStateMismatchError(
-                f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
-                f"{type(optimizer).__name__}; build a {saved_class}, or pass strict=False and no optimizer"
-            )
-        else:
-            opt_sd = prepare_optimizer_state(parts.optimizer, optimizer, model, source=source)
-    if scheduler is not None:
-        if parts.scheduler is None:
-            absent("scheduler")
-        else:
-            _check_scheduler(parts.scheduler, scheduler, source)
-    if scaler is not None:
-        if parts.scaler is None:
-            absent("scaler")
-        elif not parts.scaler and not strict:
-            skipped.append("scaler")
-        else:
-            _check_scaler(parts.scaler, scaler, source)
+        try:
+            adapted = adapt_state_dict(parts.model, model, strict=strict)
+        except KeyMismatchError as err:  # say which file
+            raise KeyMismatchError(f"{source}: {err}", missing=err.missing, unexpected=err.unexpected,
+                                   mismatched=err.mismatched) from err
+        _check_dtypes(adapted, model, strict, source)
+        live_keys = model.state_dict().keys()
+        missing = [k for k in live_keys if k not in adapted]
+        # saved keys are in the checkpoint's form, adapted ones in the model's: compare through the pairing
+        paired = match_keys(parts.model.keys(), model_key_map(model)) if len(adapted) < len(parts.model) else {}
+        unexpected = [k for k in parts.model if k not in paired] if len(adapted) < len(parts.model) else []
+        opt_sd = None
+        if optimizer is not None:
+            saved_class = parts.meta.get("optimizer_class")
+            if parts.optimizer is None:
+                absent("optimizer")
+            elif saved_class and saved_class != type(optimizer).__name__:
+                raise OptimizerStateMismatchError(
+                    f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
+                    f"{type(optimizer).__name__}; build a {saved_class}, or pass strict=False and no optimizer"
+                )
+            else:
+                opt_sd = prepare_optimizer_state(parts.optimizer, optimizer, model, source=source)
+        if scheduler is not None:
+            if parts.scheduler is None:
+                absent("scheduler")
+            else:
+                _check_scheduler(parts.scheduler, scheduler, source)
+        if scaler is not None:
+            if parts.scaler is None:
+                absent("scaler")
+            elif not parts.scaler and not strict:
+                skipped.append("scaler")
+            else:
+                _check_scaler(parts.scaler, scaler, source)
+
+    except Exception as err:
+        if agree is not None:
+            agree(err)  # collective: every rank learns who failed
+        raise
+    if agree is not None:
+        agree(None)  # raises here if another rank failed, before anything changes
 
     # 2. apply; the cheap parts first so they can be rolled back if a later step fails
     restored: list[str] = []
@@ -206,6 +221,7 @@ def resume(
     sampler: Any = None,
     rng: bool = False,
     verify: bool = False,
+    broadcast_from_rank0: bool = False,
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
 
@@ -214,6 +230,10 @@ def resume(
     folder (:class:`CheckpointManager`): then it is collective under torch.distributed, rank 0
     picks the newest complete checkpoint and every rank confirms it sees the same file (see
     :func:`resolve_checkpoint`). ``verify=True`` checks the CRC-32 of every record before loading.
+    ``broadcast_from_rank0=True`` (collective) lets only global rank 0 open the file; the state reaches
+    the other ranks through torch.distributed broadcasts in bounded buckets (for node-local disks,
+    and to spare the filesystem N identical reads), with the same validation on every rank and no
+    rank applying anything unless all of them validated.
     Reads this toolkit's files and the common foreign layouts (a bare state dict,
     ``{"model", "optimizer"}``, ``{"state_dict"}``, ``{"model_state_dict", "optimizer_state_dict"}``),
     with any ``module.``/``_orig_mod.`` prefixes, into a plain or wrapped model on any device.
@@ -240,10 +260,18 @@ def resume(
         >>> dist_resume.resume("ckpt.pt", model=model, optimizer=opt).step
         7
     """
-    path = resolve_checkpoint(path)
+    agree = None
+    if broadcast_from_rank0 and is_distributed():
+        if map_location is not None:
+            raise ValueError("map_location cannot be combined with broadcast_from_rank0=True: the state arrives "
+                             "on the CPU and is copied into the model's and optimizer's own tensors")
+        path, obj = load_broadcast(path, mmap=mmap, weights_only=weights_only, verify=verify)
+        agree = agree_across_ranks
+    else:
+        path = resolve_checkpoint(path)
+        obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
+                              mmap=mmap, weights_only=weights_only, verify=verify)
     source = f"checkpoint {str(path)!r}"
-    obj = load_checkpoint(path, map_location="cpu" if map_location is None else map_location,
-                          mmap=mmap, weights_only=weights_only, verify=verify)
     parts = split_checkpoint(obj, source)
     if sampler is not None and parts.sampler is None and strict:
         raise StateMismatchError(
@@ -253,7 +281,8 @@ def resume(
     if sampler is not None and parts.sampler is not None:
         check_sampler_state(sampler, parts.sampler, source)  # validate before anything changes
     restored, skipped, missing, unexpected = restore_parts(
-        parts, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict, source=source
+        parts, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict, source=source,
+        agree=agree,
     )
     if sampler is not None:
         if parts.sampler is None:

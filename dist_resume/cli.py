@@ -65,7 +65,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ._cli_convert import KeyForm, convert_checkpoint
+    from ._convert import KeyForm, convert_checkpoint
 
     bar = ProgressBar.for_stderr("converting", quiet=args.quiet or args.json)
     try:

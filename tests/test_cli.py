@@ -22,7 +22,7 @@ from torch import nn
 
 import dist_resume
 from dist_resume._cli_common import ExitCode, ProgressBar
-from dist_resume._cli_convert import remove_stale_temps
+from dist_resume._convert import remove_stale_temps
 from dist_resume.cli import main
 from tests.helpers import save_with_device_tag
 

@@ -1,4 +1,4 @@
-"""``dist-resume convert``: re-key a checkpoint for a single-process or a DDP model without loading its tensors."""
+"""Converting a checkpoint between single-process and DDP key forms without deserializing its tensors."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from typing import Any
 
 from ._archive import read_archive, verify_archive
 from ._archive_write import dump_pickle, rewrite_archive
-from ._cli_common import UsageError
-from ._errors import CheckpointWriteError, KeyMismatchError
+from ._errors import CheckpointWriteError, KeyMismatchError, UsageError
 from ._layout import Layout, split_checkpoint
 from ._load import PathLike
 from ._prefix import DDP_PREFIX, canonical_key, prefix_style

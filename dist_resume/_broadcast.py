@@ -1,0 +1,212 @@
+"""Sending a loaded checkpoint from global rank 0 to every rank through torch.distributed, in bounded buckets."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _errors
+from ._errors import CheckpointError, CheckpointNotFoundError, DistResumeError, StateMismatchError
+from ._folder import latest_checkpoint
+from ._load import PathLike, load_checkpoint
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "load_broadcast", "agree_across_ranks"]
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Stands in for a tensor in the structure sent ahead of the data."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The structure of ``obj`` with every tensor replaced by a :class:`_Slot` (tensors appended to ``tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        out = type(obj)() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = _split(value, tensors)
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            out._metadata = meta  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_split(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        out = type(obj)() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = _join(value, tensors)
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            out._metadata = meta  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's data."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send_tensors(tensors: list[torch.Tensor], slots: list[_Slot] | None, bucket_bytes: int) -> list[torch.Tensor]:
+    """Broadcast the data of ``tensors`` (rank 0) into fresh CPU tensors (other ranks), bucket by bucket."""
+    rank0 = dist.get_rank() == 0
+    device = _comm_device()
+    if rank0:
+        out = [t.detach().cpu().contiguous() for t in tensors]
+    else:
+        assert slots is not None
+        out = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    flat = [_bytes_of(t) for t in out]
+    bucket = torch.empty(min(bucket_bytes, max((f.numel() for f in flat), default=0)) or 1,
+                         dtype=torch.uint8, device=device)
+    pending: list[tuple[torch.Tensor, int, int]] = []  # (flat tensor, start, length) packed into the bucket
+    used = 0
+
+    def flush() -> None:
+        nonlocal used
+        if not pending:
+            return
+        if rank0:
+            offset = 0
+            for src, start, length in pending:
+                bucket[offset:offset + length].copy_(src[start:start + length])
+                offset += length
+        dist.broadcast(bucket[:used], src=0)
+        if not rank0:
+            offset = 0
+            for dst, start, length in pending:
+                dst[start:start + length].copy_(bucket[offset:offset + length])
+                offset += length
+        pending.clear()
+        used = 0
+
+    for f in flat:
+        start = 0
+        while start < f.numel():
+            length = min(f.numel() - start, bucket.numel() - used)
+            pending.append((f, start, length))
+            used += length
+            start += length
+            if used == bucket.numel():
+                flush()
+    flush()
+    return out
+
+
+def broadcast_loaded(load: Callable[[], Any], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:
+    """Run ``load`` on global rank 0 and give every rank the same object, tensors as CPU tensors.
+
+    Collective: call it on every rank. The structure travels first (one object broadcast), then the
+    tensor data in buckets of at most ``bucket_bytes``. If ``load`` raises on rank 0, every rank
+    raises the same dist_resume error class.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    rank0 = dist.get_rank() == 0
+    tensors: list[torch.Tensor] = []
+    header: list[Any] = [None]
+    failure: BaseException | None = None
+    if rank0:
+        try:
+            header[0] = ("ok", _split(load(), tensors))
+        except Exception as err:  # every rank raises it below
+            failure = err
+            header[0] = ("error", type(err).__name__, str(err))
+    dist.broadcast_object_list(header, src=0)
+    if header[0][0] == "error":
+        if failure is not None:
+            raise failure
+        _, name, message = header[0]
+        cls = getattr(_errors, name, None)
+        if isinstance(cls, type) and issubclass(cls, DistResumeError):
+            raise cls(f"{message} (reported by rank 0)")
+        raise CheckpointError(f"rank 0 could not read the checkpoint: {name}: {message}")
+    skeleton = header[0][1]
+    slots = None if rank0 else _collect_slots(skeleton)
+    data = _send_tensors(tensors, slots, bucket_bytes)
+    return _join(skeleton, data)
+
+
+def _collect_slots(skeleton: Any) -> list[_Slot]:
+    found: list[_Slot] = []
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, _Slot):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    walk(skeleton)
+    found.sort(key=lambda s: s.index)
+    return found
+
+
+def load_broadcast(
+    path: PathLike, *, mmap: bool, weights_only: bool, verify: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[Path, Any]:
+    """Global rank 0 picks and reads the checkpoint (a file, or a folder's newest valid one); all ranks get it.
+
+    Collective. Only rank 0 touches the filesystem, so the other ranks need not see the file.
+    """
+
+    def load() -> tuple[str, Any]:
+        chosen = Path(path)
+        if chosen.is_dir():
+            latest = latest_checkpoint(chosen, verify=True)
+            if latest is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint in folder {str(chosen)!r} (seen from rank 0)")
+            chosen = latest
+        obj = load_checkpoint(chosen, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
+        return str(chosen), obj
+
+    chosen, obj = broadcast_loaded(load, bucket_bytes=bucket_bytes)
+    return Path(chosen), obj
+
+
+def agree_across_ranks(error: BaseException | None) -> None:
+    """Collective: share each rank's validation outcome; raise on every rank if any rank failed."""
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: text for rank, text in enumerate(outcomes) if text is not None}
+    if failed and error is None:
+        first = min(failed)
+        raise StateMismatchError(
+            f"rank(s) {sorted(failed)} could not restore the broadcast checkpoint (rank {first}: "
+            f"{failed[first]}); nothing was restored on any rank"
+        )
