@@ -28,6 +28,7 @@ from ._errors import (
     UsageError,
 )
 from ._archive import verify_archive
+from ._async import AsyncSave, save_checkpoint_async
 from ._convert import KeyForm, convert_checkpoint
 from ._folder import CheckpointManager, latest_checkpoint
 from ._integrity import CheckpointInfo, inspect_checkpoint
@@ -60,6 +61,8 @@ __all__ = [
     "check_devices",
     # checkpoints
     "save_checkpoint",
+    "save_checkpoint_async",
+    "AsyncSave",
     "resume",
     "ResumeResult",
     "Layout",

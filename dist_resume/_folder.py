@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._async import AsyncSave, save_checkpoint_async, wait_pending
 from ._env import is_distributed
 from ._errors import (
     CheckpointConsensusError,
@@ -173,11 +174,37 @@ class CheckpointManager:
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
         path = self.folder / checkpoint_name(_check_step(step))
+        wait_pending()
         run_on_rank0(self._prepare)
         save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                         step=step, epoch=epoch, extra=extra, sampler=sampler, rng=rng)
         run_on_rank0(lambda: self._rotate(path, step))
         return path
+
+    def save_async(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        epoch: int | None = None,
+        extra: Any = None,
+        sampler: Any = None,
+        rng: bool = True,
+    ) -> AsyncSave:
+        """Like :meth:`save`, but return once the state is snapshotted (see :func:`save_checkpoint_async`).
+
+        Collective under torch.distributed. The write stays atomic, and rotation runs in the
+        background thread only after the new checkpoint is durable.
+        """
+        path = self.folder / checkpoint_name(_check_step(step))
+        wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
+        run_on_rank0(self._prepare)
+        return save_checkpoint_async(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                     step=step, epoch=epoch, extra=extra, sampler=sampler, rng=rng,
+                                     after_write=lambda written: self._rotate(written, step))
 
     def _prepare(self) -> None:
         try:

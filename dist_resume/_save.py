@@ -247,6 +247,32 @@ def run_on_rank0(fn: Callable[[], Any]) -> Any:
     raise CheckpointWriteError(f"rank 0 failed: {name}: {message}")
 
 
+def prepare_payload(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    step: int | None,
+    epoch: int | None,
+    extra: Any,
+    sampler: Any,
+    rng: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The collective part of a save (every rank's RNG/sampler state to rank 0); returns rank 0's payload builder."""
+    world_size = dist.get_world_size() if is_distributed() else 1
+    rank_states = None
+    if rng or sampler is not None:
+        rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
+
+    def build() -> dict[str, Any]:
+        rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
+        return build_payload(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, step=step,
+                             epoch=epoch, extra=extra, world_size=world_size, rng=rng_states, sampler=sampler_state)
+
+    return build
+
+
 def save_checkpoint(
     path: PathLike,
     *,
@@ -281,16 +307,11 @@ def save_checkpoint(
         >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
         PosixPath('ckpt.pt')
     """
-    world_size = dist.get_world_size() if is_distributed() else 1
-    rank_states = None
-    if rng or sampler is not None:  # collective: every rank's RNG/sampler state to rank 0
-        rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
+    build = prepare_payload(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, step=step,
+                            epoch=epoch, extra=extra, sampler=sampler, rng=rng)
 
     def write() -> Path:
-        rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
-        payload = build_payload(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                step=step, epoch=epoch, extra=extra, world_size=world_size,
-                                rng=rng_states, sampler=sampler_state)
+        payload = build()
         dest = atomic_write(path, lambda f: torch.save(payload, f))
         log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
         return dest

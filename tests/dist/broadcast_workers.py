@@ -62,3 +62,22 @@ def rank0_cannot_read(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     except dist_resume.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
+
+
+def async_saves(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Two background saves through a manager, then one that fails on rank 0: every rank sees each outcome."""
+    model, opt, _ = make(seed=0)
+    manager = dist_resume.CheckpointManager(folder, keep_last=1)
+    first = manager.save_async(1, model=model, optimizer=opt)
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)
+    second = manager.save_async(2, model=model, optimizer=opt)  # waits for the first (collective)
+    path = second.wait()
+    broken = dist_resume.save_checkpoint_async(folder + "-missing/x.pt", model=model)
+    try:
+        broken.wait()
+        error = None
+    except dist_resume.CheckpointWriteError as err:
+        error = str(err)
+    return {"first_done": first.done(), "path": str(path), "error": error,
+            "weight": model.fc.weight.detach().clone()}

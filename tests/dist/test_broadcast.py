@@ -57,3 +57,14 @@ def test_rank0_read_error_reaches_every_rank(tmp_path):
     results = run_ranks(B.rank0_cannot_read, 2, tmp_path=tmp_path, args=(str(tmp_path / "missing.pt"),))
     assert [r["error"] for r in results] == ["CheckpointNotFoundError"] * 2
     assert "missing.pt" in results[1]["message"] and "rank 0" in results[1]["message"]
+
+
+def test_async_saves_are_collective_and_errors_reach_every_rank(tmp_path):
+    folder = tmp_path / "ckpts"
+    results = run_ranks(B.async_saves, 2, tmp_path=tmp_path, args=(str(folder),))
+    assert [p.name for p in folder.iterdir()] == ["ckpt_00000002.pt"]
+    saved = torch.load(folder / "ckpt_00000002.pt", weights_only=True)
+    assert torch.equal(saved["model"]["fc.weight"], results[0]["weight"])
+    for rank, res in enumerate(results):
+        assert res["first_done"] and res["path"].endswith("ckpt_00000002.pt"), rank
+        assert res["error"] is not None and "does not exist" in res["error"], f"rank {rank} missed rank 0's error"
