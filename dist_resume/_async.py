@@ -16,7 +16,8 @@ from ._env import is_distributed
 from ._errors import CheckpointWriteError
 from ._load import PathLike
 from ._log import log_rank0
-from ._save import atomic_write, prepare_payload, run_on_rank0
+from ._atomic import atomic_write
+from ._save import prepare_payload, run_on_rank0
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "wait_pending"]
 

@@ -20,7 +20,7 @@ from ._errors import CheckpointWriteError, KeyMismatchError, UsageError
 from ._layout import Layout, split_checkpoint
 from ._load import PathLike
 from ._prefix import DDP_PREFIX, canonical_key, prefix_style
-from ._save import TEMP_NAME, atomic_write
+from ._atomic import TEMP_NAME, atomic_write
 
 __all__ = ["KeyForm", "ConvertResult", "convert_checkpoint", "target_key", "remove_stale_temps"]
 

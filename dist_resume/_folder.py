@@ -1,7 +1,7 @@
 """Checkpoint folders: numbered checkpoints, rotation, the latest valid one, agreement between ranks.
 
 A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
-name appears only through :func:`~dist_resume._save.atomic_write`'s rename (after the data is
+name appears only through :func:`~dist_resume._atomic.atomic_write`'s rename (after the data is
 fsynced), and the file must pass :func:`~dist_resume._integrity.inspect_checkpoint` (zip
 structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
 """
@@ -32,7 +32,8 @@ from ._errors import (
 from ._integrity import CheckpointInfo, archive_digest, inspect_checkpoint
 from ._load import PathLike
 from ._log import log_rank0, logger
-from ._save import TEMP_NAME, run_on_rank0, save_checkpoint
+from ._atomic import TEMP_NAME
+from ._save import run_on_rank0, save_checkpoint
 
 __all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "resolve_checkpoint"]
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import re
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._atomic import atomic_write
 from ._env import is_distributed
 from . import _errors
 from ._errors import CheckpointWriteError, DistResumeError
@@ -27,7 +24,7 @@ from ._log import log_rank0
 from ._optim import canonical_optimizer_state
 from ._prefix import canonical_state_dict, unwrap_model
 
-__all__ = ["save_checkpoint", "build_payload", "atomic_write", "TEMP_NAME", "check_weights_only_safe", "run_on_rank0"]
+__all__ = ["save_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe", "run_on_rank0"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size, torch.dtype,
                 torch.device)
@@ -105,118 +102,6 @@ def build_payload(
         payload[Key.SAMPLER] = dict(sampler)
         check_weights_only_safe(payload[Key.SAMPLER], "sampler.state_dict()")
     return payload
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TEMP_NAME = re.compile(r"^\.(?P<dest>.+)\.(?P<token>[0-9a-f]{16})\.tmp$")
-"""The names :func:`atomic_write` gives its temporary files: ``.<dest name>.<16 hex digits>.tmp``."""
-
-_WRITE_ERRORS = {
-    errno.ENOSPC: ("the disk is full", "free space or save to a larger disk"),
-    errno.EDQUOT: ("the disk quota is exceeded", "free space within your quota"),
-    errno.EFBIG: ("the file grew past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or the filesystem's "
-                  "maximum file size", "raise the limit (`ulimit -f unlimited`) or save to a filesystem that "
-                  "allows files this large"),
-    errno.EACCES: ("permission denied", "fix the folder's permissions"),
-    errno.EPERM: ("operation not permitted", "fix the folder's permissions"),
-    errno.EROFS: ("the filesystem is read-only", "save to a writable folder"),
-}
-
-
-class _RecordingFile:
-    """Remembers the OSError a write raised: torch.save replaces it with an opaque RuntimeError."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            written: int = self._f.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-        return written
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
-def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
-    """A new file next to the destination with the mode ``open()`` would give it (0o666 minus the umask)."""
-    while True:
-        tmp = folder / f".{dest_name}.{secrets.token_hex(8)}.tmp"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
-        except FileExistsError:  # pragma: no cover - 64 random bits collided
-            continue
-
-
-def _write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
-    if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
-        what, fix = _WRITE_ERRORS[err.errno]
-        what = f"{what} ({errno.errorcode[err.errno]}: {err.strerror})"
-    elif isinstance(err, OSError):
-        what, fix = err.strerror or str(err), "fix the cause"
-    else:
-        what, fix = (str(err).splitlines() or [""])[0], "fix the cause"
-    return CheckpointWriteError(
-        f"saving {str(dest)!r} failed: {what}; the previous checkpoint (if any) is untouched and no temporary "
-        f"file was left behind; {fix}, then save again"
-    )
-
-
-def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
-    """Write ``path`` through a temporary file in the same folder, fsync it, then ``os.replace`` it in.
-
-    Local. A reader sees the old file or the new one, never a partial one: the rename is the
-    completion marker, and the folder is fsynced after it so the rename survives a power loss.
-    The file gets the mode ``open()`` would give it (0o666 minus the umask). On error (disk full,
-    file-size limit, permissions) the temporary file is removed and :class:`CheckpointWriteError`
-    names the cause; a process killed mid-write leaves a ``.<name>.<hex>.tmp`` file
-    (:data:`TEMP_NAME`) that :class:`CheckpointManager` removes on its next save.
-
-    Example::
-
-        >>> dist_resume._save.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
-        PosixPath('w.pt')
-    """
-    dest = Path(path)
-    folder = dest.parent
-    if not folder.is_dir():
-        raise CheckpointWriteError(f"cannot save {str(dest)!r}: the folder {str(folder)!r} does not exist; create it first")
-    tmp_name: Path | None = None
-    recorder: _RecordingFile | None = None
-    try:
-        fd, tmp_name = _create_temp(folder, dest.name)
-        with os.fdopen(fd, "wb") as f:
-            recorder = _RecordingFile(f)
-            write(recorder)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, dest)
-        tmp_name = None
-        _fsync_dir(folder)
-    except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
-        cause = recorder.error if recorder is not None and recorder.error is not None else err
-        raise _write_error(dest, cause) from cause
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
-    return dest
 
 
 def run_on_rank0(fn: Callable[[], Any]) -> Any:

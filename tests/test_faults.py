@@ -26,7 +26,7 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
-from dist_resume._save import TEMP_NAME
+from dist_resume._atomic import TEMP_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20

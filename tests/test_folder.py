@@ -14,7 +14,7 @@ from torch import nn
 import dist_resume as dr
 from dist_resume._folder import CheckpointManager, checkpoint_name, latest_checkpoint, resolve_checkpoint
 from dist_resume._integrity import archive_digest, inspect_checkpoint
-from dist_resume._save import TEMP_NAME
+from dist_resume._atomic import TEMP_NAME
 
 
 class Net(nn.Module):
