@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import secrets
 from collections.abc import Callable
@@ -119,6 +120,12 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
     except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
         raise _write_error(dest, cause) from cause
+    except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
+        raise CheckpointWriteError(
+            f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
+            "keep lambdas, open files and other unpicklable objects out of state dicts and extra. "
+            "The previous checkpoint (if any) is untouched"
+        ) from err
     finally:
         if tmp_name is not None:
             try:

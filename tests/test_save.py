@@ -184,3 +184,18 @@ def test_str_path_and_compiled_and_dataparallel_models_round_trip(tmp_path):
         dr.resume(path, model=dst)
         for key, value in src.state_dict().items():
             assert torch.equal(dst.state_dict()[key], value)
+
+
+def test_unpicklable_state_is_a_write_error_and_leaves_nothing(tmp_path):
+    class WithLambda(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"fn": lambda x: x}
+
+        def set_extra_state(self, state):
+            pass
+
+    (tmp_path / "ckpt.pt").write_bytes(b"previous")
+    with pytest.raises(dist_resume.CheckpointWriteError, match="could not be pickled"):
+        dist_resume.save_checkpoint(tmp_path / "ckpt.pt", model=WithLambda(2, 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"previous"
