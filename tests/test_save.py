@@ -195,7 +195,7 @@ def test_unpicklable_state_is_a_write_error_and_leaves_nothing(tmp_path):
             pass
 
     (tmp_path / "ckpt.pt").write_bytes(b"previous")
-    with pytest.raises(dist_resume.CheckpointWriteError, match="could not be pickled"):
-        dist_resume.save_checkpoint(tmp_path / "ckpt.pt", model=WithLambda(2, 2))
+    with pytest.raises(dr.CheckpointWriteError, match="could not be pickled"):
+        dr.save_checkpoint(tmp_path / "ckpt.pt", model=WithLambda(2, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
     assert (tmp_path / "ckpt.pt").read_bytes() == b"previous"
