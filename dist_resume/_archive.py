@@ -26,7 +26,7 @@ from typing import Any, Final
 import torch
 from torch import _weights_only_unpickler as _wo
 
-from ._errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
+from ._errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
 from ._load import _GARBLED_PICKLE, PathLike, _unsafe, check_file, file_kind
 
 __all__ = [

@@ -18,6 +18,7 @@ from ._load import PathLike
 from ._log import log_rank0
 from ._atomic import atomic_write
 from ._save import prepare_payload, run_on_rank0
+from ._tree import map_tensors
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "wait_pending"]
 
@@ -27,24 +28,14 @@ _pending_lock = threading.Lock()
 
 def _snapshot(obj: Any, pin: bool) -> Any:
     """A copy of ``obj`` whose tensors are private CPU copies (pinned when CUDA is in use)."""
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        src = t.detach()
         out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin and src.is_cuda)
         out.copy_(src, non_blocking=src.is_cuda)
         return out
-    if isinstance(obj, dict):
-        out_dict = type(obj)()
-        for key, value in obj.items():
-            out_dict[key] = _snapshot(value, pin)
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out_dict._metadata = meta  # type: ignore[attr-defined]
-        return out_dict
-    if isinstance(obj, list):
-        return [_snapshot(v, pin) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v, pin) for v in obj)
-    return obj
+
+    return map_tensors(obj, copy)
 
 
 class AsyncSave:

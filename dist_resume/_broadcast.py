@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from . import _errors
 from ._errors import CheckpointError, CheckpointNotFoundError, DistResumeError, StateMismatchError
 from ._folder import latest_checkpoint
 from ._load import PathLike, load_checkpoint
+from ._tree import map_tensors
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "load_broadcast", "agree_across_ranks"]
 
@@ -32,40 +32,16 @@ class _Slot:
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """The structure of ``obj`` with every tensor replaced by a :class:`_Slot` (tensors appended to ``tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        out = type(obj)() if isinstance(obj, OrderedDict) else {}
-        for key, value in obj.items():
-            out[key] = _split(value, tensors)
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = meta  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_split(v, tensors) for v in obj)
-    return obj
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype)
+
+    return map_tensors(obj, slot)
 
 
-def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        out = type(obj)() if isinstance(obj, OrderedDict) else {}
-        for key, value in obj.items():
-            out[key] = _join(value, tensors)
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = meta  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_join(v, tensors) for v in obj)
-    return obj
+def _join(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    return map_tensors(skeleton, lambda slot: tensors[slot.index], kind=_Slot)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -161,20 +137,8 @@ def broadcast_loaded(load: Callable[[], Any], *, bucket_bytes: int = DEFAULT_BUC
 
 def _collect_slots(skeleton: Any) -> list[_Slot]:
     found: list[_Slot] = []
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, _Slot):
-            found.append(obj)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                walk(value)
-
-    walk(skeleton)
-    found.sort(key=lambda s: s.index)
-    return found
+    map_tensors(skeleton, found.append, kind=_Slot)
+    return sorted(found, key=lambda slot: slot.index)
 
 
 def load_broadcast(
