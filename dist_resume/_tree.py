@@ -21,7 +21,7 @@ def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor) -
             out[key] = map_tensors(value, fn, kind)
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
-            out._metadata = meta  # type: ignore[union-attr]
+            out._metadata = meta  # type: ignore[attr-defined,union-attr]
         return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn, kind) for v in obj)

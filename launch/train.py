@@ -43,7 +43,8 @@ log = logging.getLogger("train")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"), help="numbered checkpoints go here")
+    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"),
+                   help="checkpoint folder: ckpt_<step>.pt, written atomically, the last --keep-last kept")
     p.add_argument("--resume", default="auto",
                    help="'auto': newest checkpoint in --ckpt-dir if any; 'none': start fresh; or a file/folder")
     p.add_argument("--init-from", type=Path, default=None,
@@ -110,36 +111,21 @@ def pick_device(choice: str) -> torch.device:
     return device
 
 
-# --- checkpoint folder glue: numbered files step_<N>.pt; switch to dist_resume.CheckpointManager once exported ---
-def ckpt_path(folder: Path, step: int) -> Path:
-    return folder / f"step_{step:08d}.pt"
+def resume_run(args: argparse.Namespace, **objects: Any) -> dr.ResumeResult | None:
+    """Resume per --resume; None when there is nothing to resume. Collective: call on every rank.
 
-
-def newest_checkpoint(folder: Path) -> Path | None:
-    files = sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
-    return files[-1] if files else None
-
-
-def prune_checkpoints(folder: Path, keep_last: int) -> None:
-    for old in sorted(folder.glob("step_*.pt"))[:-keep_last]:
-        old.unlink(missing_ok=True)
-# --- end of glue ---
-
-
-def choose_checkpoint(args: argparse.Namespace) -> Path | None:
-    """Rank 0 picks the checkpoint to resume from and every rank follows (FACTS #17)."""
-    choice: list[Any] = [None]
-    if dr.rank_info().rank == 0:
-        if args.resume == "auto":
-            choice[0] = newest_checkpoint(args.ckpt_dir)
-        elif args.resume != "none":
-            target = Path(args.resume)
-            choice[0] = newest_checkpoint(target) if target.is_dir() else target
-            if choice[0] is None:
-                choice[0] = target  # resume() then names the problem
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return None if choice[0] is None else Path(choice[0])
+    For a folder, resume() lets rank 0 choose the newest complete checkpoint and every rank confirm
+    it sees the same file, so no two ranks can resume from different steps.
+    """
+    if args.resume == "none":
+        return None
+    target = args.ckpt_dir if args.resume == "auto" else Path(args.resume)
+    try:
+        return dr.resume(target, **objects, rng=True)
+    except dr.CheckpointNotFoundError:
+        if args.resume != "auto":
+            raise  # an explicit path must exist
+        return None  # an empty --ckpt-dir: a new run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,21 +174,21 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
                         generator=torch.Generator().manual_seed(args.seed))
 
     step = 0
-    ckpt = choose_checkpoint(args)
-    if ckpt is not None:
-        res = dr.resume(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                        sampler=sampler, rng=True)
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # every rank: resume() then always sees a folder
+    ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)
+    res = resume_run(args, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
+    if res is not None:
         step = res.step or 0
         log.info("resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
                  res.path, step, sampler.epoch, sampler.consumed, len(dataset),
                  res.metadata.get("world_size", "?"), world, attempt)
     elif args.init_from is not None:
-        res = dr.resume(args.init_from, model=model, optimizer=optimizer)
+        init = dr.resume(args.init_from, model=model, optimizer=optimizer)
         for group in optimizer.param_groups:  # a new run: its own learning-rate schedule
             group["lr"] = group["initial_lr"] = args.lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
         log.info("initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
-                 res.path, res.step, res.metadata.get("world_size", "?"), world)
+                 init.path, init.step, init.metadata.get("world_size", "?"), world)
     else:
         log.info("no checkpoint to resume from (--resume %s): starting at step 0 with %d rank(s)", args.resume, world)
     dr.check_devices(model, optimizer)
@@ -211,19 +197,15 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     if args.dump_losses is not None:
         args.dump_losses.mkdir(parents=True, exist_ok=True)
         losses = open(args.dump_losses / f"rank{rank}.jsonl", "a", buffering=1)
-    if rank == 0:
-        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     kill_rank = world - 1 if args.kill_rank is None else args.kill_rank
     last = min(args.steps, args.stop_after or args.steps)
-    saved_at = step if ckpt is not None else None
+    saved_at = step if res is not None else None
 
     def save() -> None:
         nonlocal saved_at
         extra = {"seed": args.seed, "num_samples": args.num_samples, "batch_size": args.batch_size}
-        dr.save_checkpoint(ckpt_path(args.ckpt_dir, step), model=model, optimizer=optimizer, scheduler=scheduler,
-                           scaler=scaler, step=step, epoch=sampler.epoch, sampler=sampler, extra=extra)
-        if rank == 0:
-            prune_checkpoints(args.ckpt_dir, args.keep_last)
+        ckpts.save(step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,  # collective
+                   epoch=sampler.epoch, sampler=sampler, extra=extra)
         saved_at = step
 
     model.train()
