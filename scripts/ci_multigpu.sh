@@ -63,7 +63,7 @@ kill_and_resume() {  # the last rank SIGKILLs itself after step 11; torchrun res
     MAX_RESTARTS=2 NPROC_PER_NODE="$nproc" TORCHRUN="$TORCHRUN" bash launch/elastic.sh "${train[@]}" \
         --ckpt-dir "$WORK/kr" --kill-at-step 11 --dump-final "$WORK/kr.pt" | tee "$WORK/kr.out"
     grep -q "SIGKILL at step 11" "$WORK/kr.out"
-    grep -q "resumed from .*step_00000008.pt" "$WORK/kr.out"
+    grep -q "resumed from .*ckpt_00000008.pt" "$WORK/kr.out"
 }
 
 bitwise_equal() {
@@ -86,8 +86,8 @@ single_card() {
 
 single_to_ddp() {
     "${torchrun[@]}" --standalone --nproc_per_node="$nproc" launch/train.py "${train[@]}" --steps 8 \
-        --ckpt-dir "$WORK/ddp" --init-from "$WORK/single/step_00000008.pt" | tee "$WORK/conv.out"
-    grep -q "initialised from .*step_00000008.pt (step 8 of a 1-rank run)" "$WORK/conv.out"
+        --ckpt-dir "$WORK/ddp" --init-from "$WORK/single/ckpt_00000008.pt" | tee "$WORK/conv.out"
+    grep -q "initialised from .*ckpt_00000008.pt (step 8 of a 1-rank run)" "$WORK/conv.out"
     grep -q "done: step 8" "$WORK/conv.out"
 }
 

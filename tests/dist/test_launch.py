@@ -130,7 +130,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--resume", "auto", "--dump-final", "b.pt",
                            "--dump-losses", "b_losses"], nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
     out = _ok(second)
-    assert "resumed from b/step_00000013.pt: step 13, epoch 1, sample 160 of 256" in out
+    assert "resumed from b/ckpt_00000013.pt: step 13, epoch 1, sample 160 of 256" in out
     assert "restored model, scaler, optimizer, scheduler, sampler, rng" in out
     _assert_bitwise_equal(tmp_path / "b.pt", tmp_path / "ref.pt")
     resumed = _records(tmp_path / "b_losses")
@@ -147,7 +147,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     out = _ok(elastic)
     assert "rank 1: SIGKILL at step 11" in out and "exitcode: -9" in out
     # saved after the last batch of epoch 0: the sampler moves on to epoch 1 when iterated
-    assert "resumed from e/step_00000008.pt: step 8, epoch 0, sample 256 of 256" in out
+    assert "resumed from e/ckpt_00000008.pt: step 8, epoch 0, sample 256 of 256" in out
     assert "attempt 1)" in out
     _assert_bitwise_equal(tmp_path / "e.pt", tmp_path / "ref.pt")
     records = _records(tmp_path / "e_losses")
@@ -172,7 +172,7 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
                          nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
     assert "sample 160 of 256" in _ok(first)
     out = _ok(_launch([*single, "--ckpt-dir", "a", "--dump-losses", "a2"], tmp_path))
-    assert "resumed from a/step_00000005.pt: step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
+    assert "resumed from a/ckpt_00000005.pt: step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
     assert "holds RNG state for 2 rank(s) but the job has 1" in out  # the stated policy, logged
     assert "done: step 20" in out
     before, after = _records(tmp_path / "a1"), _records(tmp_path / "a2")
@@ -186,7 +186,7 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
     second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--dump-losses", "b2"], nproc=2, cwd=tmp_path,
                           timeout=LAUNCH_TIMEOUT)
     out = _ok(second)
-    assert "resumed from b/step_00000005.pt: step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
+    assert "resumed from b/ckpt_00000005.pt: step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
     assert "new streams on rank 1, derived from the saved seed 0, the rank and step 5" in out
     before, after = _records(tmp_path / "b1"), _records(tmp_path / "b2")
     _seen_once([i for r in before[0] for i in r["indices"]]
@@ -212,7 +212,7 @@ def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp
     finally:
         del store
     out = "".join(_ok(node) for node in nodes)
-    assert "resumed from ck/step_00000003.pt: step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
+    assert "resumed from ck/ckpt_00000003.pt: step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
     records = _records(tmp_path / "multi")
     assert sorted(records) == [0, 1, 2, 3]
     placement = {(r["rank"], r["local_rank"], r["node_rank"], r["device"]) for rs in records.values() for r in rs}
