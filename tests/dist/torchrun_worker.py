@@ -6,6 +6,7 @@ Prints one JSON line prefixed with RESULT on every rank.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -57,8 +58,11 @@ def main() -> None:
         "checksum": float(checksum),
         "losses_finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
     }
-    print("RESULT " + json.dumps(report), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(report) + "\n")  # one write: lines of ranks never interleave
+    sys.stdout.flush()
     dist.barrier()  # nobody tears down its connections while a peer is still talking
+    del ddp, model, opt, sched  # a gloo group destroyed from DDP's destructor can hang or abort at exit
+    gc.collect()
     dist.destroy_process_group()
 
 
