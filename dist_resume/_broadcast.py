@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _errors
-from ._errors import CheckpointError, CheckpointNotFoundError, DistResumeError, StateMismatchError
+from ._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from ._folder import latest_checkpoint
 from ._load import PathLike, load_checkpoint
+from ._save import run_on_rank0
 from ._tree import map_tensors
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "load_broadcast", "agree_across_ranks"]
@@ -111,25 +111,8 @@ def broadcast_loaded(load: Callable[[], Any], *, bucket_bytes: int = DEFAULT_BUC
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     rank0 = dist.get_rank() == 0
-    tensors: list[torch.Tensor] = []
-    header: list[Any] = [None]
-    failure: BaseException | None = None
-    if rank0:
-        try:
-            header[0] = ("ok", _split(load(), tensors))
-        except Exception as err:  # every rank raises it below
-            failure = err
-            header[0] = ("error", type(err).__name__, str(err))
-    dist.broadcast_object_list(header, src=0)
-    if header[0][0] == "error":
-        if failure is not None:
-            raise failure
-        _, name, message = header[0]
-        cls = getattr(_errors, name, None)
-        if isinstance(cls, type) and issubclass(cls, DistResumeError):
-            raise cls(f"{message} (reported by rank 0)")
-        raise CheckpointError(f"rank 0 could not read the checkpoint: {name}: {message}")
-    skeleton = header[0][1]
+    tensors: list[torch.Tensor] = []  # filled on rank 0 while the structure is split off
+    skeleton = run_on_rank0(lambda: _split(load(), tensors), fallback=CheckpointError)
     slots = None if rank0 else _collect_slots(skeleton)
     data = _send_tensors(tensors, slots, bucket_bytes)
     return _join(skeleton, data)

@@ -104,11 +104,12 @@ def build_payload(
     return payload
 
 
-def run_on_rank0(fn: Callable[[], Any]) -> Any:
+def run_on_rank0(fn: Callable[[], Any], fallback: type[DistResumeError] = CheckpointWriteError) -> Any:
     """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error.
 
     Collective under torch.distributed (one broadcast), so a failure on rank 0 never leaves the
-    other ranks waiting in a barrier: they raise the same dist_resume error class.
+    other ranks waiting in a barrier: they raise the same dist_resume error class (``fallback``
+    for any other exception).
     """
     if not is_distributed():
         return fn()
@@ -129,7 +130,7 @@ def run_on_rank0(fn: Callable[[], Any]) -> Any:
     cls = getattr(_errors, name, None)
     if isinstance(cls, type) and issubclass(cls, DistResumeError):
         raise cls(f"{message} (reported by rank 0)")
-    raise CheckpointWriteError(f"rank 0 failed: {name}: {message}")
+    raise fallback(f"rank 0 failed: {name}: {message}")
 
 
 def prepare_payload(
