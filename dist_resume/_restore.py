@@ -15,7 +15,7 @@ from ._broadcast import agree_across_ranks, load_broadcast
 from ._env import is_distributed
 from ._errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
 from ._exact import check_sampler_state, param_device, restore_rank_rng
-from ._folder import resolve_checkpoint
+from ._consensus import resolve_checkpoint
 from ._layout import CheckpointParts, Layout, split_checkpoint
 from ._load import MapLocation, PathLike, load_checkpoint
 from ._log import log_rank0

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._folder import CheckpointManager, checkpoint_name, latest_checkpoint, resolve_checkpoint
+from dist_resume._consensus import resolve_checkpoint
+from dist_resume._folder import CheckpointManager, checkpoint_name, latest_checkpoint
 from dist_resume._integrity import archive_digest, inspect_checkpoint
 from dist_resume._atomic import TEMP_NAME
 
