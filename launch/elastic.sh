@@ -13,15 +13,8 @@
 # TORCHRUN, TORCHRUN_ARGS, TRAIN_SCRIPT. Arguments after the script go to train.py.
 set -euo pipefail
 
-default_nproc() {
-    local n=0
-    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-        [ -n "$CUDA_VISIBLE_DEVICES" ] && n=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    fi
-    if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
-}
+# shellcheck source=launch/_common.sh
+source "$(dirname "$0")/_common.sh"
 
 if [ -n "${MASTER_ADDR:-}" ]; then
     rdzv=(--nnodes="${NNODES:-1}" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
@@ -29,8 +22,6 @@ if [ -n "${MASTER_ADDR:-}" ]; then
 else
     rdzv=(--standalone)
 fi
-read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
-read -r -a extra <<<"${TORCHRUN_ARGS:-}"
-exec "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="${NPROC_PER_NODE:-$(default_nproc)}" \
+exec "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="$nproc_per_node" \
     --max-restarts="${MAX_RESTARTS:-3}" ${extra[@]+"${extra[@]}"} \
-    "${TRAIN_SCRIPT:-$(dirname "$0")/train.py}" --resume auto "$@"
+    "$train_script" --resume auto "$@"

@@ -17,20 +17,11 @@ set -euo pipefail
 : "${NNODES:?set NNODES, the number of nodes}" "${NODE_RANK:?set NODE_RANK, the index of this node}"
 : "${MASTER_ADDR:?set MASTER_ADDR, the address of node 0}" "${MASTER_PORT:?set MASTER_PORT, a free port on node 0}"
 
-default_nproc() {
-    local n=0
-    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-        [ -n "$CUDA_VISIBLE_DEVICES" ] && n=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    fi
-    if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
-}
+# shellcheck source=launch/_common.sh
+source "$(dirname "$0")/_common.sh"
 
-read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
-read -r -a extra <<<"${TORCHRUN_ARGS:-}"
 exec "${torchrun[@]}" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
-    --nproc_per_node="${NPROC_PER_NODE:-$(default_nproc)}" \
+    --nproc_per_node="$nproc_per_node" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
     --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-dist_resume}}" --max-restarts="${MAX_RESTARTS:-0}" ${extra[@]+"${extra[@]}"} \
-    "${TRAIN_SCRIPT:-$(dirname "$0")/train.py}" "$@"
+    "$train_script" "$@"

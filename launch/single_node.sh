@@ -9,17 +9,8 @@
 # Every other argument goes to train.py (see `python launch/train.py --help`).
 set -euo pipefail
 
-default_nproc() {
-    local n=0
-    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-        [ -n "$CUDA_VISIBLE_DEVICES" ] && n=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    fi
-    if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
-}
+# shellcheck source=launch/_common.sh
+source "$(dirname "$0")/_common.sh"
 
-read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
-read -r -a extra <<<"${TORCHRUN_ARGS:-}"
-exec "${torchrun[@]}" --standalone --nproc_per_node="${NPROC_PER_NODE:-$(default_nproc)}" ${extra[@]+"${extra[@]}"} \
-    "${TRAIN_SCRIPT:-$(dirname "$0")/train.py}" "$@"
+exec "${torchrun[@]}" --standalone --nproc_per_node="$nproc_per_node" ${extra[@]+"${extra[@]}"} \
+    "$train_script" "$@"
