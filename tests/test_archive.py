@@ -111,10 +111,11 @@ def test_rewrite_keeps_records_byte_for_byte_and_torchs_layout(tmp_path: Path, m
     from torch.utils.serialization import config
 
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
-    loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
-    assert torch.equal(loaded["base"], torch.load(tmp_path / "a.pt", weights_only=True)["base"])
-    torch.load(tmp_path / "b.pt", weights_only=True, map_location="meta")
+    # config.patch, not monkeypatch.setattr: undoing the latter leaves the option hidden for later tests
+    with config.patch({"load.calculate_storage_offsets": True}):
+        loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
+        assert torch.equal(loaded["base"], torch.load(tmp_path / "a.pt", weights_only=True)["base"])
+        torch.load(tmp_path / "b.pt", weights_only=True, map_location="meta")
 
 
 def test_zip64_layout_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,8 +145,8 @@ def test_zip64_layout_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     from torch.utils.serialization import config
 
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
-    loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
+    with config.patch({"load.calculate_storage_offsets": True}):
+        loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
     assert list(loaded) == ["module.a", "module.big", "module.b", "module.p"]
     assert loaded["module.big"].shape == (int(4.3e9),) and loaded["module.b"].shape == (7,)
     _, records = read_records(tmp_path / "b.pt")
