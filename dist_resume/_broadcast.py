@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._comm import all_gather_objects, comm_device
 from ._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from ._folder import latest_checkpoint
 from ._load import PathLike, load_checkpoint
@@ -49,16 +50,10 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _send_tensors(tensors: list[torch.Tensor], slots: list[_Slot] | None, bucket_bytes: int) -> list[torch.Tensor]:
     """Broadcast the data of ``tensors`` (rank 0) into fresh CPU tensors (other ranks), bucket by bucket."""
     rank0 = dist.get_rank() == 0
-    device = _comm_device()
+    device = comm_device()
     if rank0:
         out = [t.detach().cpu().contiguous() for t in tensors]
     else:
@@ -148,8 +143,7 @@ def load_broadcast(
 
 def agree_across_ranks(error: BaseException | None) -> None:
     """Collective: share each rank's validation outcome; raise on every rank if any rank failed."""
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    outcomes = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
     failed = {rank: text for rank, text in enumerate(outcomes) if text is not None}
     if failed and error is None:
         first = min(failed)

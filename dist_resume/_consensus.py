@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
+from ._comm import all_gather_objects
 from ._env import is_distributed
 from ._errors import (
     CheckpointConsensusError,
@@ -64,13 +64,12 @@ def _describe(rank: int, view: tuple[str, str, int, str, str]) -> str:
 
 
 def _agree(folder: Path) -> Path:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     try:
         chosen: CheckpointInfo = run_on_rank0(lambda: _choose(folder))
         mine = folder / chosen.path.name
         view = ("ok", str(mine), chosen.size, chosen.digest, "") if rank == 0 else _view(mine)
-        views: list[Any] = [None] * world_size
-        dist.all_gather_object(views, view)
+        views = all_gather_objects(view)
     except DistResumeError:
         raise
     except RuntimeError as err:  # a rank died, hangs, or never called: the process-group timeout ends it

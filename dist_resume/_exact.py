@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ._comm import all_gather_objects
 from ._env import is_distributed
 from ._errors import StateMismatchError
 from ._log import log_rank0, logger
@@ -26,17 +27,15 @@ def gather_rank_states(*, rng: bool, sampler: Any = None,
                        device: torch.device | None = None) -> list[dict[str, Any]] | None:
     """Every rank's RNG and sampler state, gathered on rank 0 (``None`` on the others).
 
-    Collective under torch.distributed (one ``gather_object``): call it on every rank. Local in a
+    Collective under torch.distributed (one object all-gather): call it on every rank. Local in a
     single process. ``sampler`` is a sampler with ``state_dict()`` or such a state dict itself.
     """
     state = sampler if sampler is None or isinstance(sampler, Mapping) else sampler.state_dict()
     mine = {"rng": rng_state_dict(device) if rng else None, "sampler": None if state is None else dict(state)}
     if not is_distributed():
         return [mine]
-    rank, world = rank_world()
-    out: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return out
+    everyone = all_gather_objects(mine)
+    return everyone if dist.get_rank() == 0 else None
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._atomic import atomic_write
+from ._comm import broadcast_object
 from ._env import is_distributed
 from . import _errors
 from ._errors import CheckpointWriteError, DistResumeError
@@ -113,20 +114,20 @@ def run_on_rank0(fn: Callable[[], Any], fallback: type[DistResumeError] = Checkp
     """
     if not is_distributed():
         return fn()
-    outcome: list[Any] = [None]
+    outcome: Any = None
     failure: BaseException | None = None
     if dist.get_rank() == 0:
         try:
-            outcome[0] = ("ok", fn())
+            outcome = ("ok", fn())
         except Exception as err:  # reported to every rank below
             failure = err
-            outcome[0] = ("error", type(err).__name__, str(err))
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0][0] == "ok":
-        return outcome[0][1]
+            outcome = ("error", type(err).__name__, str(err))
+    outcome = broadcast_object(outcome, src=0)
+    if outcome[0] == "ok":
+        return outcome[1]
     if failure is not None:
         raise failure
-    _, name, message = outcome[0]
+    _, name, message = outcome
     cls = getattr(_errors, name, None)
     if isinstance(cls, type) and issubclass(cls, DistResumeError):
         raise cls(f"{message} (reported by rank 0)")
