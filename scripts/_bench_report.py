@@ -116,6 +116,12 @@ def table(doc: dict[str, Any]) -> str:
         f"readinto {cm['readinto']:.2f} s", f"{cm['resume_fresh'] / cm['readinto']:.2f}x", "")
     row("", "  ... thread CPU time, optimizer holding state", f"{cm['resume_warm']:.2f} s",
         f"readinto {cm['readinto']:.2f} s", f"{cm['resume_warm'] / cm['readinto']:.2f}x", "")
+    split = doc["checkpoint"]["split"]
+    opt_bytes = fb - split["params"]
+    for key, label, nbytes in (("copy_into_params", "copy file -> existing parameters", split["params"]),
+                               ("clone_state", "copy file -> new Adam-state tensors (clone)", opt_bytes)):
+        row("", f"  ... of which {label}", f"{med[key]:.2f} s", f"readinto {med['readinto'] * nbytes / fb:.2f} s",
+            f"{med[key] / (med['readinto'] * nbytes / fb):.2f}x", f"({_mib(nbytes)})")
     row("", "  ... vs readinto into a newly allocated buffer", f"{med['resume_fresh']:.2f} s",
         f"fresh buffer {med['readinto_fresh']:.2f} s", f"{med['resume_fresh'] / med['readinto_fresh']:.2f}x", "")
     row("", "  ... naive torch.load + load_state_dict", f"{med['resume_fresh']:.2f} s",
