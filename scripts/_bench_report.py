@@ -122,6 +122,12 @@ def table(doc: dict[str, Any]) -> str:
                                ("clone_state", "copy file -> new Adam-state tensors (clone)", opt_bytes)):
         row("", f"  ... of which {label}", f"{med[key]:.2f} s", f"readinto {med['readinto'] * nbytes / fb:.2f} s",
             f"{med[key] / (med['readinto'] * nbytes / fb):.2f}x", f"({_mib(nbytes)})")
+    moves = med["copy_into_params"] + med["clone_state"]
+    row("", "  ... resume / its two moves alone (sum of the above)", f"{med['resume_fresh']:.2f} s",
+        f"two moves {moves:.2f} s", f"{med['resume_fresh'] / moves:.2f}x", "")
+    row("", "  ... new memory alone: allocate + write Adam-state bytes", f"{med['first_touch_state']:.2f} s",
+        f"readinto {med['readinto'] * opt_bytes / fb:.2f} s",
+        f"{med['first_touch_state'] / (med['readinto'] * opt_bytes / fb):.2f}x", f"({_mib(opt_bytes)})")
     row("", "  ... vs readinto into a newly allocated buffer", f"{med['resume_fresh']:.2f} s",
         f"fresh buffer {med['readinto_fresh']:.2f} s", f"{med['resume_fresh'] / med['readinto_fresh']:.2f}x", "")
     row("", "  ... naive torch.load + load_state_dict", f"{med['resume_fresh']:.2f} s",

@@ -93,7 +93,7 @@ def wall_times(rank: int, world_size: int, path: str, spec: ModelSpec, rounds: i
     view = memoryview(buf)
     assert _read_into(path, view) == size  # warms the page cache and touches every page of the buffer
     names = ("readinto", "readinto_fresh", "resume_fresh", "resume_warm", "naive_fresh", "copy_into_params",
-             "clone_state")
+             "clone_state", "first_touch_state")
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
 
@@ -117,12 +117,15 @@ def wall_times(rank: int, world_size: int, path: str, spec: ModelSpec, rounds: i
         naive_resume(path, model, torch.optim.Adam(model.parameters(), lr=1e-3))
 
     def big_moves() -> None:
-        """resume's two big moves, alone: file -> existing parameters, file -> new optimizer-state tensors."""
+        """resume's two big moves, alone: file -> existing parameters, file -> new optimizer-state tensors;
+        and what new memory costs by itself: allocating and writing the optimizer state's bytes once."""
         mapped = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         params = dict(model.named_parameters())
         with torch.no_grad():
             clock("copy_into_params", lambda: [params[k].copy_(v) for k, v in mapped["model"].items()])
         clock("clone_state", lambda: [v.clone() for s in mapped["optimizer"]["state"].values() for v in s.values()])
+        state_bytes = sum(v.numel() * v.element_size() for s in mapped["optimizer"]["state"].values() for v in s.values())
+        clock("first_touch_state", lambda: torch.empty(state_bytes, dtype=torch.uint8).fill_(1))
 
     for _ in range(rounds):
         clock("readinto", lambda: _read_into(path, view))
