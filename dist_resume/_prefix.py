@@ -163,6 +163,8 @@ def canonical_key(key: str) -> str:
 
 
 def _without_compile(key: str) -> str:
+    if "_orig_mod" not in key:
+        return key
     return ".".join(p for p in key.split(".") if p != "_orig_mod")
 
 
@@ -196,13 +198,14 @@ def match_keys(saved: Iterable[str], targets: Mapping[str, str]) -> dict[str, st
     count) that pairs the most keys is stripped. Returns ``{saved_key: target_key}`` for the pairs.
     """
     saved = list(saved)
-    normal = [_without_compile(k).split(".") for k in saved]
-    common = min((_leading_modules(parts) for parts in normal), default=0)
+    normal = [_without_compile(k) for k in saved]
+    common = min((_leading_module_count(k) for k in normal), default=0)
     best: dict[str, str] = {}
     for strip in range(common + 1):
+        cut = len(DDP_PREFIX) * strip
         pairs = {}
-        for key, parts in zip(saved, normal):
-            target = targets.get(".".join(parts[strip:]))
+        for key, inner in zip(saved, normal):
+            target = targets.get(inner[cut:])
             if target is not None:
                 pairs[key] = target
         if len(pairs) > len(best):
@@ -212,9 +215,10 @@ def match_keys(saved: Iterable[str], targets: Mapping[str, str]) -> dict[str, st
     return best
 
 
-def _leading_modules(parts: list[str]) -> int:
+def _leading_module_count(key: str) -> int:
+    """How many ``module.`` prefixes ``key`` starts with (each must be followed by more key)."""
     i = 0
-    while i < len(parts) - 1 and parts[i] == "module":
+    while key.startswith(DDP_PREFIX, i * len(DDP_PREFIX)):
         i += 1
     return i
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._broadcast import agree_across_ranks, load_broadcast
@@ -106,6 +107,27 @@ def _detach_from_file(optimizer: torch.optim.Optimizer, loaded: set[int]) -> Non
                 state[key] = value.clone()
 
 
+def _into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -> dict[str, Any]:
+    """``opt_sd`` with each saved state tensor that has a live twin (same parameter, key, shape and dtype)
+    copied into that twin and replaced by it: torch's load_state_dict then keeps it as it is."""
+    saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
+    live_params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_id = dict(zip(saved_ids, live_params))
+    state: dict[Any, Any] = {}
+    for sid, entries in opt_sd["state"].items():
+        live = optimizer.state.get(by_id[sid], {}) if sid in by_id else {}
+        new = dict(entries)
+        for key, value in entries.items():
+            dst = live.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(dst, torch.Tensor) \
+                    and dst.shape == value.shape and dst.dtype == value.dtype:
+                with torch.no_grad():
+                    dst.copy_(value)
+                new[key] = dst
+        state[sid] = new
+    return {**opt_sd, "state": state}
+
+
 def restore_parts(
     parts: CheckpointParts,
     *,
@@ -116,6 +138,7 @@ def restore_parts(
     strict: bool = True,
     source: str = "checkpoint",
     agree: Callable[[BaseException | None], None] | None = None,
+    detach: bool = True,
 ) -> tuple[tuple[str, ...], tuple[str, ...], list[str], list[str]]:
     """Validate every part against the live objects, then apply them all (see :func:`resume`).
 
@@ -177,32 +200,30 @@ def restore_parts(
     if agree is not None:
         agree(None)  # raises here if another rank failed, before anything changes
 
-    # 2. apply; the cheap parts first so they can be rolled back if a later step fails
-    restored: list[str] = []
-    before_opt = optimizer.state_dict() if opt_sd is not None and optimizer is not None else None
+    # 2. apply. Everything that can still fail goes first; the optimizer goes last, copied into its live
+    # state tensors where they exist, so no rollback copy of its state is ever held
     before_sched = scheduler.state_dict() if scheduler is not None and "scheduler" not in skipped else None
     before_scaler = scaler.state_dict() if scaler is not None and "scaler" not in skipped else None
     try:
         if before_scaler is not None:
             scaler.load_state_dict(parts.scaler)
-            restored.append("scaler")
-        if opt_sd is not None and optimizer is not None:
-            optimizer.load_state_dict(opt_sd)
-            _detach_from_file(optimizer, _storage_ptrs(parts.optimizer))
-            optimizer_to(optimizer)
-            restored.append("optimizer")
         if before_sched is not None:
             scheduler.load_state_dict(parts.scheduler)
-            restored.append("scheduler")
         model.load_state_dict(adapted, strict=strict)
     except Exception:
-        if before_scaler is not None and "scaler" in restored:
+        if before_scaler is not None:
             scaler.load_state_dict(before_scaler)
-        if before_opt is not None and "optimizer" in restored:
-            optimizer.load_state_dict(before_opt)  # type: ignore[union-attr]
-        if before_sched is not None and "scheduler" in restored:
+        if before_sched is not None:
             scheduler.load_state_dict(before_sched)
         raise
+    if opt_sd is not None and optimizer is not None:
+        optimizer.load_state_dict(_into_live_state(optimizer, opt_sd))
+        if detach:
+            _detach_from_file(optimizer, _storage_ptrs(parts.optimizer))
+        optimizer_to(optimizer)
+    restored = [name for name, done in (("scaler", before_scaler is not None),
+                                        ("optimizer", opt_sd is not None and optimizer is not None),
+                                        ("scheduler", before_sched is not None)) if done]
     restored.insert(0, "model")
     return tuple(restored), tuple(skipped), missing, unexpected
 
@@ -282,7 +303,7 @@ def resume(
         check_sampler_state(sampler, parts.sampler, source)  # validate before anything changes
     restored, skipped, missing, unexpected = restore_parts(
         parts, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict, source=source,
-        agree=agree,
+        agree=agree, detach=mmap and (agree is None or dist.get_rank() == 0),
     )
     if sampler is not None:
         if parts.sampler is None:

@@ -82,11 +82,16 @@ def test_resume_writes_into_the_existing_tensors_and_keeps_nothing_of_the_file(t
         if warm:
             train_steps(model, opt, make_batches(1, seed=9))
         before = {k: (v, v.data_ptr()) for k, v in net.state_dict(keep_vars=True).items()}
+        live_state = {(id(p), key): (v, v.data_ptr()) for p, st in opt.state.items() for key, v in st.items()}
         dr.resume(path, model=model, optimizer=opt, mmap=True)
         gc.collect()
         after = net.state_dict(keep_vars=True)
         for key, (tensor, ptr) in before.items():  # parameters and buffers: same objects, same memory
             assert after[key] is tensor and tensor.data_ptr() == ptr, key
+        for (pid, key), (tensor, ptr) in live_state.items():  # existing optimizer state is written in place
+            (state,) = [st for p, st in opt.state.items() if id(p) == pid]
+            assert state[key] is tensor and tensor.data_ptr() == ptr, key
+        assert len(live_state) == (3 * len(list(net.parameters())) if warm else 0)
         assert_same({k: v.detach() for k, v in after.items()}, saved[Key.MODEL])
         assert_same(opt.state_dict()["state"], saved[Key.OPTIMIZER]["state"])
         # nothing aliases the mapped checkpoint: with any state tensor in it, the mapping would still be there
