@@ -118,6 +118,9 @@ def _unsafe(path: Path, err: BaseException) -> UnsafeCheckpointError:
         what = (f"it calls {blocked.group(1)}, from the module {blocked.group(2).rstrip('.')} that "
                 "torch.load(weights_only=True) blocks entirely: loading it would run code")
         fix = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
+    elif name and "." not in name.strip("."):  # a builtin such as exec or eval: never something to allow
+        what = f"it calls the builtin {name.strip('.')}, which torch.load(weights_only=True) refuses: loading it would run code"
+        fix = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
     elif name:
         module, _, attr = name.rpartition(".")
         what = f"it references {name}, which torch.load(weights_only=True) refuses"

@@ -288,3 +288,25 @@ def test_corrupt_pickle_inside_a_valid_archive(tmp_path, good_file):
         err = _expect(dr.CheckpointCorruptError, path, weights_only=weights_only)
         assert "weights_only=False" not in str(err)  # damaged bytes are no reason to lower the guard
         assert "Weights only load failed" not in str(err)
+
+
+def test_a_pickle_calling_exec_is_refused_without_import_advice(tmp_path):
+    marker = tmp_path / "ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w')",))
+
+    path = tmp_path / "exec.pt"
+    torch.save({"a": torch.ones(1)}, path)
+    with zipfile.ZipFile(path) as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    pkl = next(name for name in records if name.endswith("data.pkl"))
+    records[pkl] = pickle.dumps(RunsCode(), protocol=2)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    with pytest.raises(dr.UnsafeCheckpointError, match="builtin exec") as info:
+        dr.load_checkpoint(path)
+    assert "add_safe_globals" not in str(info.value) and "from  import" not in str(info.value)
+    assert not marker.exists()
