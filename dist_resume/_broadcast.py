@@ -50,15 +50,17 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _send_tensors(tensors: list[torch.Tensor], slots: list[_Slot] | None, bucket_bytes: int) -> list[torch.Tensor]:
-    """Broadcast the data of ``tensors`` (rank 0) into fresh CPU tensors (other ranks), bucket by bucket."""
+def _send_tensors(tensors: list[torch.Tensor], slots: list[_Slot] | None, bucket_bytes: int,
+                  dests: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """Broadcast the data of ``tensors`` (rank 0), bucket by bucket, into ``dests[slot index]`` where given
+    (e.g. the model's own parameters) and into fresh CPU tensors otherwise (other ranks)."""
     rank0 = dist.get_rank() == 0
     device = comm_device()
     if rank0:
         out = [t.detach().cpu().contiguous() for t in tensors]
     else:
         assert slots is not None
-        out = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+        out = [dests[s.index] if s.index in dests else torch.empty(s.shape, dtype=s.dtype) for s in slots]
     flat = [_bytes_of(t) for t in out]
     bucket = torch.empty(min(bucket_bytes, max((f.numel() for f in flat), default=0)) or 1,
                          dtype=torch.uint8, device=device)
@@ -96,12 +98,20 @@ def _send_tensors(tensors: list[torch.Tensor], slots: list[_Slot] | None, bucket
     return out
 
 
-def broadcast_loaded(load: Callable[[], Any], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:
+def broadcast_loaded(
+    load: Callable[[], Any],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prepare: Callable[[Any], dict[int, torch.Tensor]] | None = None,
+) -> Any:
     """Run ``load`` on global rank 0 and give every rank the same object, tensors as CPU tensors.
 
     Collective: call it on every rank. The structure travels first (one object broadcast), then the
     tensor data in buckets of at most ``bucket_bytes``. If ``load`` raises on rank 0, every rank
-    raises the same dist_resume error class.
+    raises the same dist_resume error class. ``prepare`` runs on every rank between the two, on rank
+    0's object (rank 0) or on a stand-in whose tensors are on the meta device (the others): it may
+    validate (collectively) and returns ``{id(stand-in tensor): destination}`` so that data lands
+    directly in existing tensors of the same shape and dtype.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -109,7 +119,16 @@ def broadcast_loaded(load: Callable[[], Any], *, bucket_bytes: int = DEFAULT_BUC
     tensors: list[torch.Tensor] = []  # filled on rank 0 while the structure is split off
     skeleton = run_on_rank0(lambda: _split(load(), tensors), fallback=CheckpointError)
     slots = None if rank0 else _collect_slots(skeleton)
-    data = _send_tensors(tensors, slots, bucket_bytes)
+    dests: dict[int, torch.Tensor] = {}
+    if prepare is not None:
+        if rank0:
+            prepare(_join(skeleton, tensors))
+        else:
+            assert slots is not None
+            stand_ins = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in slots]
+            by_id = {id(t): i for i, t in enumerate(stand_ins)}
+            dests = {by_id[key]: dst for key, dst in prepare(_join(skeleton, stand_ins)).items() if key in by_id}
+    data = _send_tensors(tensors, slots, bucket_bytes, dests)
     return _join(skeleton, data)
 
 
@@ -120,7 +139,13 @@ def _collect_slots(skeleton: Any) -> list[_Slot]:
 
 
 def load_broadcast(
-    path: PathLike, *, mmap: bool, weights_only: bool, verify: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    path: PathLike,
+    *,
+    mmap: bool,
+    weights_only: bool,
+    verify: bool,
+    prepare: Callable[[Path, Any], dict[int, torch.Tensor]] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> tuple[Path, Any]:
     """Global rank 0 picks and reads the checkpoint (a file, or a folder's newest valid one); all ranks get it.
 
@@ -137,7 +162,10 @@ def load_broadcast(
         obj = load_checkpoint(chosen, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
         return str(chosen), obj
 
-    chosen, obj = broadcast_loaded(load, bucket_bytes=bucket_bytes)
+    def prepare_pair(view: Any) -> dict[int, torch.Tensor]:
+        return prepare(Path(view[0]), view[1]) if prepare is not None else {}
+
+    chosen, obj = broadcast_loaded(load, bucket_bytes=bucket_bytes, prepare=prepare_pair)
     return Path(chosen), obj
 
 

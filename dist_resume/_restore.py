@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ from ._load import MapLocation, PathLike, load_checkpoint
 from ._log import log_rank0
 from ._optim import optimizer_to, prepare_optimizer_state
 from ._prefix import adapt_state_dict, match_keys, model_key_map
+from ._tree import iter_tensors
+from ._validate import check_dtypes, check_scaler, check_scheduler
 
 __all__ = ["ResumeResult", "resume", "restore_parts"]
 
@@ -42,60 +44,8 @@ class ResumeResult:
     unexpected_keys: list[str] = field(default_factory=list)
 
 
-def _check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, source: str) -> None:
-    live = model.state_dict(keep_vars=True)
-    problems = []
-    for key, value in adapted.items():
-        want = live.get(key)
-        if not (isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor)) or value.dtype == want.dtype:
-            continue
-        cast_ok = value.is_floating_point() and want.is_floating_point()
-        if strict or not cast_ok:
-            problems.append(f"{key}: checkpoint {value.dtype}, model {want.dtype}")
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise KeyMismatchError(
-            f"{source}: dtypes differ ({shown}); convert the model (model.to(dtype)) to the checkpoint's dtype "
-            "before resuming, or pass strict=False to cast floating-point tensors on load",
-            mismatched=problems,
-        )
-
-
-def _check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
-    if not isinstance(saved, Mapping):
-        raise StateMismatchError(f"{source}: the scheduler entry is a {type(saved).__name__}, not a state dict")
-    live = scheduler.state_dict()
-    if set(saved) != set(live):
-        raise StateMismatchError(
-            f"{source}: the saved LR scheduler state does not fit {type(scheduler).__name__} (saved keys "
-            f"{sorted(set(saved) - set(live))} not expected, {sorted(set(live) - set(saved))} missing); "
-            "build the same scheduler class as the run that saved it"
-        )
-
-
-def _check_scaler(saved: Any, scaler: Any, source: str) -> None:
-    if not isinstance(saved, Mapping):
-        raise StateMismatchError(f"{source}: the GradScaler entry is a {type(saved).__name__}, not a state dict")
-    if scaler.is_enabled() and not saved:
-        raise StateMismatchError(
-            f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
-            "enabled; pass strict=False to keep the scaler's fresh state"
-        )
-
-
 def _storage_ptrs(obj: Any) -> set[int]:
-    ptrs: set[int] = set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if item.device.type == "cpu":
-                ptrs.add(item.untyped_storage().data_ptr())
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return ptrs
+    return {t.untyped_storage().data_ptr() for t in iter_tensors(obj) if t.device.type == "cpu"}
 
 
 def _detach_from_file(optimizer: torch.optim.Optimizer, loaded: set[int]) -> None:
@@ -128,6 +78,31 @@ def _into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -
     return {**opt_sd, "state": state}
 
 
+def _fits(src: Any, dst: Any) -> bool:
+    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.shape == dst.shape
+            and src.dtype == dst.dtype and dst.is_contiguous())
+
+
+def _live_destinations(parts: CheckpointParts, model: nn.Module,
+                       optimizer: torch.optim.Optimizer | None) -> dict[int, torch.Tensor]:
+    """``{id(saved tensor): live tensor}`` for model entries and existing optimizer state that data can land in."""
+    out: dict[int, torch.Tensor] = {}
+    live = model.state_dict(keep_vars=True)
+    for saved, target in match_keys(parts.model.keys(), model_key_map(model)).items():
+        if _fits(parts.model[saved], live.get(target)):
+            out[id(parts.model[saved])] = live[target].detach()
+    if optimizer is not None and parts.optimizer is not None:
+        opt_sd = prepare_optimizer_state(parts.optimizer, optimizer, model)
+        saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
+        live_params = [p for group in optimizer.param_groups for p in group["params"]]
+        for sid, param in zip(saved_ids, live_params):
+            live_state = optimizer.state.get(param, {})
+            for key, value in (opt_sd["state"].get(sid) or {}).items():
+                if _fits(value, live_state.get(key)):
+                    out[id(value)] = live_state[key]
+    return out
+
+
 def restore_parts(
     parts: CheckpointParts,
     *,
@@ -139,6 +114,7 @@ def restore_parts(
     source: str = "checkpoint",
     agree: Callable[[BaseException | None], None] | None = None,
     detach: bool = True,
+    apply: bool = True,
 ) -> tuple[tuple[str, ...], tuple[str, ...], list[str], list[str]]:
     """Validate every part against the live objects, then apply them all (see :func:`resume`).
 
@@ -162,7 +138,7 @@ def restore_parts(
         except KeyMismatchError as err:  # say which file
             raise KeyMismatchError(f"{source}: {err}", missing=err.missing, unexpected=err.unexpected,
                                    mismatched=err.mismatched) from err
-        _check_dtypes(adapted, model, strict, source)
+        check_dtypes(adapted, model, strict, source)
         live_keys = model.state_dict().keys()
         missing = [k for k in live_keys if k not in adapted]
         # saved keys are in the checkpoint's form, adapted ones in the model's: compare through the pairing
@@ -184,14 +160,14 @@ def restore_parts(
             if parts.scheduler is None:
                 absent("scheduler")
             else:
-                _check_scheduler(parts.scheduler, scheduler, source)
+                check_scheduler(parts.scheduler, scheduler, source)
         if scaler is not None:
             if parts.scaler is None:
                 absent("scaler")
             elif not parts.scaler and not strict:
                 skipped.append("scaler")
             else:
-                _check_scaler(parts.scaler, scaler, source)
+                check_scaler(parts.scaler, scaler, source)
 
     except Exception as err:
         if agree is not None:
@@ -199,6 +175,8 @@ def restore_parts(
         raise
     if agree is not None:
         agree(None)  # raises here if another rank failed, before anything changes
+    if not apply:
+        return (), tuple(skipped), missing, unexpected
 
     # 2. apply. Everything that can still fail goes first; the optimizer goes last, copied into its live
     # state tensors where they exist, so no rollback copy of its state is ever held
@@ -286,7 +264,14 @@ def resume(
         if map_location is not None:
             raise ValueError("map_location cannot be combined with broadcast_from_rank0=True: the state arrives "
                              "on the CPU and is copied into the model's and optimizer's own tensors")
-        path, obj = load_broadcast(path, mmap=mmap, weights_only=weights_only, verify=verify)
+        def prepare(chosen: Path, view: Any) -> dict[int, torch.Tensor]:
+            """Validate on every rank before any data moves; receivers get their own tensors as destinations."""
+            parts_view = split_checkpoint(view, f"checkpoint {str(chosen)!r}")
+            restore_parts(parts_view, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                          strict=strict, source=f"checkpoint {str(chosen)!r}", agree=agree_across_ranks, apply=False)
+            return {} if dist.get_rank() == 0 else _live_destinations(parts_view, model, optimizer)
+
+        path, obj = load_broadcast(path, mmap=mmap, weights_only=weights_only, verify=verify, prepare=prepare)
         agree = agree_across_ranks
     else:
         path = resolve_checkpoint(path)
