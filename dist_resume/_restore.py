@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,24 +57,29 @@ def _detach_from_file(optimizer: torch.optim.Optimizer, loaded: set[int]) -> Non
                 state[key] = value.clone()
 
 
-def _into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """``opt_sd`` with each saved state tensor that has a live twin (same parameter, key, shape and dtype)
-    copied into that twin and replaced by it: torch's load_state_dict then keeps it as it is."""
+def _live_twins(optimizer: torch.optim.Optimizer,
+                opt_sd: dict[str, Any]) -> Iterator[tuple[Any, str, torch.Tensor, torch.Tensor]]:
+    """``(saved id, key, saved tensor, live tensor)`` for each saved state tensor whose live counterpart (same
+    parameter and key) already exists with the same shape and dtype. ``opt_sd`` comes from prepare_optimizer_state."""
     saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
     live_params = [p for group in optimizer.param_groups for p in group["params"]]
-    by_id = dict(zip(saved_ids, live_params))
-    state: dict[Any, Any] = {}
-    for sid, entries in opt_sd["state"].items():
-        live = optimizer.state.get(by_id[sid], {}) if sid in by_id else {}
-        new = dict(entries)
-        for key, value in entries.items():
-            dst = live.get(key)
+    for sid, param in zip(saved_ids, live_params):
+        live_state = optimizer.state.get(param, {})
+        for key, value in (opt_sd["state"].get(sid) or {}).items():
+            dst = live_state.get(key)
             if isinstance(value, torch.Tensor) and isinstance(dst, torch.Tensor) \
                     and dst.shape == value.shape and dst.dtype == value.dtype:
-                with torch.no_grad():
-                    dst.copy_(value)
-                new[key] = dst
-        state[sid] = new
+                yield sid, key, value, dst
+
+
+def _into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -> dict[str, Any]:
+    """``opt_sd`` with each saved state tensor that has a live twin copied into that twin and replaced by it:
+    torch's load_state_dict then keeps it as it is."""
+    state = {sid: dict(entries) for sid, entries in opt_sd["state"].items()}
+    with torch.no_grad():
+        for sid, key, value, dst in _live_twins(optimizer, opt_sd):
+            dst.copy_(value)
+            state[sid][key] = dst
     return {**opt_sd, "state": state}
 
 
@@ -93,13 +98,9 @@ def _live_destinations(parts: CheckpointParts, model: nn.Module,
             out[id(parts.model[saved])] = live[target].detach()
     if optimizer is not None and parts.optimizer is not None:
         opt_sd = prepare_optimizer_state(parts.optimizer, optimizer, model)
-        saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
-        live_params = [p for group in optimizer.param_groups for p in group["params"]]
-        for sid, param in zip(saved_ids, live_params):
-            live_state = optimizer.state.get(param, {})
-            for key, value in (opt_sd["state"].get(sid) or {}).items():
-                if _fits(value, live_state.get(key)):
-                    out[id(value)] = live_state[key]
+        for _, _, value, dst in _live_twins(optimizer, opt_sd):
+            if dst.is_contiguous():
+                out[id(value)] = dst
     return out
 
 

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dist_resume as dr
 from dist_resume import _async
 from dist_resume._layout import Key
+from dist_resume._tree import iter_tensors
 from tests.models import TinyNet, assert_same, make_batches, single_rank_group, train_steps
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
@@ -31,17 +32,6 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     with open("/proc/self/maps") as f:
         return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f  # type: ignore[misc]
                 if line.rstrip().endswith(str(path))]
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def _extents(tensors: Iterator[torch.Tensor]) -> list[tuple[int, int]]:
@@ -96,14 +86,14 @@ def test_resume_writes_into_the_existing_tensors_and_keeps_nothing_of_the_file(t
         assert_same(opt.state_dict()["state"], saved[Key.OPTIMIZER]["state"])
         # nothing aliases the mapped checkpoint: with any state tensor in it, the mapping would still be there
         assert _mapped_ranges(path) == []
-        state = list(_tensors([dict(s) for s in opt.state.values()]))
+        state = list(iter_tensors([dict(s) for s in opt.state.values()]))
         assert len(state) == 3 * len(list(net.parameters()))  # step, exp_avg, exp_avg_sq each
         with torch.no_grad():  # the live state is private: changing it leaves the file alone
             for t in state:
                 t.add_(1000)
     assert_same(torch.load(path, weights_only=True)[Key.OPTIMIZER]["state"], saved[Key.OPTIMIZER]["state"])
     held = dr.load_checkpoint(path, mmap=True)  # control: a live mapping is seen, under this very path
-    assert _mapped_ranges(path) and _overlap(_extents(_tensors(held)), _mapped_ranges(path))
+    assert _mapped_ranges(path) and _overlap(_extents(iter_tensors(held)), _mapped_ranges(path))
 
 
 # ---------------------------------------------------------------- prefixes
@@ -182,9 +172,9 @@ def test_async_snapshot_is_private_before_the_write_starts(tmp_path, gated_async
                "state": copy.deepcopy(opt.state_dict()["state"])}
     handle = dr.save_checkpoint_async(tmp_path / "a.pt", model=net, optimizer=opt, step=2)
     assert not handle.done()  # the write has not started: whatever follows happens before it
-    live = list(_tensors(net.state_dict())) + list(_tensors([dict(s) for s in opt.state.values()]))
-    assert len(snapshots) == 1 and len(list(_tensors(snapshots[0]))) >= len(live)
-    assert _overlap(_extents(_tensors(snapshots[0])), _extents(iter(live))) == []
+    live = list(iter_tensors(net.state_dict())) + list(iter_tensors([dict(s) for s in opt.state.values()]))
+    assert len(snapshots) == 1 and len(list(iter_tensors(snapshots[0]))) >= len(live)
+    assert _overlap(_extents(iter_tensors(snapshots[0])), _extents(iter(live))) == []
     with torch.no_grad():  # training goes on in place
         for t in live:
             t.add_(1)
