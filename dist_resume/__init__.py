@@ -5,13 +5,11 @@ Everything public is importable from here; the modules behind it are private.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from ._devices import check_devices, device_report
-from ._env import RankInfo, init_distributed, rank_device, rank_info
-from ._exact import ResumableDistributedSampler
-from ._rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
-from ._errors import (
+from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
+from ._checkpoint.folder import CheckpointManager, latest_checkpoint
+from ._checkpoint.restore import ResumeResult, resume
+from ._checkpoint.save import save_checkpoint
+from ._core.errors import (
     CheckpointConsensusError,
     CheckpointCorruptError,
     CheckpointError,
@@ -27,17 +25,18 @@ from ._errors import (
     UnsafeCheckpointError,
     UsageError,
 )
-from ._archive import verify_archive
-from ._async import AsyncSave, save_checkpoint_async
-from ._convert import KeyForm, convert_checkpoint
-from ._folder import CheckpointManager, latest_checkpoint
-from ._integrity import CheckpointInfo, inspect_checkpoint
-from ._layout import Layout
-from ._load import load_checkpoint, rank_map_location
-from ._optim import optimizer_to
-from ._prefix import adapt_state_dict, add_prefix, canonical_key, strip_prefix, unwrap_model
-from ._restore import ResumeResult, resume
-from ._save import save_checkpoint
+from ._core.version import __version__
+from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
+from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
+from ._exact.sampler import ResumableDistributedSampler
+from ._format.archive import verify_archive
+from ._format.convert import KeyForm, convert_checkpoint
+from ._format.integrity import CheckpointInfo, inspect_checkpoint
+from ._format.layout import Layout
+from ._format.load import load_checkpoint, rank_map_location
+from ._state.devices import check_devices, device_report
+from ._state.optim import optimizer_to
+from ._state.prefix import adapt_state_dict, add_prefix, canonical_key, strip_prefix, unwrap_model
 
 __all__ = [
     "__version__",

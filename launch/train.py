@@ -41,15 +41,27 @@ log = logging.getLogger("train")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"),
-                   help="checkpoint folder: ckpt_<step>.pt, written atomically, the last --keep-last kept")
-    p.add_argument("--resume", default="auto",
-                   help="'auto': newest checkpoint in --ckpt-dir if any; 'none': start fresh; or a file/folder")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="start a new run from this checkpoint's model and optimizer (any world size); "
-                        "ignored when --resume finds a checkpoint of this run")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        default=Path("checkpoints"),
+        help="checkpoint folder: ckpt_<step>.pt, written atomically, the last --keep-last kept",
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto': newest checkpoint in --ckpt-dir if any; 'none': start fresh; or a file/folder",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start a new run from this checkpoint's model and optimizer (any world size); "
+        "ignored when --resume finds a checkpoint of this run",
+    )
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps")
     p.add_argument("--epochs", type=int, default=None, help="stop after this many epochs (default: --steps decides)")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
@@ -60,18 +72,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=512, help="size of the synthetic dataset")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--amp", action="store_true", help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.use_deterministic_algorithms, so reruns are bitwise equal on GPUs too")
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.use_deterministic_algorithms, so reruns are bitwise equal on GPUs too",
+    )
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds a collective may wait for the other ranks before the process group gives up")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective may wait for the other ranks before the process group gives up",
+    )
     test = p.add_argument_group("for tests")
-    test.add_argument("--dump-losses", type=Path, default=None,
-                      help="append one JSON line per step to DIR/rank<R>.jsonl (loss, sample indices, attempt)")
+    test.add_argument(
+        "--dump-losses",
+        type=Path,
+        default=None,
+        help="append one JSON line per step to DIR/rank<R>.jsonl (loss, sample indices, attempt)",
+    )
     test.add_argument("--dump-final", type=Path, default=None, help="rank 0 saves final model+optimizer state here")
     test.add_argument("--stop-after", type=int, default=None, help="checkpoint at this step and exit, as if preempted")
-    test.add_argument("--kill-at-step", type=int, default=None,
-                      help="SIGKILL one rank after this step, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)")
+    test.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="SIGKILL one rank after this step, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)",
+    )
     test.add_argument("--kill-rank", type=int, default=None, help="the rank to kill (default: the last)")
     args = p.parse_args(argv)
     for name in ("steps", "save_every", "batch_size", "num_samples", "log_every", "keep_last"):
@@ -134,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initialises
         torch.use_deterministic_algorithms(True, warn_only=True)  # a warning names any op that is not
     device = pick_device(args.device)
-    info = dr.init_distributed(backend="nccl" if device.type == "cuda" else "gloo",
-                               timeout=timedelta(seconds=args.timeout))
-    logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, stream=sys.stdout,
-                        format=f"[rank {info.rank}] %(name)s: %(message)s")
+    info = dr.init_distributed(
+        backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout)
+    )
+    logging.basicConfig(
+        level=logging.INFO if info.rank == 0 else logging.WARNING,
+        stream=sys.stdout,
+        format=f"[rank {info.rank}] %(name)s: %(message)s",
+    )
     try:
         train(args, info, device)
     finally:
@@ -170,8 +202,9 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     sampler = dr.ResumableDistributedSampler(dataset, seed=args.seed)
     # The loader gets its own generator: otherwise each new iterator draws from the global RNG
     # and a resumed run (one extra iterator) would drift from the uninterrupted one.
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, generator=torch.Generator().manual_seed(args.seed)
+    )
 
     step = 0
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # every rank: resume() then always sees a folder
@@ -179,16 +212,29 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     res = resume_run(args, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
     if res is not None:
         step = res.step or 0
-        log.info("resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
-                 res.path, step, sampler.epoch, sampler.consumed, len(dataset),
-                 res.metadata.get("world_size", "?"), world, attempt)
+        log.info(
+            "resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
+            res.path,
+            step,
+            sampler.epoch,
+            sampler.consumed,
+            len(dataset),
+            res.metadata.get("world_size", "?"),
+            world,
+            attempt,
+        )
     elif args.init_from is not None:
         init = dr.resume(args.init_from, model=model, optimizer=optimizer)
         for group in optimizer.param_groups:  # a new run: its own learning-rate schedule
             group["lr"] = group["initial_lr"] = args.lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        log.info("initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
-                 init.path, init.step, init.metadata.get("world_size", "?"), world)
+        log.info(
+            "initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
+            init.path,
+            init.step,
+            init.metadata.get("world_size", "?"),
+            world,
+        )
     else:
         log.info("no checkpoint to resume from (--resume %s): starting at step 0 with %d rank(s)", args.resume, world)
     dr.check_devices(model, optimizer)
@@ -204,8 +250,16 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     def save() -> None:
         nonlocal saved_at
         extra = {"seed": args.seed, "num_samples": args.num_samples, "batch_size": args.batch_size}
-        ckpts.save(step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,  # collective
-                   epoch=sampler.epoch, sampler=sampler, extra=extra)
+        ckpts.save(
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,  # collective
+            epoch=sampler.epoch,
+            sampler=sampler,
+            extra=extra,
+        )
         saved_at = step
 
     model.train()
@@ -224,9 +278,23 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
             scheduler.step()
             step += 1
             if losses is not None:
-                losses.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(), "indices": idx.tolist(),
-                                         "rank": rank, "local_rank": info.local_rank, "node_rank": info.node_rank,
-                                         "device": str(device), "attempt": attempt, "world_size": world}) + "\n")
+                losses.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": epoch,
+                            "loss": loss.item(),
+                            "indices": idx.tolist(),
+                            "rank": rank,
+                            "local_rank": info.local_rank,
+                            "node_rank": info.node_rank,
+                            "device": str(device),
+                            "attempt": attempt,
+                            "world_size": world,
+                        }
+                    )
+                    + "\n"
+                )
             if step % args.log_every == 0:
                 log.info("step %d  epoch %d  loss %.4f  lr %.2e", step, epoch, loss.item(), scheduler.get_last_lr()[0])
             if step == args.kill_at_step and attempt == 0 and rank == kill_rank:
@@ -240,8 +308,15 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
         save()  # --epochs ended the run between checkpoints
     log.info("done: step %d, epoch %d, sample %d of %d", step, sampler.epoch, sampler.consumed, len(dataset))
     if args.dump_final is not None and rank == 0:
-        torch.save({"model": dr.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step}, args.dump_final)
+        torch.save(
+            {
+                "model": dr.unwrap_model(model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+            },
+            args.dump_final,
+        )
     if losses is not None:
         losses.close()
 

@@ -80,6 +80,10 @@ def make_checkpoint(rank: int, world_size: int, path: str, spec: ModelSpec) -> d
     give_adam_state(model, opt)
     dist_resume.save_checkpoint(path, model=model, optimizer=opt, step=1, rng=False)
     split = state_bytes(model, opt)
-    return {"file_bytes": os.path.getsize(path), "split": split, "tensors": 4 * len(list(model.parameters())),
-            "params": sum(p.numel() for p in model.parameters()),
-            "largest_tensor_bytes": max(p.numel() * 4 for p in model.parameters())}
+    return {
+        "file_bytes": os.path.getsize(path),
+        "split": split,
+        "tensors": 4 * len(list(model.parameters())),
+        "params": sum(p.numel() for p in model.parameters()),
+        "largest_tensor_bytes": max(p.numel() * 4 for p in model.parameters()),
+    }

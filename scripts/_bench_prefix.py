@@ -10,11 +10,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from _bench_proc import proc_status_kib
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import dist_resume
-from _bench_proc import proc_status_kib
 
 __all__ = ["prefix_adapt"]
 
@@ -74,16 +74,21 @@ def prefix_adapt(rank: int, world_size: int, keys: int, numel: int, repeats: int
 
     def add(name: str, fn: Callable[[], Any], src: Mapping[str, Any] | None, rename: Callable[[str], str]) -> None:
         out, times, window, anon = _timed(fn, repeats)
-        entry: dict[str, Any] = {"median": statistics.median(times), "best": min(times), "window": window,
-                                 "anon_delta_kib": anon["after"] - anon["before"], "anon_before_kib": anon["before"]}
+        entry: dict[str, Any] = {
+            "median": statistics.median(times),
+            "best": min(times),
+            "window": window,
+            "anon_delta_kib": anon["after"] - anon["before"],
+            "anon_before_kib": anon["before"],
+        }
         if src is not None:
             entry["copies"] = _same_tensors(out, src, rename)
         results[name] = entry
 
     add("adapt_state_dict", lambda: dist_resume.adapt_state_dict(plain, ddp), plain, lambda k: "module." + k)
-    add("strip_prefix", lambda: dist_resume.strip_prefix(wrapped), wrapped, lambda k: k[len("module."):])
+    add("strip_prefix", lambda: dist_resume.strip_prefix(wrapped), wrapped, lambda k: k[len("module.") :])
     add("dict_add_prefix", lambda: OrderedDict(("module." + k, v) for k, v in plain.items()), None, str)
-    add("dict_strip_prefix", lambda: OrderedDict((k[len("module."):], v) for k, v in wrapped.items()), None, str)
+    add("dict_strip_prefix", lambda: OrderedDict((k[len("module.") :], v) for k, v in wrapped.items()), None, str)
 
     def torch_consume() -> Any:  # torch's own helper works in place: on a shallow copy, timed with the copy
         sd = OrderedDict(wrapped)

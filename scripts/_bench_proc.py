@@ -81,12 +81,16 @@ class Sampler:
     def peak(self, pid: int, start: float, end: float) -> dict[str, Any]:
         """Highest RssAnon and RssFile (KiB) sampled in [start, end], and how many samples that was."""
         inside = [s for s in self._samples.get(pid, []) if start <= s[0] <= end]
-        return {"anon_kib": max((s[1] for s in inside), default=0), "file_kib": max((s[2] for s in inside), default=0),
-                "samples": len(inside)}
+        return {
+            "anon_kib": max((s[1] for s in inside), default=0),
+            "file_kib": max((s[2] for s in inside), default=0),
+            "samples": len(inside),
+        }
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, use_pg: bool,
-           args: tuple[Any, ...], conn: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, store_path: str, use_pg: bool, args: tuple[Any, ...], conn: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -94,8 +98,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
     try:
         if use_pg:
             store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=300))
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
+            )
         msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
     except BaseException:
         msg = ("error", traceback.format_exc())
@@ -116,8 +121,15 @@ class Launched:
         return self.sampler.peak(self.pids[rank], *window)
 
 
-def launch(fn: Callable[..., Any], world_size: int = 1, args: Sequence[Any] = (), *, use_pg: bool | None = None,
-           timeout: float = 600.0, interval: float = 0.002) -> Launched:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 1,
+    args: Sequence[Any] = (),
+    *,
+    use_pg: bool | None = None,
+    timeout: float = 600.0,
+    interval: float = 0.002,
+) -> Launched:
     """Run module-level ``fn(rank, world_size, *args)`` in ``world_size`` fresh spawn processes.
 
     A gloo process group joins them through a FileStore in a private temporary folder when
@@ -134,8 +146,11 @@ def launch(fn: Callable[..., Any], world_size: int = 1, args: Sequence[Any] = ()
         try:
             for rank in range(world_size):
                 reader, writer = _CTX.Pipe(duplex=False)
-                p = _CTX.Process(target=_entry, args=(fn, rank, world_size, store_path, use_pg, tuple(args), writer),
-                                 name=f"bench-rank{rank}")
+                p = _CTX.Process(
+                    target=_entry,
+                    args=(fn, rank, world_size, store_path, use_pg, tuple(args), writer),
+                    name=f"bench-rank{rank}",
+                )
                 p.start()
                 writer.close()
                 assert p.pid is not None

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import dist_resume
 from _bench_model import ModelSpec, build_model, give_adam_state
 from _bench_proc import proc_io, proc_status_kib
+
+import dist_resume
 
 __all__ = ["resume_rank", "wall_times", "probe"]
 
@@ -36,8 +36,9 @@ def naive_resume(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) 
     del ckpt
 
 
-def resume_rank(rank: int, world_size: int, path: str, spec: ModelSpec, how: str, warm: bool, mmap: bool,
-                broadcast: bool) -> dict[str, Any]:
+def resume_rank(
+    rank: int, world_size: int, path: str, spec: ModelSpec, how: str, warm: bool, mmap: bool, broadcast: bool
+) -> dict[str, Any]:
     """One rank of a 2-rank gloo job resuming ``path`` into its existing model (and Adam).
 
     ``warm``: the optimizer already holds state (resume after a rollback, or eagerly built state);
@@ -60,9 +61,16 @@ def resume_rank(rank: int, world_size: int, path: str, spec: ModelSpec, how: str
     gc.collect()
     after = proc_status_kib()
     dist.barrier()
-    return {"window": (start, end), "seconds": end - start, "before": before, "after": after,
-            "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
-            "probe": probe(model, opt), "opened": my_path == path}
+    return {
+        "window": (start, end),
+        "seconds": end - start,
+        "before": before,
+        "after": after,
+        "rchar": io1["rchar"] - io0["rchar"],
+        "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+        "probe": probe(model, opt),
+        "opened": my_path == path,
+    }
 
 
 def _read_into(path: str, view: memoryview) -> int:
@@ -92,8 +100,16 @@ def wall_times(rank: int, world_size: int, path: str, spec: ModelSpec, rounds: i
     buf = bytearray(size)
     view = memoryview(buf)
     assert _read_into(path, view) == size  # warms the page cache and touches every page of the buffer
-    names = ("readinto", "readinto_fresh", "resume_fresh", "resume_warm", "naive_fresh", "copy_into_params",
-             "clone_state", "first_touch_state")
+    names = (
+        "readinto",
+        "readinto_fresh",
+        "resume_fresh",
+        "resume_warm",
+        "naive_fresh",
+        "copy_into_params",
+        "clone_state",
+        "first_touch_state",
+    )
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
 
@@ -124,7 +140,9 @@ def wall_times(rank: int, world_size: int, path: str, spec: ModelSpec, rounds: i
         with torch.no_grad():
             clock("copy_into_params", lambda: [params[k].copy_(v) for k, v in mapped["model"].items()])
         clock("clone_state", lambda: [v.clone() for s in mapped["optimizer"]["state"].values() for v in s.values()])
-        state_bytes = sum(v.numel() * v.element_size() for s in mapped["optimizer"]["state"].values() for v in s.values())
+        state_bytes = sum(
+            v.numel() * v.element_size() for s in mapped["optimizer"]["state"].values() for v in s.values()
+        )
         clock("first_touch_state", lambda: torch.empty(state_bytes, dtype=torch.uint8).fill_(1))
 
     for _ in range(rounds):
@@ -134,7 +152,12 @@ def wall_times(rank: int, world_size: int, path: str, spec: ModelSpec, rounds: i
         clock("resume_warm", lambda: dist_resume.resume(path, model=model, optimizer=opt_warm))
         clock("naive_fresh", naive_fresh)
         big_moves()
-    return {"file_bytes": size, "rounds": rounds, "wall": wall, "cpu": cpu,
-            "median": {k: statistics.median(v) for k, v in wall.items()},
-            "best": {k: min(v) for k, v in wall.items()},
-            "cpu_median": {k: statistics.median(v) for k, v in cpu.items()}}
+    return {
+        "file_bytes": size,
+        "rounds": rounds,
+        "wall": wall,
+        "cpu": cpu,
+        "median": {k: statistics.median(v) for k, v in wall.items()},
+        "best": {k: min(v) for k, v in wall.items()},
+        "cpu_median": {k: statistics.median(v) for k, v in cpu.items()},
+    }

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _bench_model import ModelSpec, build_model, give_adam_state
 
 import dist_resume
-from _bench_model import ModelSpec, build_model, give_adam_state
 
 __all__ = ["save_stall"]
 
@@ -62,12 +62,19 @@ def _one_save(step: Callable[[], None], save: Callable[[], Any], asynchronous: b
             during += _timed_steps(step, 1)
         handle.wait()
     interference = sum(during) - len(during) * base
-    return {"call": call, "interference": interference, "stall": call + interference, "steps_during": len(during),
-            "base_step": base, "write": time.perf_counter() - start}
+    return {
+        "call": call,
+        "interference": interference,
+        "stall": call + interference,
+        "steps_during": len(during),
+        "base_step": base,
+        "write": time.perf_counter() - start,
+    }
 
 
-def save_stall(rank: int, world_size: int, folder: str, spec: ModelSpec, reps: int,
-               step_seconds: float = 0.005) -> dict[str, Any]:
+def save_stall(
+    rank: int, world_size: int, folder: str, spec: ModelSpec, reps: int, step_seconds: float = 0.005
+) -> dict[str, Any]:
     """Interleaved synchronous and asynchronous saves of the same model + Adam state from a training loop."""
     model = build_model(spec, seed=7)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -79,11 +86,16 @@ def save_stall(rank: int, world_size: int, folder: str, spec: ModelSpec, reps: i
             path = Path(folder) / f"{kind}-{rep}.pt"
             fn = dist_resume.save_checkpoint_async if kind == "async" else dist_resume.save_checkpoint
 
-            def save() -> Any:
+            def save(fn: Any = fn, path: Path = path, rep: int = rep) -> Any:
                 return fn(path, model=model, optimizer=opt, step=rep, rng=False)
 
             runs[kind].append(_one_save(step, save, kind == "async"))
             path.unlink(missing_ok=True)
     med = {kind: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for kind, rs in runs.items()}
-    return {"reps": reps, "runs": runs, "median": med, "ratio": med["async"]["stall"] / med["sync"]["stall"],
-            "call_ratio": med["async"]["call"] / med["sync"]["call"]}
+    return {
+        "reps": reps,
+        "runs": runs,
+        "median": med,
+        "ratio": med["async"]["stall"] / med["sync"]["stall"],
+        "call_ratio": med["async"]["call"] / med["sync"]["call"],
+    }

@@ -38,12 +38,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _bench_* helpers, here and in spawned children
 
-from _bench_model import make_checkpoint, spec_for  # noqa: E402
-from _bench_prefix import prefix_adapt  # noqa: E402
-from _bench_proc import launch  # noqa: E402
-from _bench_report import BYTES_NOTE, MEMORY_NOTE, table, verdicts  # noqa: E402
-from _bench_resume import resume_rank, wall_times  # noqa: E402
-from _bench_save import save_stall  # noqa: E402
+from _bench_model import make_checkpoint, spec_for
+from _bench_prefix import prefix_adapt
+from _bench_proc import launch
+from _bench_report import BYTES_NOTE, MEMORY_NOTE, table, verdicts
+from _bench_resume import resume_rank, wall_times
+from _bench_save import save_stall
 
 MIB = 2**20
 # (name, how, warm optimizer, mmap, broadcast_from_rank0)
@@ -66,12 +66,27 @@ def _memory(ckpt: Path, spec: Any, file_bytes: int) -> dict[str, Any]:
             seen = run.peak(rank, res["window"])
             peak = max(seen["anon_kib"], res["before"]["RssAnon"], res["after"]["RssAnon"]) * 1024
             steady = res["after"]["RssAnon"] * 1024
-            ranks.append({"peak_anon": peak, "steady_anon": steady, "before_anon": res["before"]["RssAnon"] * 1024,
-                          "overhead": peak - steady, "overhead_pct": 100 * (peak - steady) / file_bytes,
-                          "file_pages_mapped": max(0, seen["file_kib"] - res["before"]["RssFile"]) * 1024,
-                          "samples": seen["samples"], "seconds": res["seconds"], "probe": res["probe"]})
-        out[name] = {"how": how, "warm_optimizer": warm, "mmap": mmap, "broadcast_from_rank0": broadcast,
-                     "ranks": ranks, "overhead_pct_max": max(r["overhead_pct"] for r in ranks)}
+            ranks.append(
+                {
+                    "peak_anon": peak,
+                    "steady_anon": steady,
+                    "before_anon": res["before"]["RssAnon"] * 1024,
+                    "overhead": peak - steady,
+                    "overhead_pct": 100 * (peak - steady) / file_bytes,
+                    "file_pages_mapped": max(0, seen["file_kib"] - res["before"]["RssFile"]) * 1024,
+                    "samples": seen["samples"],
+                    "seconds": res["seconds"],
+                    "probe": res["probe"],
+                }
+            )
+        out[name] = {
+            "how": how,
+            "warm_optimizer": warm,
+            "mmap": mmap,
+            "broadcast_from_rank0": broadcast,
+            "ranks": ranks,
+            "overhead_pct_max": max(r["overhead_pct"] for r in ranks),
+        }
     return out
 
 
@@ -80,20 +95,26 @@ def _bytes_read(ckpt: Path, spec: Any, file_bytes: int) -> dict[str, Any]:
     for name, broadcast in BYTES_RUNS:
         run = launch(resume_rank, 2, (str(ckpt), spec, "dist_resume", False, False, broadcast))
         rchar = [r["rchar"] for r in run.results]
-        out[name] = {"broadcast_from_rank0": broadcast, "mmap": False, "rchar": rchar,
-                     "opened": [r["opened"] for r in run.results], "probe": [r["probe"] for r in run.results],
-                     "read_bytes": [r["read_bytes"] for r in run.results],
-                     "total_vs_file": sum(rchar) / file_bytes}
+        out[name] = {
+            "broadcast_from_rank0": broadcast,
+            "mmap": False,
+            "rchar": rchar,
+            "opened": [r["opened"] for r in run.results],
+            "probe": [r["probe"] for r in run.results],
+            "read_bytes": [r["read_bytes"] for r in run.results],
+            "total_vs_file": sum(rchar) / file_bytes,
+        }
     return out
 
 
 def _prefix(keys: int, numel: int, repeats: int) -> dict[str, Any]:
     run = launch(prefix_adapt, 1, (keys, numel, repeats), use_pg=True)
     res: dict[str, Any] = run.results[0]
-    for name, entry in res.items():
+    for entry in res.values():
         if isinstance(entry, dict) and "window" in entry:
-            entry["peak_anon_over_before_kib"] = max(0, run.peak(0, entry.pop("window"))["anon_kib"]
-                                                     - entry["anon_before_kib"])
+            entry["peak_anon_over_before_kib"] = max(
+                0, run.peak(0, entry.pop("window"))["anon_kib"] - entry["anon_before_kib"]
+            )
     return res
 
 
@@ -117,9 +138,14 @@ def main() -> int:
         file_bytes = built["file_bytes"]
         doc: dict[str, Any] = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
-                        "torch": __import__("torch").__version__, "torch_threads_per_process": 1,
-                        "loadavg": {"start": load_start}},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "kernel": platform.release(),
+                "torch": __import__("torch").__version__,
+                "torch_threads_per_process": 1,
+                "loadavg": {"start": load_start},
+            },
             "checkpoint": {**built, "spec": vars(spec)},
             "memory": _memory(ckpt, spec, file_bytes),
             "bytes_read": _bytes_read(ckpt, spec, file_bytes),

@@ -115,12 +115,17 @@ def _warm(path: Path) -> None:
 
 def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
     src, dst = folder / f"src_{size_bytes}.pt", folder / f"dst_{size_bytes}.pt"
-    built = subprocess.run([sys.executable, "-c", BUILD.format(shapes=SHAPES), str(src), str(size_bytes)],
-                           check=True, capture_output=True, text=True)
+    built = subprocess.run(
+        [sys.executable, "-c", BUILD.format(shapes=SHAPES), str(src), str(size_bytes)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     n_params = int(built.stdout.strip())
     py = sys.executable
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in
-                                             ("cp", "cp+fsync", "convert", "naive", "naive_mmap", "import floor")}
+    runs: dict[str, list[dict[str, Any]]] = {
+        k: [] for k in ("cp", "cp+fsync", "convert", "naive", "naive_mmap", "import floor")
+    }
     for _ in range(repeat):
         for name in runs:
             dst.unlink(missing_ok=True)
@@ -149,8 +154,12 @@ def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
     src.unlink()
     dst.unlink(missing_ok=True)
     # per parameter: the weight, exp_avg, exp_avg_sq and a scalar step
-    result: dict[str, Any] = {"file_bytes": file_bytes, "params": n_params, "tensors": 4 * n_params,
-                              "pickle_bytes": pickle_bytes}
+    result: dict[str, Any] = {
+        "file_bytes": file_bytes,
+        "params": n_params,
+        "tensors": 4 * n_params,
+        "pickle_bytes": pickle_bytes,
+    }
     for name, rs in runs.items():
         entry = {"seconds": statistics.median(r["seconds"] for r in rs), "min_seconds": min(r["seconds"] for r in rs)}
         if rs[0]["peak_rss_anon_mib"] is not None:
@@ -190,17 +199,23 @@ def table(results: list[dict[str, Any]]) -> str:
             anon = f"{e['peak_rss_anon_mib']:.0f}" if "peak_rss_anon_mib" in e else "-"
             rows.append(f"{size:>9} {name:<15} {e['seconds']:8.2f} {e['min_seconds']:7.2f} {anon:>17}")
             if name == "convert":
-                rows.append(f"{'':>9} {'  (in process)':<15} {e['in_process_seconds']:8.2f} "
-                            f"{e['min_in_process_seconds']:7.2f} {'':>17}")
+                rows.append(
+                    f"{'':>9} {'  (in process)':<15} {e['in_process_seconds']:8.2f} "
+                    f"{e['min_in_process_seconds']:7.2f} {'':>17}"
+                )
         q = r["ratios"]
-        rows.append(f"{'':>9} convert/cp (median): process {q['convert_process_vs_cp']:.2f}x, in process "
-                    f"{q['convert_in_process_vs_cp']:.2f}x, vs cp+fsync {q['convert_in_process_vs_cp_fsync']:.2f}x; "
-                    f"best runs: {q['best_convert_in_process_vs_cp']:.2f}x, vs cp+fsync "
-                    f"{q['best_convert_in_process_vs_cp_fsync']:.2f}x")
-        rows.append(f"{'':>9} "
-                    f"convert anon above import floor {r['convert_anon_above_import_floor_mib']:.0f} MiB "
-                    f"(target <= {r['target_anon_mib']:.0f} MiB); {r['tensors']} tensors, data.pkl "
-                    f"{r['pickle_bytes'] / 2**10:.0f} KiB")
+        rows.append(
+            f"{'':>9} convert/cp (median): process {q['convert_process_vs_cp']:.2f}x, in process "
+            f"{q['convert_in_process_vs_cp']:.2f}x, vs cp+fsync {q['convert_in_process_vs_cp_fsync']:.2f}x; "
+            f"best runs: {q['best_convert_in_process_vs_cp']:.2f}x, vs cp+fsync "
+            f"{q['best_convert_in_process_vs_cp_fsync']:.2f}x"
+        )
+        rows.append(
+            f"{'':>9} "
+            f"convert anon above import floor {r['convert_anon_above_import_floor_mib']:.0f} MiB "
+            f"(target <= {r['target_anon_mib']:.0f} MiB); {r['tensors']} tensors, data.pkl "
+            f"{r['pickle_bytes'] / 2**10:.0f} KiB"
+        )
     return "\n".join(rows)
 
 

@@ -23,6 +23,7 @@ def device_tagging(tag: Tag = "cuda:3") -> Iterator[None]:
     This is how a checkpoint "saved on cuda:3" is made on a CPU-only host (FACTS #4). Loading is not
     affected: the registered deserializer always returns None, so torch's own deserializers decide.
     """
+
     def tagger(storage: Any) -> str | None:
         if storage.device.type != "cpu":
             return None

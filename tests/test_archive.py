@@ -11,10 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from dist_resume import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError, UnsafeCheckpointError
-from dist_resume import _archive_write
-from dist_resume._archive import read_archive, read_records, verify_archive
-from dist_resume._archive_write import dump_pickle, rewrite_archive
+from dist_resume import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+from dist_resume._format import archive_write as _archive_write
+from dist_resume._format.archive import read_archive, read_records, verify_archive
+from dist_resume._format.archive_write import dump_pickle, rewrite_archive
 from tests.helpers import save_with_device_tag
 
 
@@ -53,8 +58,10 @@ def _assert_same(a: Any, b: Any) -> None:
         assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
         assert a.requires_grad == b.requires_grad
         if not a.is_meta:
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+            )
     else:
         assert a == b
 
@@ -129,8 +136,10 @@ def test_zip64_layout_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with FakeTensorMode():
         big = torch.empty(int(4.3e9), dtype=torch.uint8)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save({"a": torch.zeros(5), "big": big, "b": torch.zeros(7), "p": torch.nn.Parameter(torch.zeros(3))},
-                   tmp_path / "a.pt")
+        torch.save(
+            {"a": torch.zeros(5), "big": big, "b": torch.zeros(7), "p": torch.nn.Parameter(torch.zeros(3))},
+            tmp_path / "a.pt",
+        )
     copy = _archive_write._copy_range
 
     def sparse_copy(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
@@ -174,8 +183,11 @@ class _RunsCode:
 @pytest.mark.parametrize("how", ["os.system", "exec"])
 def test_pickle_that_would_run_code_is_refused_before_it_runs(tmp_path: Path, how: str) -> None:
     marker = tmp_path / "marker"
-    payload = _RunsCode(os.system, f"touch {marker}") if how == "os.system" else \
-        _RunsCode(exec, f"open({str(marker)!r}, 'w').close()")
+    payload = (
+        _RunsCode(os.system, f"touch {marker}")
+        if how == "os.system"
+        else _RunsCode(exec, f"open({str(marker)!r}, 'w').close()")
+    )
     torch.save({"w": torch.ones(1), "evil": payload}, tmp_path / "evil.pt")
     with pytest.raises(UnsafeCheckpointError) as info:
         read_archive(tmp_path / "evil.pt")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 import dist_resume
-from dist_resume import _async
+from dist_resume._checkpoint import async_save as _async
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import dist_resume
-from dist_resume._cli_common import ExitCode, ProgressBar
-from dist_resume._convert import remove_stale_temps
+from dist_resume._format.convert import remove_stale_temps
 from dist_resume.cli import main
+from dist_resume.cli._common import ExitCode, ProgressBar
 from tests.helpers import save_with_device_tag
 
 Run = Callable[..., tuple[int, str, str]]
@@ -32,10 +32,12 @@ Run = Callable[..., tuple[int, str, str]]
 @pytest.fixture
 def run(capsys: pytest.CaptureFixture[str]) -> Run:
     """``main(args)`` in this process: (exit status, stdout, stderr)."""
+
     def _run(*args: Any) -> tuple[int, str, str]:
         code = main([str(a) for a in args])
         out, err = capsys.readouterr()
         return code, out, err
+
     return _run
 
 
@@ -136,10 +138,16 @@ def _layouts(model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> dict[str, tupl
     return {
         "bare": (model_sd, "", ""),
         "model+optimizer": ({"model": model_sd, "optimizer": opt_sd, "step": 7}, "model", "optimizer"),
-        "state_dict": ({"state_dict": model_sd, "optimizer_states": [opt_sd], "epoch": 2, "global_step": 9},
-                       "state_dict", "optimizer_states"),
-        "model_state_dict": ({"model_state_dict": model_sd, "optimizer_state_dict": opt_sd, "loss": 0.5},
-                             "model_state_dict", "optimizer_state_dict"),
+        "state_dict": (
+            {"state_dict": model_sd, "optimizer_states": [opt_sd], "epoch": 2, "global_step": 9},
+            "state_dict",
+            "optimizer_states",
+        ),
+        "model_state_dict": (
+            {"model_state_dict": model_sd, "optimizer_state_dict": opt_sd, "loss": 0.5},
+            "model_state_dict",
+            "optimizer_state_dict",
+        ),
     }
 
 
@@ -158,14 +166,16 @@ def test_each_foreign_layout(tmp_path: Path, run: Run, layout: str) -> None:
     if opt_key:
         saved_opt = loaded[opt_key][0] if isinstance(loaded[opt_key], list) else loaded[opt_key]
         assert saved_opt["param_groups"][0]["param_names"][:2] == ["fc.weight", "fc.bias"]
-        assert {k: v for k, v in loaded.items() if k not in (model_key, opt_key)} == \
-            {k: v for k, v in payload.items() if k not in (model_key, opt_key)}
+        assert {k: v for k, v in loaded.items() if k not in (model_key, opt_key)} == {
+            k: v for k, v in payload.items() if k not in (model_key, opt_key)
+        }
 
 
 def test_inspect_json_on_a_gpu_tagged_file(tmp_path: Path, run: Run) -> None:
     model, opt = _trained(nn.DataParallel)
-    save_with_device_tag({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 4},
-                         tmp_path / "gpu.pt", "cuda:3")
+    save_with_device_tag(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 4}, tmp_path / "gpu.pt", "cuda:3"
+    )
     code, out, err = run("inspect", tmp_path / "gpu.pt", "--json")
     report = json.loads(out)
     assert code == 0 and err == ""
@@ -208,8 +218,10 @@ def test_verify_equal_and_different(tmp_path: Path, run: Run) -> None:
     code, out, _ = run("verify", tmp_path / "a.pt", tmp_path / "ddp.pt", "--json")
     report = json.loads(out)
     assert code == ExitCode.OK and report["equal"] and report["differences"] == []
-    assert report["compared"] == {"model_tensors": 9, "optimizer_tensors": 18,
-                                  "bytes": report["compared"]["bytes"]} and report["compared"]["bytes"] > 0
+    assert (
+        report["compared"] == {"model_tensors": 9, "optimizer_tensors": 18, "bytes": report["compared"]["bytes"]}
+        and report["compared"]["bytes"] > 0
+    )
 
     changed = model.state_dict()
     changed["submodule.1.bias"] = changed["submodule.1.bias"].clone()
@@ -227,14 +239,27 @@ def test_verify_equal_and_different(tmp_path: Path, run: Run) -> None:
 
 
 def test_env_reports_what_torchrun_set(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                        "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+    for name, value in {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "TORCHELASTIC_RUN_ID": "job",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     code, out, _ = run("env", "--json")
     report = json.loads(out)
     assert code == 0 and len(out.strip().splitlines()) == 1  # one line per rank
-    assert report["rank_info"] == {"rank": 3, "local_rank": 1, "world_size": 4, "local_world_size": 2,
-                                   "node_rank": 1, "is_distributed": True}
+    assert report["rank_info"] == {
+        "rank": 3,
+        "local_rank": 1,
+        "world_size": 4,
+        "local_world_size": 2,
+        "node_rank": 1,
+        "is_distributed": True,
+    }
     assert report["device"] == "cpu" and report["backend"] == "gloo" and report["launched_by_torchrun"]
     assert report["torchrun"]["GROUP_RANK"] == "1" and report["cuda"]["device_count"] == 0
     code, out, _ = run("env")
@@ -248,16 +273,24 @@ def _evil(path: Path, marker: Path) -> None:
     class RunsCode:
         def __reduce__(self) -> tuple[Any, ...]:
             return (os.system, (f"touch {marker}",))
+
     torch.save({"w": torch.ones(2), "x": RunsCode()}, path)
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("missing", "does not exist"), ("empty", "is empty"), ("truncated", "damaged or truncated"),
-    ("not_zip", "not a file written by torch.save"), ("unsafe", "posix.system"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("truncated", "damaged or truncated"),
+        ("not_zip", "not a file written by torch.save"),
+        ("unsafe", "posix.system"),
+    ],
+)
 @pytest.mark.parametrize("command", ["inspect", "convert", "verify"])
-def test_bad_inputs_exit_2_with_one_line_and_a_hint(tmp_path: Path, run: Run, kind: str, message: str,
-                                                     command: str) -> None:
+def test_bad_inputs_exit_2_with_one_line_and_a_hint(
+    tmp_path: Path, run: Run, kind: str, message: str, command: str
+) -> None:
     bad, marker = tmp_path / "bad.pt", tmp_path / "marker"
     if kind == "empty":
         bad.write_bytes(b"")
@@ -268,8 +301,9 @@ def test_bad_inputs_exit_2_with_one_line_and_a_hint(tmp_path: Path, run: Run, ki
         bad.write_text("hello\n")
     elif kind == "unsafe":
         _evil(bad, marker)
-    args: list[Any] = {"inspect": [bad], "convert": [bad, tmp_path / "out.pt", "--to", "ddp"],
-                       "verify": [bad, bad]}[command]
+    args: list[Any] = {"inspect": [bad], "convert": [bad, tmp_path / "out.pt", "--to", "ddp"], "verify": [bad, bad]}[
+        command
+    ]
     code, out, err = run(command, *args)
     lines = err.splitlines()
     assert code == ExitCode.INPUT and out == ""
@@ -337,8 +371,13 @@ def test_progress_bar_only_on_a_terminal_after_a_moment() -> None:
 
 
 def _python(*args: Any, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dist_resume", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run(
+        [sys.executable, "-m", "dist_resume", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def test_python_dash_m_exit_codes_and_stderr(tmp_path: Path) -> None:
@@ -348,7 +387,7 @@ def test_python_dash_m_exit_codes_and_stderr(tmp_path: Path) -> None:
     bad = _python("inspect", tmp_path / "a.txt")
     assert bad.returncode == 2 and bad.stdout == ""
     # ours is exactly one error line and one hint; `import torch` itself may warn first (no numpy installed)
-    ours = bad.stderr[bad.stderr.index("dist-resume inspect: error: "):].splitlines()
+    ours = bad.stderr[bad.stderr.index("dist-resume inspect: error: ") :].splitlines()
     assert len(ours) == 2 and ours[1].startswith("hint: ")
     torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
     torch.save({"module.w": torch.zeros(3)}, tmp_path / "b.pt")
@@ -361,15 +400,18 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_cleans_up(tmp_path: Pa
     dst = tmp_path / "out.pt"
     slowed = (  # the real command, with the record copy slowed down so the kill lands in the middle of it
         "import sys, time\n"
-        "import dist_resume._archive_write as w\n"
+        "import dist_resume._format.archive_write as w\n"
         "copy = w._copy_range\n"
         "w._copy_range = lambda *a: (time.sleep(0.05), copy(*a))\n"
         "w._COPY_CHUNK = 4 << 20\n"
         "from dist_resume.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", slowed, "convert", str(tmp_path / "big.pt"), str(dst), "--to",
-                             "ddp"], cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", slowed, "convert", str(tmp_path / "big.pt"), str(dst), "--to", "ddp"],
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
@@ -388,8 +430,10 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_cleans_up(tmp_path: Pa
     assert not dst.exists() and len(list(tmp_path.glob(".out.pt.*.tmp"))) == 1
     assert main(["convert", str(tmp_path / "big.pt"), str(dst), "--to", "ddp", "--quiet"]) == 0
     assert list(tmp_path.glob(".*.tmp")) == []
-    assert torch.equal(torch.load(dst, weights_only=True, mmap=True)["module.w"],
-                       torch.load(tmp_path / "big.pt", weights_only=True, mmap=True)["w"])
+    assert torch.equal(
+        torch.load(dst, weights_only=True, mmap=True)["module.w"],
+        torch.load(tmp_path / "big.pt", weights_only=True, mmap=True)["w"],
+    )
 
 
 def test_inspect_describes_a_file_in_no_known_layout(tmp_path: Path, run: Run) -> None:
@@ -413,8 +457,9 @@ def test_convert_refuses_keys_that_would_collide(tmp_path: Path, run: Run) -> No
 @pytest.mark.skipif(shutil.which("dist-resume") is None, reason="package not installed (pip install -e .)")
 def test_console_script(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
-    done = subprocess.run(["dist-resume", "inspect", str(tmp_path / "a.pt"), "--json"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        ["dist-resume", "inspect", str(tmp_path / "a.pt"), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and json.loads(done.stdout)["layout"] == "bare state dict"
 
 
@@ -424,9 +469,15 @@ def test_env_under_torchrun_one_json_line_per_rank() -> None:
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node=2", "-m", "dist_resume", "env", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    proc = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "dist_resume", "env", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -436,6 +487,7 @@ def test_env_under_torchrun_one_json_line_per_rank() -> None:
     assert proc.returncode == 0, err
     reports = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["rank_info"]["rank"])
     assert [r["rank_info"]["local_rank"] for r in reports] == [0, 1]
-    assert all(r["rank_info"]["world_size"] == 2 and r["launched_by_torchrun"] and r["backend"] == "gloo"
-               for r in reports)
+    assert all(
+        r["rank_info"]["world_size"] == 2 and r["launched_by_torchrun"] and r["backend"] == "gloo" for r in reports
+    )
     assert reports[0]["torchrun"]["MASTER_PORT"] == reports[1]["torchrun"]["MASTER_PORT"] is not None

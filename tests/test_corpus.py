@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._archive import read_records
-from dist_resume._folder import checkpoint_name
+from dist_resume._checkpoint.folder import checkpoint_name
+from dist_resume._format.archive import read_records
 
 
 class Net(nn.Module):
@@ -51,8 +51,9 @@ class OtherNet(nn.Module):
         self.out = nn.Linear(4, 2)
 
 
-def _trained(seed: int, swapped: bool = False, opt_cls: type[torch.optim.Optimizer] = torch.optim.SGD,
-             **opt_kwargs: Any) -> tuple[Net, torch.optim.Optimizer]:
+def _trained(
+    seed: int, swapped: bool = False, opt_cls: type[torch.optim.Optimizer] = torch.optim.SGD, **opt_kwargs: Any
+) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net(swapped)
     kwargs = opt_kwargs or ({"lr": 0.1, "momentum": 0.9} if opt_cls is torch.optim.SGD else {"lr": 0.01})
@@ -153,6 +154,7 @@ def _truncated(fraction: float) -> Callable[[Path, Path], Path]:
         data = good.read_bytes()
         cut = max(1, min(len(data) - 1, int(len(data) * fraction)))
         return _write(tmp_path, f"truncated_{fraction}.pt", data[:cut])
+
     return make
 
 
@@ -172,22 +174,54 @@ FILE_CASES: list[tuple[str, Callable[[Path, Path], Path], dict[str, Any], type[E
     ("flipped byte, verify", _flipped, {"verify": True}, dr.CheckpointCorruptError, ("CRC32", "earlier checkpoint")),
     ("zip without data.pkl", _zip_without_pickle, {}, dr.NotACheckpointError, ("data.pkl", "saved with torch.save")),
     ("legacy format", _legacy, {}, dr.NotACheckpointError, ("legacy", "re-save it")),
-    ("legacy format, mmap=False, verify", _legacy, {"mmap": False, "verify": True}, dr.NotACheckpointError,
-     ("legacy", "re-save it")),
-    ("plain pickle calling os.system", lambda g, t: _write(
-        t, "runs_code.pkl", pickle.dumps(_RunsCode(t / MARKER))), {}, dr.NotACheckpointError, ("plain pickle",)),
-    ("torch file calling os.system", _torch_zip_that_runs_code, {}, dr.UnsafeCheckpointError,
-     ("system", "would run code", "do not load it")),
-    ("torch file calling os.system, verify", _torch_zip_that_runs_code, {"verify": True}, dr.UnsafeCheckpointError,
-     ("system", "would run code")),
-    ("JSON", lambda g, t: _write(t, "ckpt.json", json.dumps({"model": {"w": [1.0]}}).encode()), {},
-     dr.NotACheckpointError, ("torch.save",)),
+    (
+        "legacy format, mmap=False, verify",
+        _legacy,
+        {"mmap": False, "verify": True},
+        dr.NotACheckpointError,
+        ("legacy", "re-save it"),
+    ),
+    (
+        "plain pickle calling os.system",
+        lambda g, t: _write(t, "runs_code.pkl", pickle.dumps(_RunsCode(t / MARKER))),
+        {},
+        dr.NotACheckpointError,
+        ("plain pickle",),
+    ),
+    (
+        "torch file calling os.system",
+        _torch_zip_that_runs_code,
+        {},
+        dr.UnsafeCheckpointError,
+        ("system", "would run code", "do not load it"),
+    ),
+    (
+        "torch file calling os.system, verify",
+        _torch_zip_that_runs_code,
+        {"verify": True},
+        dr.UnsafeCheckpointError,
+        ("system", "would run code"),
+    ),
+    (
+        "JSON",
+        lambda g, t: _write(t, "ckpt.json", json.dumps({"model": {"w": [1.0]}}).encode()),
+        {},
+        dr.NotACheckpointError,
+        ("torch.save",),
+    ),
 ]
 
 
 @pytest.mark.parametrize("case,make,kwargs,expected,fix", FILE_CASES, ids=[c[0] for c in FILE_CASES])
-def test_bad_file(good: Path, tmp_path: Path, case: str, make: Callable[[Path, Path], Path],
-                  kwargs: dict[str, Any], expected: type[Exception], fix: tuple[str, ...]) -> None:
+def test_bad_file(
+    good: Path,
+    tmp_path: Path,
+    case: str,
+    make: Callable[[Path, Path], Path],
+    kwargs: dict[str, Any],
+    expected: type[Exception],
+    fix: tuple[str, ...],
+) -> None:
     path = make(good, tmp_path)
     model, opt = _trained(seed=2)
     before = (_bytes(model.state_dict()), _bytes(opt.state_dict()))
@@ -244,8 +278,10 @@ def _other_optimizer(good: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _group_sizes(good: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, _ = _trained(seed=2)
-    groups: list[dict[str, Any]] = [{"params": [*model.fc1.parameters(), *model.fc2.parameters()]},
-                                    {"params": list(model.head.parameters()), "lr": 0.01}]
+    groups: list[dict[str, Any]] = [
+        {"params": [*model.fc1.parameters(), *model.fc2.parameters()]},
+        {"params": list(model.head.parameters()), "lr": 0.01},
+    ]
     opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     return model, opt
 
@@ -265,8 +301,13 @@ MISMATCH_CASES = [
 
 
 @pytest.mark.parametrize("case,build,expected,words", MISMATCH_CASES, ids=[c[0] for c in MISMATCH_CASES])
-def test_mismatched_objects(good: Path, case: str, build: Callable[[Path], tuple[nn.Module, torch.optim.Optimizer]],
-                            expected: type[Exception], words: tuple[str, ...]) -> None:
+def test_mismatched_objects(
+    good: Path,
+    case: str,
+    build: Callable[[Path], tuple[nn.Module, torch.optim.Optimizer]],
+    expected: type[Exception],
+    words: tuple[str, ...],
+) -> None:
     model, opt = build(good)
     before = (_bytes(model.state_dict()), _bytes(opt.state_dict()))
     with pytest.raises(dr.DistResumeError) as info:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._layout import Key
+from dist_resume._format.layout import Key
 from tests.models import TinyNet, assert_same, make_batches, train_steps
 
 pytestmark = pytest.mark.cuda
@@ -100,8 +100,10 @@ def test_fused_and_capturable_step_lives_on_the_device(tmp_path, flag):
     assert _state_devices(opt, "step") == {CUDA}  # torch's own placement
     path = tmp_path / "ckpt.pt"
     dr.save_checkpoint(path, model=net, optimizer=opt)
-    assert torch.load(path, weights_only=True, map_location="cpu")[Key.OPTIMIZER]["state"][0]["step"].dtype \
+    assert (
+        torch.load(path, weights_only=True, map_location="cpu")[Key.OPTIMIZER]["state"][0]["step"].dtype
         == torch.float32
+    )
 
     # resume (file read on the CPU) puts step back on the device, float32
     net2 = TinyNet(seed=1).to(CUDA)
@@ -183,8 +185,10 @@ def test_check_devices_catches_a_cpu_exp_avg_for_a_cuda_param():
         dr.check_devices(nn.DataParallel(net), opt)
     assert info.value.findings == report
     # and a batch left on the CPU
-    assert dr.device_report(net, batch=BATCHES[0]) == ["batch[0] is on cpu, the model on cuda:0",
-                                                       "batch[1] is on cpu, the model on cuda:0"]
+    assert dr.device_report(net, batch=BATCHES[0]) == [
+        "batch[0] is on cpu, the model on cuda:0",
+        "batch[1] is on cpu, the model on cuda:0",
+    ]
 
 
 def test_gpu_saved_file_resumes_into_a_cpu_model(tmp_path):
@@ -234,8 +238,10 @@ def test_rank_aware_load_on_local_rank_1_allocates_nothing_on_cuda0(tmp_path, mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     before0, before1 = torch.cuda.memory_allocated(0), torch.cuda.memory_allocated(1)
-    for load in (lambda: dr.load_checkpoint(path, map_location=dr.rank_map_location(1)),
-                 lambda: dr.load_checkpoint(path)):  # the default follows LOCAL_RANK
+    for load in (
+        lambda: dr.load_checkpoint(path, map_location=dr.rank_map_location(1)),
+        lambda: dr.load_checkpoint(path),
+    ):  # the default follows LOCAL_RANK
         loaded = load()
         assert loaded["w"].device == torch.device("cuda", 1) and loaded["b"].device == torch.device("cuda", 1)
         torch.cuda.synchronize(1)

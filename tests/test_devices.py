@@ -105,8 +105,12 @@ def test_asgd_fresh_state_on_the_device_is_not_reported():
     model = nn.Linear(3, 2, device=META)
     opt = torch.optim.ASGD(model.parameters())
     for p in model.parameters():
-        opt.state[p] = {"step": torch.zeros((), device=META), "eta": torch.ones((), device=META),
-                        "mu": torch.ones((), device=META), "ax": torch.zeros_like(p)}
+        opt.state[p] = {
+            "step": torch.zeros((), device=META),
+            "eta": torch.ones((), device=META),
+            "mu": torch.ones((), device=META),
+            "ax": torch.zeros_like(p),
+        }
     assert dr.device_report(model, opt) == []
 
 

@@ -113,7 +113,12 @@ def test_rank_device_rejects_local_rank_beyond_the_visible_gpus(env, monkeypatch
     with pytest.raises(dr.EnvironmentMismatchError) as info:
         dr.rank_device()
     msg = str(info.value)
-    assert "LOCAL_RANK=2" in msg and "2 visible CUDA device(s)" in msg and "CUDA_VISIBLE_DEVICES=4,5" in msg and "nproc_per_node" in msg
+    assert (
+        "LOCAL_RANK=2" in msg
+        and "2 visible CUDA device(s)" in msg
+        and "CUDA_VISIBLE_DEVICES=4,5" in msg
+        and "nproc_per_node" in msg
+    )
     with pytest.raises(dr.EnvironmentMismatchError):
         dr.rank_device(5)
     with pytest.raises(dr.EnvironmentMismatchError, match="negative"):

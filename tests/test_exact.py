@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 import dist_resume
 from dist_resume import ResumableDistributedSampler as Sampler
 from dist_resume import StateMismatchError
-from dist_resume import _exact, _rng
+from dist_resume._exact import rng as _rng
+from dist_resume._exact import sampler as _exact
 
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
     import numpy as np
@@ -52,8 +53,9 @@ def test_fresh_epoch_matches_distributed_sampler(n, world, shuffle, drop_last):
         pytest.skip("rejected by design, see test_invalid_arguments")
     for rank in range(world):
         ours = Sampler(n, num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
-        theirs = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5,
-                                    drop_last=drop_last)
+        theirs = DistributedSampler(
+            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+        )
         for epoch in (0, 1):
             theirs.set_epoch(epoch)
             assert ours.epoch == epoch
@@ -189,9 +191,14 @@ def test_load_state_dict_rejects_another_permutation_and_changes_nothing():
     it = iter(s)
     next(it)
     good = s.state_dict()
-    for key, value, match in [("num_samples", 21, "num_samples 21 saved, 20 now"), ("seed", 2, "seed 2 saved"),
-                              ("shuffle", False, "shuffle False saved"), ("consumed", 30, "exceeds"),
-                              ("epoch", -1, "not a non-negative int"), ("consumed", True, "not a non-negative")]:
+    for key, value, match in [
+        ("num_samples", 21, "num_samples 21 saved, 20 now"),
+        ("seed", 2, "seed 2 saved"),
+        ("shuffle", False, "shuffle False saved"),
+        ("consumed", 30, "exceeds"),
+        ("epoch", -1, "not a non-negative int"),
+        ("consumed", True, "not a non-negative"),
+    ]:
         with pytest.raises(StateMismatchError, match=match):
             s.load_state_dict({**good, key: value})
         assert s.state_dict() == good
@@ -199,14 +206,17 @@ def test_load_state_dict_rejects_another_permutation_and_changes_nothing():
         s.load_state_dict({"epoch": 0})
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"dataset": 0, "num_replicas": 1, "rank": 0}, ValueError, "empty"),
-    ({"dataset": 4, "num_replicas": 2, "rank": 2}, ValueError, "rank=2 must be in 0..num_replicas-1"),
-    ({"dataset": 4, "num_replicas": 0, "rank": 0}, ValueError, "num_replicas=0"),
-    ({"dataset": 4, "num_replicas": 2, "rank": 0, "seed": 1.5}, TypeError, "seed must be an int"),
-    ({"dataset": 4, "num_replicas": 2, "rank": 0, "shuffle": 1}, TypeError, "shuffle must be a bool"),
-    ({"dataset": 3, "num_replicas": 4, "rank": 0, "drop_last": True}, ValueError, "leaves every rank empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"dataset": 0, "num_replicas": 1, "rank": 0}, ValueError, "empty"),
+        ({"dataset": 4, "num_replicas": 2, "rank": 2}, ValueError, "rank=2 must be in 0..num_replicas-1"),
+        ({"dataset": 4, "num_replicas": 0, "rank": 0}, ValueError, "num_replicas=0"),
+        ({"dataset": 4, "num_replicas": 2, "rank": 0, "seed": 1.5}, TypeError, "seed must be an int"),
+        ({"dataset": 4, "num_replicas": 2, "rank": 0, "shuffle": 1}, TypeError, "shuffle must be a bool"),
+        ({"dataset": 3, "num_replicas": 4, "rank": 0, "drop_last": True}, ValueError, "leaves every rank empty"),
+    ],
+)
 def test_invalid_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         Sampler(**kwargs)
@@ -355,8 +365,9 @@ def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_pat
     with pytest.raises(StateMismatchError, match="has no sampler state but a sampler was passed"):
         dist_resume.resume(tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0))
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
-    res = dist_resume.resume(tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0),
-                             strict=False, rng=True)
+    res = dist_resume.resume(
+        tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0), strict=False, rng=True
+    )
     assert "sampler" in res.skipped and "rng" not in res.restored
 
 

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
-from dist_resume._atomic import TEMP_NAME
+from dist_resume._checkpoint.folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
+from dist_resume._format.atomic import TEMP_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20
@@ -137,8 +137,15 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
         durations += [took] if took is not None else []
         fresh = {n for n in os.listdir(folder) if TEMP_NAME.match(n)} - stale
         left_behind += len(fresh)
-        phases["finished" if finished else "killed after the rename" if (folder / checkpoint_name(new)).exists()
-               else "killed mid-write" if fresh else "killed before writing"] += 1
+        phases[
+            "finished"
+            if finished
+            else "killed after the rename"
+            if (folder / checkpoint_name(new)).exists()
+            else "killed mid-write"
+            if fresh
+            else "killed before writing"
+        ] += 1
         outcome, problems = _check_folder(folder, previous, new)
         outcomes[outcome] += 1
         failures += [f"trial {trial} (kill at {kill_after:.3f}s): {p}" for p in problems]
@@ -146,10 +153,12 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
     _run_child(folder, 1000, None)  # the next save cleans what killed saves left behind
     left = sorted(os.listdir(folder))
     remaining = sum(1 for n in left if TEMP_NAME.match(n))
-    print(f"\nfault injection: {TRIALS} SIGKILL trials of a {size_mb:.0f} MB save "
-          f"(uninterrupted: median {statistics.median(durations):.2f}s); "
-          f"{len(failures)} failures; latest() returned {dict(outcomes)}; kills: {dict(phases)}; "
-          f"temp files left by killed saves: {left_behind}, remaining after the next save: {remaining}")
+    print(
+        f"\nfault injection: {TRIALS} SIGKILL trials of a {size_mb:.0f} MB save "
+        f"(uninterrupted: median {statistics.median(durations):.2f}s); "
+        f"{len(failures)} failures; latest() returned {dict(outcomes)}; kills: {dict(phases)}; "
+        f"temp files left by killed saves: {left_behind}, remaining after the next save: {remaining}"
+    )
     assert not failures, "\n".join(failures)
     assert phases["killed mid-write"] >= 1, f"no kill landed mid-write: {dict(phases)}"
     assert remaining == 0
@@ -159,7 +168,7 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
 _RLIMIT_CHILD = textwrap.dedent("""
     import resource, signal, sys
     import torch
-    from dist_resume._folder import CheckpointManager
+    from dist_resume._checkpoint.folder import CheckpointManager
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     model = torch.nn.Linear(1024, 1024)  # 4 MB, over the 1 MB limit
@@ -178,8 +187,9 @@ def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Pa
     good = mgr.save(1, model=nn.Linear(4, 4))
     before = good.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _RLIMIT_CHILD, str(tmp_path)], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _RLIMIT_CHILD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     kind, _, message = out.stdout.partition("\n")
     assert kind == "CheckpointWriteError", out.stdout + out.stderr

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._consensus import resolve_checkpoint
-from dist_resume._folder import CheckpointManager, checkpoint_name, latest_checkpoint
-from dist_resume._integrity import archive_digest, inspect_checkpoint
-from dist_resume._atomic import TEMP_NAME
+from dist_resume._checkpoint.consensus import resolve_checkpoint
+from dist_resume._checkpoint.folder import CheckpointManager, checkpoint_name, latest_checkpoint
+from dist_resume._format.atomic import TEMP_NAME
+from dist_resume._format.integrity import archive_digest, inspect_checkpoint
 
 
 class Net(nn.Module):
@@ -112,8 +112,12 @@ def test_latest_skips_damaged_and_foreign_files_and_logs_why(tmp_path: Path, cap
         assert mgr.latest() == tmp_path / checkpoint_name(200)
     skipped = [r.getMessage() for r in caplog.records if r.name == "dist_resume"]
     assert len(skipped) == 4
-    for name, reason in (("ckpt_00000600.pt", "empty"), ("ckpt_00000500.pt", "truncated"),
-                         ("ckpt_00000400.pt", "dist_resume metadata"), ("ckpt_00000300.pt", "says step 100")):
+    for name, reason in (
+        ("ckpt_00000600.pt", "empty"),
+        ("ckpt_00000500.pt", "truncated"),
+        ("ckpt_00000400.pt", "dist_resume metadata"),
+        ("ckpt_00000300.pt", "says step 100"),
+    ):
         assert any(name in m and reason in m for m in skipped), (name, reason, skipped)
 
 
@@ -127,7 +131,7 @@ def test_verify_false_skips_only_the_crc_check(tmp_path: Path) -> None:
 
 def _flip_byte_in_tensor_record(path: Path) -> None:
     """Flip one bit inside the first tensor record: the zip structure stays intact, its CRC does not."""
-    from dist_resume._archive import read_records
+    from dist_resume._format.archive import read_records
 
     _, records = read_records(path)
     record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)
@@ -140,8 +144,13 @@ def test_temp_files_are_ignored_by_latest_and_only_ours_are_cleaned(tmp_path: Pa
     mgr = _save_steps(tmp_path, [1])
     ours = tmp_path / ".ckpt_00000002.pt.0123456789abcdef.tmp"  # what a killed save leaves
     ours.write_bytes(b"PK\x03\x04 partial")
-    not_ours = [".model.pt.0123456789abcdef.tmp", ".ckpt_00000002.pt.notrandomtoken.tmp", "x.tmp", "notes.txt",
-                "ckpt_latest.pt"]
+    not_ours = [
+        ".model.pt.0123456789abcdef.tmp",
+        ".ckpt_00000002.pt.notrandomtoken.tmp",
+        "x.tmp",
+        "notes.txt",
+        "ckpt_latest.pt",
+    ]
     for name in not_ours:
         (tmp_path / name).write_bytes(b"keep me")
     assert TEMP_NAME.match(ours.name) and mgr.latest() == tmp_path / checkpoint_name(1)
@@ -193,7 +202,7 @@ def test_resolve_empty_folder_is_not_found(tmp_path: Path) -> None:
         resolve_checkpoint(tmp_path)
     assert str(tmp_path) in str(info.value) and "start from scratch" in str(info.value)
     (tmp_path / "model.pt").write_bytes(b"x")
-    with pytest.raises(dr.CheckpointNotFoundError, match="model.pt"):
+    with pytest.raises(dr.CheckpointNotFoundError, match=r"model\.pt"):
         resolve_checkpoint(tmp_path)
 
 

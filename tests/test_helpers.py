@@ -55,8 +55,9 @@ def test_saved_file_carries_cuda_tag_and_registry_is_restored(tmp_path, cuda_tag
 
 def test_callable_tag_gives_mixed_locations_and_unregisters_on_error(tmp_path):
     a, b = torch.zeros(2), torch.ones(3)
-    save_with_device_tag({"a": a, "b": b}, tmp_path / "mixed.pt",
-                         tag=lambda s: "cuda:1" if s.nbytes() == a.nbytes else None)
+    save_with_device_tag(
+        {"a": a, "b": b}, tmp_path / "mixed.pt", tag=lambda s: "cuda:1" if s.nbytes() == a.nbytes else None
+    )
     assert _location_tags(tmp_path / "mixed.pt") == {"cuda:1", "cpu"}
 
     registry_before = list(ts._package_registry)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._layout import FORMAT_NAME, FORMAT_VERSION, Key, is_state_dict, split_checkpoint
+from dist_resume._format.layout import FORMAT_NAME, FORMAT_VERSION, Key, is_state_dict, split_checkpoint
 from tests.models import TinyNet
 
 
@@ -26,8 +26,13 @@ def opt_sd():
 
 def test_toolkit_layout(model_sd, opt_sd):
     obj = {
-        Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model_sd, Key.OPTIMIZER: opt_sd,
-        Key.SCHEDULER: {"last_epoch": 3}, Key.SCALER: {"scale": 2.0}, Key.EXTRA: {"note": "x"},
+        Key.FORMAT: FORMAT_NAME,
+        Key.VERSION: FORMAT_VERSION,
+        Key.MODEL: model_sd,
+        Key.OPTIMIZER: opt_sd,
+        Key.SCHEDULER: {"last_epoch": 3},
+        Key.SCALER: {"scale": 2.0},
+        Key.EXTRA: {"note": "x"},
         Key.META: {"step": 12, "epoch": 2, "world_size": 4},
     }
     parts = split_checkpoint(obj)
@@ -71,8 +76,13 @@ def test_foreign_layouts(model_sd, opt_sd, layout, model_key, opt_key, extra):
 
 
 def test_foreign_layout_with_scheduler_and_scaler(model_sd, opt_sd):
-    obj = {"model_state_dict": model_sd, "optimizer_state_dict": opt_sd,
-           "scheduler_state_dict": {"last_epoch": 1}, "scaler_state_dict": {"scale": 8.0}, "epoch": torch.tensor(3)}
+    obj = {
+        "model_state_dict": model_sd,
+        "optimizer_state_dict": opt_sd,
+        "scheduler_state_dict": {"last_epoch": 1},
+        "scaler_state_dict": {"scale": 8.0},
+        "epoch": torch.tensor(3),
+    }
     parts = split_checkpoint(obj)
     assert parts.scheduler == {"last_epoch": 1} and parts.scaler == {"scale": 8.0}
     assert parts.epoch == 3  # a tensor holding an int counts

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._optim import prepare_optimizer_state
+from dist_resume._state.optim import canonical_optimizer_state, prepare_optimizer_state
 from tests.models import TwinNet, TwinNetReordered, assert_same, make_batches, train_steps
 
 META = torch.device("meta")
@@ -85,8 +85,11 @@ def test_optimizer_to_device_follows_torchs_step_policy(name, dtype):
     _, opt = _trained(name, dtype)
     step_on_device = OPTIMIZERS[name][2]
     before = {(id(p), k): (v.dtype, v.shape, v.clone()) for p, _, k, v in _state_tensors(opt)}
-    non_tensor = {id(p): {k: v for k, v in opt.state[p].items() if not isinstance(v, torch.Tensor)}
-                  for g in opt.param_groups for p in g["params"]}
+    non_tensor = {
+        id(p): {k: v for k, v in opt.state[p].items() if not isinstance(v, torch.Tensor)}
+        for g in opt.param_groups
+        for p in g["params"]
+    }
 
     dr.optimizer_to(opt, META)
 
@@ -140,8 +143,9 @@ def test_capturable_group_puts_step_on_the_device():
 
 def test_optimizer_to_mixed_groups_and_params_without_state():
     model = TwinNet()
-    opt = torch.optim.AdamW([{"params": model.a.parameters()}, {"params": model.b.parameters(), "lr": 0.5}],
-                            fused=False)
+    opt = torch.optim.AdamW(
+        [{"params": model.a.parameters()}, {"params": model.b.parameters(), "lr": 0.5}], fused=False
+    )
     model.a.weight.grad = torch.ones_like(model.a.weight)  # only one parameter gets state
     opt.step()
     assert len(opt.state) == 1
@@ -217,7 +221,7 @@ def test_reordered_modules_are_rematched_by_name(named):
     saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     by_name = {n: copy.deepcopy(opt.state[p]) for n, p in model.named_parameters()}
     if not named:  # a foreign file without names stays positional: the toolkit's own files carry names
-        saved["optimizer"] = dr._optim.canonical_optimizer_state(opt, model)
+        saved["optimizer"] = canonical_optimizer_state(opt, model)
 
     target = TwinNetReordered(seed=9)
     live = torch.optim.Adam(target.named_parameters() if named else target.parameters(), lr=1e-2)
@@ -234,13 +238,19 @@ def test_reordered_modules_are_rematched_by_name(named):
     assert torch.equal(plain.state[target.b.weight]["exp_avg"], by_name["a.weight"]["exp_avg"])
 
 
-@pytest.mark.parametrize("wrapper, prefix", [(nn.DataParallel, "module."), (torch.compile, "_orig_mod."),
-                                             (lambda m: torch.compile(nn.DataParallel(m)), "_orig_mod.module.")])
+@pytest.mark.parametrize(
+    "wrapper, prefix",
+    [
+        (nn.DataParallel, "module."),
+        (torch.compile, "_orig_mod."),
+        (lambda m: torch.compile(nn.DataParallel(m)), "_orig_mod.module."),
+    ],
+)
 def test_prefixed_param_names_are_normalised(wrapper, prefix):
     model, wrapped, opt = _adam_checkpoint(named=True, wrapper=wrapper)
     saved = opt.state_dict()
     assert saved["param_groups"][0]["param_names"][0] == prefix + "a.weight"
-    by_name = {n[len(prefix):]: copy.deepcopy(opt.state[p]) for n, p in wrapped.named_parameters()}
+    by_name = {n[len(prefix) :]: copy.deepcopy(opt.state[p]) for n, p in wrapped.named_parameters()}
 
     for live_wrapper in (lambda m: m, nn.DataParallel):
         target = live_wrapper(TwinNetReordered())

@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
-from dist_resume import _async
-from dist_resume._layout import Key
-from dist_resume._tree import iter_tensors
+from dist_resume._checkpoint import async_save as _async
+from dist_resume._core.tree import iter_tensors
+from dist_resume._format.layout import Key
 from tests.models import TinyNet, assert_same, make_batches, single_rank_group, train_steps
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
@@ -30,8 +30,11 @@ KEYS = 12_000
 def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     """Address ranges of this process mapped from ``path``."""
     with open("/proc/self/maps") as f:
-        return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f  # type: ignore[misc]
-                if line.rstrip().endswith(str(path))]
+        return [
+            tuple(int(x, 16) for x in line.split()[0].split("-"))
+            for line in f  # type: ignore[misc]
+            if line.rstrip().endswith(str(path))
+        ]
 
 
 def _extents(tensors: Iterator[torch.Tensor]) -> list[tuple[int, int]]:
@@ -127,12 +130,13 @@ def test_prefix_adaptation_hands_back_the_input_tensors_at_12k_keys(tmp_path):
         wrapped = ddp.state_dict()
         ddp_keys, plain_keys = list(wrapped), list(plain)
         compiled = torch.compile(net)  # an OptimizedModule: "_orig_mod." keys, nothing compiled yet
-        _assert_no_copy(dr.adapt_state_dict(plain, ddp), plain, lambda k: k[len("module."):], ddp_keys)
+        _assert_no_copy(dr.adapt_state_dict(plain, ddp), plain, lambda k: k[len("module.") :], ddp_keys)
         _assert_no_copy(dr.adapt_state_dict(wrapped, net), wrapped, lambda k: "module." + k, plain_keys)
-        _assert_no_copy(dr.adapt_state_dict(plain, compiled), plain, lambda k: k[len("_orig_mod."):],
-                        list(compiled.state_dict()))
+        _assert_no_copy(
+            dr.adapt_state_dict(plain, compiled), plain, lambda k: k[len("_orig_mod.") :], list(compiled.state_dict())
+        )
         _assert_no_copy(dr.strip_prefix(wrapped), wrapped, lambda k: "module." + k, plain_keys)
-        _assert_no_copy(dr.add_prefix(plain), plain, lambda k: k[len("module."):], ddp_keys)
+        _assert_no_copy(dr.add_prefix(plain), plain, lambda k: k[len("module.") :], ddp_keys)
 
 
 # ---------------------------------------------------------------- async save
@@ -168,8 +172,10 @@ def test_async_snapshot_is_private_before_the_write_starts(tmp_path, gated_async
     net = TinyNet(seed=0)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     train_steps(net, opt, make_batches(2))
-    at_call = {"model": {k: v.clone() for k, v in net.state_dict().items()},
-               "state": copy.deepcopy(opt.state_dict()["state"])}
+    at_call = {
+        "model": {k: v.clone() for k, v in net.state_dict().items()},
+        "state": copy.deepcopy(opt.state_dict()["state"]),
+    }
     handle = dr.save_checkpoint_async(tmp_path / "a.pt", model=net, optimizer=opt, step=2)
     assert not handle.done()  # the write has not started: whatever follows happens before it
     live = list(iter_tensors(net.state_dict())) + list(iter_tensors([dict(s) for s in opt.state.values()]))

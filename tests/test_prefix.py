@@ -51,7 +51,7 @@ def test_add_prefix_of_a_plain_state_dict_is_the_wrapped_one_zero_copy():
     wrapped_sd = nn.DataParallel(net).state_dict()
     out = dr.add_prefix(plain_sd)
     assert list(out) == list(wrapped_sd)
-    assert all(out[k] is plain_sd[k[len("module."):]] for k in out)
+    assert all(out[k] is plain_sd[k[len("module.") :]] for k in out)
     assert dict(out._metadata) == dict(wrapped_sd._metadata)
     assert out._metadata["module.bn"]["version"] == 2
     dp = nn.DataParallel(TinyNet(seed=1))
@@ -167,7 +167,7 @@ def test_adapt_state_dict_every_wrapping_both_directions(src_kind, dst_kind):
     prefix = WRAPPERS[dst_kind][1]
     assert all(k.startswith(prefix) for k in adapted)
     for key, value in adapted.items():  # zero-copy: the checkpoint's own tensors
-        assert value is saved[WRAPPERS[src_kind][1] + key[len(prefix):]]
+        assert value is saved[WRAPPERS[src_kind][1] + key[len(prefix) :]]
     # metadata follows the keys: BatchNorm's version survives under the target's name
     assert adapted._metadata[prefix + "bn"]["version"] == 2
     assert set(adapted._metadata) <= set(target_sd._metadata)
@@ -276,6 +276,8 @@ def test_adapt_state_dict_with_a_compiled_submodule():
         assert list(adapted) == list(dst.state_dict())
         dst.load_state_dict(adapted, strict=True)
         inner = dr.unwrap_model(dst)
-        assert torch.equal(inner.block[0].weight if not dst_compiled else inner.block._orig_mod[0].weight,
-                           src.block[0].weight if not src_compiled else src.block._orig_mod[0].weight)
+        assert torch.equal(
+            inner.block[0].weight if not dst_compiled else inner.block._orig_mod[0].weight,
+            src.block[0].weight if not src_compiled else src.block._orig_mod[0].weight,
+        )
     assert dr.canonical_key("block._orig_mod.0.weight") == "block.0.weight"

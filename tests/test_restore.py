@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
-from dist_resume._layout import Key
+from dist_resume._format.layout import Key
 from tests.helpers import save_with_device_tag
 from tests.models import (
     TinyNet,
@@ -48,8 +46,9 @@ def _trained_checkpoint(tmp_path, n=3, **kwargs):
     net, model, opt, sched, scaler = _setup(**kwargs)
     train_steps(net, opt, BATCHES[:n], scheduler=sched, scaler=scaler)
     path = tmp_path / "ckpt.pt"
-    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, step=n, epoch=0,
-                       extra={"note": "hi"})
+    dr.save_checkpoint(
+        path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, step=n, epoch=0, extra={"note": "hi"}
+    )
     return path, (net, model, opt, sched, scaler)
 
 
@@ -197,8 +196,9 @@ def test_reordered_modules_get_the_right_state(tmp_path):
 
 def _mapped_ranges(path):
     with open("/proc/self/maps") as f:
-        return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f
-                if line.rstrip().endswith(str(path))]
+        return [
+            tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if line.rstrip().endswith(str(path))
+        ]
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
@@ -346,7 +346,8 @@ def _bad_files(tmp_path, good):
     put("param_names", obj, dr.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.SCHEDULER] = torch.optim.lr_scheduler.OneCycleLR(
-        torch.optim.SGD(TinyNet().parameters(), lr=0.1), max_lr=0.1, total_steps=10).state_dict()
+        torch.optim.SGD(TinyNet().parameters(), lr=0.1), max_lr=0.1, total_steps=10
+    ).state_dict()
     put("scheduler_class", obj, dr.StateMismatchError)
     obj = _payload(good)
     obj[Key.SCALER] = {}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._layout import FORMAT_NAME, FORMAT_VERSION, Key
+from dist_resume._format.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from tests.models import WRAPPERS, TinyNet, make_batches, train_steps, wrap
 
 
@@ -66,9 +66,22 @@ def test_metadata(tmp_path):
 
 
 def test_every_plain_value_that_save_accepts_loads_under_weights_only(tmp_path):
-    extra = {"i": 1, "f": 0.5, "c": 1j, "b": b"x", "s": "y", "n": None, "t": True, "set": {1, 2},
-             "tuple": (1, "a"), "list": [torch.ones(1)], "size": torch.Size([2]), "dtype": torch.float16,
-             "device": torch.device("cpu"), "nested": {"a": {"b": [{"c": 3}]}}}
+    extra = {
+        "i": 1,
+        "f": 0.5,
+        "c": 1j,
+        "b": b"x",
+        "s": "y",
+        "n": None,
+        "t": True,
+        "set": {1, 2},
+        "tuple": (1, "a"),
+        "list": [torch.ones(1)],
+        "size": torch.Size([2]),
+        "dtype": torch.float16,
+        "device": torch.device("cpu"),
+        "nested": {"a": {"b": [{"c": 3}]}},
+    }
     dr.save_checkpoint(tmp_path / "x.pt", model=TinyNet(), extra=extra)
     loaded = torch.load(tmp_path / "x.pt", weights_only=True)[Key.EXTRA]
     assert loaded.keys() == extra.keys()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import dist_resume
-from dist_resume._broadcast import broadcast_loaded
+from dist_resume._dist.broadcast import broadcast_loaded
 from tests.dist.ddp_workers import flat_state, make
 
 

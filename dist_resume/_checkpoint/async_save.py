@@ -1,0 +1,174 @@
+"""Asynchronous saves: snapshot the state now, write it atomically in a background thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.errors import CheckpointWriteError
+from .._core.log import log_rank0
+from .._core.tree import map_tensors
+from .._core.types import PathLike
+from .._dist.comm import run_on_rank0
+from .._dist.env import is_distributed
+from .._format.atomic import atomic_write
+from .save import prepare_payload
+
+__all__ = ["AsyncSave", "save_checkpoint_async", "wait_pending"]
+
+_pending: AsyncSave | None = None
+_pending_lock = threading.Lock()
+
+
+_staging: list[torch.Tensor] = []  # the previous snapshot's tensors; free once its write is done
+
+
+def _snapshot(obj: Any, pin: bool) -> Any:
+    """A copy of ``obj`` whose tensors are private CPU copies (pinned when CUDA is in use), written into the
+    previous snapshot's tensors where shapes and dtypes match (the previous write is over by now)."""
+    old = list(_staging)
+    _staging.clear()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        src = t.detach()
+        i = len(_staging)
+        pinned = pin and src.is_cuda
+        out = old[i] if i < len(old) else None
+        if out is None or out.shape != src.shape or out.dtype != src.dtype or out.is_pinned() != pinned:
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+        out.copy_(src, non_blocking=src.is_cuda)
+        _staging.append(out)
+        return out
+
+    return map_tensors(obj, copy)
+
+
+class AsyncSave:
+    """Handle of a checkpoint being written in the background by :func:`save_checkpoint_async`."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None) -> None:
+        self.path = path
+        self._thread = thread
+        self._error: BaseException | None = None
+        self._outcome: tuple[Path | None, BaseException | None] | None = None
+
+    def done(self) -> bool:
+        """True once the background write has finished (successfully or not). Local."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def _join(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is durable; return its path or raise the write's error.
+
+        Collective under torch.distributed (rank 0 reports its outcome to every rank): call it on
+        every rank. Later calls return (or raise) the same outcome at once, locally.
+        """
+        global _pending
+        if self._outcome is None:
+            with _pending_lock:
+                if _pending is self:
+                    _pending = None
+            try:
+                self._outcome = (run_on_rank0(self._join), None)
+            except Exception as err:
+                self._outcome = (None, err)
+        path, error = self._outcome
+        if error is not None:
+            raise error
+        assert path is not None
+        return path
+
+
+def wait_pending() -> Path | None:
+    """Wait for the previous asynchronous save, if any (collective like :meth:`AsyncSave.wait`)."""
+    with _pending_lock:
+        pending = _pending
+    return pending.wait() if pending is not None else None
+
+
+def save_checkpoint_async(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    extra: Any = None,
+    sampler: Any = None,
+    rng: bool = True,
+    after_write: Callable[[Path], None] | None = None,
+) -> AsyncSave:
+    """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
+
+    Collective under torch.distributed: call it on every rank. It first waits for the previous
+    asynchronous save (so its errors surface here at the latest), then rank 0 copies the state to
+    CPU memory (pinned when it lives on a GPU) and a thread writes it atomically; ``after_write``
+    (e.g. rotation) runs in that thread once the file is durable. Training may change the model and
+    optimizer right away. ``wait()`` on the handle blocks until the file is durable. The snapshot's
+    CPU buffers stay allocated and are reused by the next asynchronous save (no 1 GiB allocation per
+    save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU memory.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> handle = dist_resume.save_checkpoint_async("ckpt.pt", model=model, step=1)
+        >>> handle.wait()
+        PosixPath('ckpt.pt')
+    """
+    global _pending
+    wait_pending()
+    build = prepare_payload(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        step=step,
+        epoch=epoch,
+        extra=extra,
+        sampler=sampler,
+        rng=rng,
+    )
+    dest = Path(path)
+    thread = None
+    if not is_distributed() or dist.get_rank() == 0:
+        snapshot = _snapshot(build(), pin=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies must land before the thread reads them
+        handle = AsyncSave(dest, None)
+
+        def write() -> None:
+            try:
+                atomic_write(dest, lambda f: torch.save(snapshot, f))
+                log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
+                if after_write is not None:
+                    after_write(dest)
+            except CheckpointWriteError as err:
+                handle._error = err
+            except Exception as err:  # surfaced by wait() on every rank
+                handle._error = CheckpointWriteError(
+                    f"background save of {str(dest)!r} failed: {type(err).__name__}: {err}"
+                )
+
+        thread = threading.Thread(target=write, name=f"dist_resume-save-{dest.name}", daemon=False)
+        handle._thread = thread
+        thread.start()
+    else:
+        handle = AsyncSave(dest, None)
+    with _pending_lock:
+        _pending = handle
+    return handle

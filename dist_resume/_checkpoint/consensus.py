@@ -1,0 +1,117 @@
+"""Agreement between ranks on the checkpoint to resume from: rank 0 chooses, every rank confirms."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .._core.errors import (
+    CheckpointConsensusError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    DistResumeError,
+)
+from .._core.types import PathLike
+from .._dist.comm import all_gather_objects, run_on_rank0
+from .._dist.env import is_distributed
+from .._format.integrity import CheckpointInfo, archive_digest
+from .folder import find_latest
+
+__all__ = ["resolve_checkpoint"]
+
+
+def _choose(folder: Path) -> CheckpointInfo:
+    """Rank 0's choice: the newest complete checkpoint, or an error that says why there is none."""
+    info, skipped = find_latest(folder, verify=True)
+    if info is not None:
+        return info
+    if skipped:
+        reasons = "; ".join(f"{p.name}: {type(e).__name__}" for p, e in skipped[:5])
+        raise CheckpointCorruptError(
+            f"checkpoint folder {str(folder)!r} holds {len(skipped)} checkpoint(s) and none is complete and "
+            f"intact ({reasons}; first: {skipped[0][1]}); restore a good checkpoint into it, or pass a "
+            "checkpoint file to resume() explicitly"
+        )
+    others = sorted(os.listdir(folder))
+    found = f"; it holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}" if others else " (it is empty)"
+    raise CheckpointNotFoundError(
+        f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt{found}; start from "
+        "scratch (catch CheckpointNotFoundError), or pass a checkpoint file to resume()"
+    )
+
+
+def _view(path: Path) -> tuple[str, str, int, str, str]:
+    """What this rank sees at ``path``: (status, path, size, digest, reason)."""
+    try:
+        return ("ok", str(path), path.stat().st_size, archive_digest(path), "")
+    except (CheckpointNotFoundError, FileNotFoundError):
+        return ("missing", str(path), -1, "", "")
+    except (CheckpointError, OSError) as err:
+        return ("unreadable", str(path), -1, "", f"{type(err).__name__}: {err}")
+
+
+def _describe(rank: int, view: tuple[str, str, int, str, str]) -> str:
+    status, path, size, digest, reason = view
+    if status == "missing":
+        return f"rank {rank} has no file {path!r}"
+    if status == "unreadable":
+        return f"rank {rank} cannot read {path!r} ({reason})"
+    return f"rank {rank} sees {path!r} with {size} bytes, digest {digest[:12]}"
+
+
+def _agree(folder: Path) -> Path:
+    rank = dist.get_rank()
+    try:
+        chosen: CheckpointInfo = run_on_rank0(lambda: _choose(folder))
+        mine = folder / chosen.path.name
+        view = ("ok", str(mine), chosen.size, chosen.digest, "") if rank == 0 else _view(mine)
+        views = all_gather_objects(view)
+    except DistResumeError:
+        raise
+    except RuntimeError as err:  # a rank died, hangs, or never called: the process-group timeout ends it
+        raise CheckpointConsensusError(
+            f"rank {rank}: agreeing with the other ranks on the checkpoint in {str(folder)!r} failed "
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}); a rank died, is stuck, or did "
+            "not call resume() with a checkpoint folder; check every rank's log, then restart the job"
+        ) from err
+    differ = [r for r, v in enumerate(views) if v[0] != "ok" or (v[2], v[3]) != (chosen.size, chosen.digest)]
+    if differ:
+        shown = "; ".join(_describe(r, views[r]) for r in differ[:8])
+        raise CheckpointConsensusError(
+            f"ranks {differ} do not see the checkpoint rank 0 chose, {chosen.path.name} (step {chosen.step}, "
+            f"{chosen.size} bytes, digest {chosen.digest[:12]}): {shown}. Every rank must resume from the same "
+            "file: use a folder on a shared filesystem, or copy the checkpoint to every node (and let the copy "
+            "finish) before resuming",
+            ranks=differ,
+        )
+    return mine
+
+
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The file to resume from: ``path`` itself, or for a folder the newest complete checkpoint in it.
+
+    For a file: local, returns it unchanged (:func:`load_checkpoint` reports what is wrong with it).
+    For a folder: collective under torch.distributed (call it on every rank, each with its own view
+    of the folder): rank 0 chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts
+    the choice; every rank checks it sees that file with the same size and digest (a local copy in
+    its own folder is fine). A rank that sees something else makes every rank raise
+    :class:`CheckpointConsensusError` naming the ranks that differ; a dead or absent rank ends in
+    the same error within the process-group timeout. An empty folder raises
+    :class:`CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
+    :class:`CheckpointCorruptError` (never silently "start from scratch").
+
+    Example::
+
+        >>> path = dist_resume.CheckpointManager("ckpts").save(5, model=torch.nn.Linear(2, 2))
+        >>> resolve_checkpoint("ckpts")
+        PosixPath('ckpts/ckpt_00000005.pt')
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    if is_distributed():
+        return _agree(p)
+    return _choose(p).path

@@ -1,0 +1,263 @@
+"""Checkpoint folders: numbered checkpoints, rotation, the latest valid one.
+
+A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
+name appears only through :func:`~dist_resume._atomic.atomic_write`'s rename (after the data is
+fsynced), and the file must pass :func:`~dist_resume._integrity.inspect_checkpoint` (zip
+structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from .._core.errors import CheckpointError, CheckpointWriteError, NotACheckpointError
+from .._core.log import log_rank0, logger
+from .._core.types import PathLike
+from .._dist.comm import run_on_rank0
+from .._format.atomic import TEMP_NAME
+from .._format.integrity import CheckpointInfo, inspect_checkpoint
+from .async_save import AsyncSave, save_checkpoint_async, wait_pending
+from .save import save_checkpoint
+
+__all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "find_latest"]
+
+CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step`` in a checkpoint folder: ``ckpt_00000100.pt``."""
+    return f"ckpt_{step:08d}.pt"
+
+
+def _numbered(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every file named like a checkpoint, oldest first; [] for a missing folder."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot list checkpoint folder {str(folder)!r}: {err.strerror or err}; check that it is a readable folder"
+        ) from err
+    found = [(int(m.group(1)), folder / name) for name in names if (m := CHECKPOINT_NAME.match(name))]
+    return sorted(found)
+
+
+def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
+    info = inspect_checkpoint(path, verify=verify)
+    if info.step != step:
+        raise NotACheckpointError(
+            f"{str(path)!r} is named for step {step} but its metadata says step "
+            f"{info.step}; it was renamed or copied by hand: rename it to "
+            f"{checkpoint_name(info.step or 0)!r} or remove it"
+        )
+    return info
+
+
+def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
+    skipped: list[tuple[Path, Exception]] = []
+    for step, path in reversed(_numbered(folder)):
+        try:
+            return _check(path, step, verify), skipped
+        except (CheckpointError, OSError) as err:
+            skipped.append((path, err))
+            logger.warning("skipping checkpoint %s: %s", path, err)
+    return None, skipped
+
+
+def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
+
+    Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
+    WARNING) with the reason. ``verify=True`` checks the CRC-32 of every record (reads each
+    candidate once); ``verify=False`` checks the zip structure and metadata only. Temporary files
+    of interrupted saves never count. Under torch.distributed use :func:`resume` (or
+    :func:`resolve_checkpoint`) with the folder instead, so that every rank agrees.
+
+    Example::
+
+        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> mgr.save(100, model=torch.nn.Linear(2, 2))
+        PosixPath('ckpts/ckpt_00000100.pt')
+        >>> dist_resume.latest_checkpoint("ckpts")
+        PosixPath('ckpts/ckpt_00000100.pt')
+    """
+    info, _ = find_latest(Path(folder), verify)
+    return None if info is None else info.path
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int (it names the file), got {step!r}")
+    return step
+
+
+class CheckpointManager:
+    """A folder of numbered checkpoints: crash-safe saves, rotation, the latest valid one.
+
+    ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest
+    ``keep_last`` checkpoints (never the one just written), so a crash at any moment leaves the
+    previous checkpoint in place. It also removes temporary files left by interrupted saves of
+    this folder's checkpoints (``.ckpt_<step>.pt.<16 hex>.tmp``, nothing else). ``latest()``
+    returns the newest checkpoint that passes the integrity check.
+
+    ``keep_last`` counts the checkpoint just written: 1 is crash-safe, because the old file is
+    deleted only after the new one is durable; the default 2 also keeps a fallback for a
+    checkpoint damaged later (disk, copy). The folder belongs to the manager: one job saves
+    into it.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> for step in (100, 200, 300):
+        ...     path = mgr.save(step, model=model, optimizer=opt)
+        >>> [p.name for p in mgr.checkpoints()]
+        ['ckpt_00000200.pt', 'ckpt_00000300.pt']
+        >>> dist_resume.resume("ckpts", model=model, optimizer=opt).step
+        300
+    """
+
+    def __init__(self, folder: PathLike, keep_last: int = 2) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(
+                f"keep_last must be an int >= 1, got {keep_last!r}: it counts the checkpoint just saved, "
+                "which is always kept (older ones are deleted only once it is durable, so 1 is crash-safe); "
+                "use 2 or more to keep a fallback in case the newest file is damaged later"
+            )
+        self.folder = Path(folder)
+        self.keep_last = keep_last
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.folder)!r}, keep_last={self.keep_last})"
+
+    def checkpoints(self) -> list[Path]:
+        """Every file named like a checkpoint, oldest step first. Local; checks names only."""
+        return [path for _, path in _numbered(self.folder)]
+
+    def latest(self, verify: bool = True) -> Path | None:
+        """The newest complete checkpoint, or None. Local; see :func:`latest_checkpoint`."""
+        return latest_checkpoint(self.folder, verify)
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        epoch: int | None = None,
+        extra: Any = None,
+        sampler: Any = None,
+        rng: bool = True,
+    ) -> Path:
+        """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
+
+        Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
+        removes stale temporary files, writes and rotates, and every rank returns once the file is
+        durable (or raises rank 0's :class:`CheckpointWriteError`). Local in a single process.
+        Rotation problems are logged, never raised: the new checkpoint is already safe.
+        """
+        path = self.folder / checkpoint_name(_check_step(step))
+        wait_pending()
+        run_on_rank0(self._prepare)
+        save_checkpoint(
+            path,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            step=step,
+            epoch=epoch,
+            extra=extra,
+            sampler=sampler,
+            rng=rng,
+        )
+        run_on_rank0(lambda: self._rotate(path, step))
+        return path
+
+    def save_async(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        epoch: int | None = None,
+        extra: Any = None,
+        sampler: Any = None,
+        rng: bool = True,
+    ) -> AsyncSave:
+        """Like :meth:`save`, but return once the state is snapshotted (see :func:`save_checkpoint_async`).
+
+        Collective under torch.distributed. The write stays atomic, and rotation runs in the
+        background thread only after the new checkpoint is durable.
+        """
+        path = self.folder / checkpoint_name(_check_step(step))
+        wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
+        run_on_rank0(self._prepare)
+        return save_checkpoint_async(
+            path,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            step=step,
+            epoch=epoch,
+            extra=extra,
+            sampler=sampler,
+            rng=rng,
+            after_write=lambda written: self._rotate(written, step),
+        )
+
+    def _prepare(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            names = os.listdir(self.folder)
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"cannot create or list the checkpoint folder {str(self.folder)!r}: "
+                f"{err.strerror or err}; check the path and its permissions"
+            ) from err
+        for name in names:
+            found = TEMP_NAME.match(name)
+            if found and CHECKPOINT_NAME.match(found.group("dest")):
+                try:
+                    (self.folder / name).unlink()
+                    log_rank0(logging.INFO, "removed %s, left by an interrupted save", self.folder / name)
+                except OSError as err:
+                    logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
+
+    def _rotate(self, new: Path, step: int) -> None:
+        numbered = _numbered(self.folder)
+        later = [path.name for s, path in numbered if s > step]
+        if later:
+            logger.warning(
+                "saved step %d into %s, which already holds later steps %s: latest() and resume() "
+                "will pick those; delete them if that run was abandoned",
+                step,
+                self.folder,
+                later,
+            )
+        keep = {path for _, path in numbered[-self.keep_last :]} | {new}
+        for _, path in numbered:
+            if path in keep:
+                continue
+            try:
+                path.unlink()
+                log_rank0(logging.INFO, "rotated out %s (keep_last=%d)", path, self.keep_last)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                logger.warning("could not delete old checkpoint %s: %s", path, err)

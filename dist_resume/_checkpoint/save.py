@@ -1,0 +1,195 @@
+"""Writing checkpoints: one writer, atomic replacement, a payload that loads under ``weights_only=True``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.errors import CheckpointWriteError
+from .._core.log import log_rank0
+from .._core.types import PathLike
+from .._dist.comm import run_on_rank0
+from .._dist.env import is_distributed
+from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
+from .._format.atomic import atomic_write
+from .._format.layout import FORMAT_NAME, FORMAT_VERSION, Key
+from .._state.optim import canonical_optimizer_state
+from .._state.prefix import canonical_state_dict, unwrap_model
+
+__all__ = ["save_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
+
+_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
+
+
+def check_weights_only_safe(obj: Any, path: str = "extra") -> None:
+    """Raise :class:`CheckpointWriteError` if ``obj`` holds something ``torch.load(weights_only=True)`` refuses."""
+    if type(obj) in _SAFE_LEAVES or isinstance(obj, torch.Tensor):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            check_weights_only_safe(key, f"{path} key")
+            check_weights_only_safe(value, f"{path}[{key!r}]")
+        return
+    if type(obj) in (list, tuple, set):  # weights_only refuses frozenset
+        for i, value in enumerate(obj):
+            check_weights_only_safe(value, f"{path}[{i}]")
+        return
+    hint = "vars(obj) or a dict of plain values"
+    if isinstance(obj, str):
+        hint = "str(obj)"
+    raise CheckpointWriteError(
+        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) "
+        f"refuses, so the checkpoint could not be loaded safely; store {hint} instead"
+    )
+
+
+def build_payload(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    extra: Any = None,
+    world_size: int = 1,
+    rng: list[dict[str, Any]] | None = None,
+    sampler: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
+    from .._core.version import __version__
+
+    check_weights_only_safe(extra)
+    for name, value in (("step", step), ("epoch", epoch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    payload: dict[str, Any] = {
+        Key.FORMAT: FORMAT_NAME,
+        Key.VERSION: FORMAT_VERSION,
+        Key.MODEL: canonical_state_dict(model),
+        Key.META: {
+            "step": step,
+            "epoch": epoch,
+            "world_size": world_size,
+            "torch_version": str(torch.__version__),
+            "dist_resume_version": __version__,
+            "model_class": type(unwrap_model(model)).__name__,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "saved_at": time.time(),
+        },
+    }
+    if optimizer is not None:
+        payload[Key.OPTIMIZER] = canonical_optimizer_state(optimizer, model)
+    if scheduler is not None:
+        payload[Key.SCHEDULER] = scheduler.state_dict()
+        check_weights_only_safe(payload[Key.SCHEDULER], "scheduler.state_dict()")
+    if scaler is not None:
+        payload[Key.SCALER] = scaler.state_dict()
+    if extra is not None:
+        payload[Key.EXTRA] = extra
+    if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
+        payload[Key.RNG] = rng
+    if sampler is not None:
+        payload[Key.SAMPLER] = dict(sampler)
+        check_weights_only_safe(payload[Key.SAMPLER], "sampler.state_dict()")
+    return payload
+
+
+def prepare_payload(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    step: int | None,
+    epoch: int | None,
+    extra: Any,
+    sampler: Any,
+    rng: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The collective part of a save (every rank's RNG/sampler state to rank 0); returns rank 0's payload builder."""
+    world_size = dist.get_world_size() if is_distributed() else 1
+    rank_states = None
+    if rng or sampler is not None:
+        rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
+
+    def build() -> dict[str, Any]:
+        rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
+        return build_payload(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            step=step,
+            epoch=epoch,
+            extra=extra,
+            world_size=world_size,
+            rng=rng_states,
+            sampler=sampler_state,
+        )
+
+    return build
+
+
+def save_checkpoint(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    extra: Any = None,
+    sampler: Any = None,
+    rng: bool = True,
+) -> Path:
+    """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
+
+    Collective under torch.distributed: call it on every rank; global rank 0 writes and every rank
+    returns once the file is in place (or raises rank 0's error). Local in a single process.
+    Model keys are stored in canonical form (no ``module.``/``_orig_mod.``) and optimizer groups
+    carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
+    The file loads under ``torch.load(weights_only=True)``.
+
+    For exact resume, ``rng=True`` (the default) stores every rank's RNG streams (python, torch
+    CPU, the rank's own CUDA device, numpy), gathered on rank 0; ``sampler`` (a
+    :class:`ResumableDistributedSampler`, anything with ``state_dict()``, or such a state dict, e.g.
+    ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores the epoch and the
+    position in it, after checking that all ranks agree on it.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
+        PosixPath('ckpt.pt')
+    """
+    build = prepare_payload(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        step=step,
+        epoch=epoch,
+        extra=extra,
+        sampler=sampler,
+        rng=rng,
+    )
+
+    def write() -> Path:
+        payload = build()
+        dest = atomic_write(path, lambda f: torch.save(payload, f))
+        log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
+        return dest
+
+    result: Path = run_on_rank0(write)
+    return result

@@ -1,0 +1,210 @@
+"""Per-rank RNG streams: capture, restore, seed, and the policy when the world size changes."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._core.errors import StateMismatchError
+from .._core.log import log_rank0, logger
+from .._dist.env import rank_info
+
+__all__ = [
+    "rng_state_dict",
+    "load_rng_state_dict",
+    "seed_rng",
+    "derive_seed",
+    "restore_rank_rng",
+    "rank_world",
+    "param_device",
+]
+
+_base_seed: int | None = None  # the seed last given to seed_rng(); stored so new ranks can derive from it
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size): from the process group if there is one, else from torchrun's variables."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    info = rank_info()
+    return info.rank, info.world_size
+
+
+def param_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter or buffer (``cpu`` for an empty model): the rank's device."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def derive_seed(seed: int, rank: int = 0, step: int = 0) -> int:
+    """A 63-bit seed for ``rank`` at ``step``, a pure function of its arguments. Local.
+
+    Example::
+
+        >>> dist_resume.derive_seed(0, rank=1) == dist_resume.derive_seed(0, rank=1) != dist_resume.derive_seed(0)
+        True
+    """
+    digest = hashlib.sha256(f"dist_resume:{int(seed)}:{int(rank)}:{int(step)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch.device | str | None = None) -> int:
+    """Seed python ``random``, torch's CPU generator, ``device``'s CUDA generator and numpy for this rank.
+
+    Local. Each rank gets its own stream, ``derive_seed(seed, rank, step)`` (``rank`` defaults to
+    this process's global rank); returns that derived seed. Build the model *before* calling it
+    (after ``torch.manual_seed(seed)``) so every rank starts from the same weights.
+
+    Example::
+
+        >>> dist_resume.seed_rng(1234, rank=0) == dist_resume.derive_seed(1234, 0)
+        True
+    """
+    global _base_seed
+    if rank is None:
+        rank = rank_world()[0]
+    derived = derive_seed(seed, rank, step)
+    random.seed(derived)
+    torch.default_generator.manual_seed(derived)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        with torch.cuda.device(dev):
+            torch.cuda.manual_seed(derived)  # this rank's device only
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(derived % 2**32)
+    _base_seed = int(seed)
+    return derived
+
+
+def rng_state_dict(device: torch.device | str | None = None) -> dict[str, Any]:
+    """This process's RNG streams: python ``random``, torch CPU, ``device``'s CUDA stream, numpy.
+
+    Local. Only the CUDA generator of ``device`` is read (never ``get_rng_state_all``, which
+    initialises every visible GPU); numpy's state is stored as a tensor and plain numbers, so the
+    result loads under ``torch.load(weights_only=True)``. numpy is skipped when not installed.
+
+    Example::
+
+        >>> state = dist_resume.rng_state_dict("cpu")
+        >>> a = torch.rand(1); dist_resume.load_rng_state_dict(state, "cpu"); torch.equal(a, torch.rand(1))
+        True
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
+        "numpy": None,
+        "seed": _base_seed if _base_seed is not None else torch.initial_seed(),
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state["numpy"] = {
+        "bit_generator": str(name),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    return state
+
+
+def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | None = None) -> None:
+    """Restore what :func:`rng_state_dict` captured. Local.
+
+    A CUDA state is applied to ``device`` only; when this process has no CUDA device (or numpy is
+    not installed) that part is skipped with a WARNING, never silently.
+
+    Example::
+
+        >>> dist_resume.load_rng_state_dict(dist_resume.rng_state_dict())
+    """
+    if not isinstance(state, Mapping) or not {"python", "torch"} <= set(state):
+        raise StateMismatchError(
+            f"RNG state must be a mapping with 'python' and 'torch' entries (from rng_state_dict()), got "
+            f"{type(state).__name__} with keys {sorted(state) if isinstance(state, Mapping) else '-'}"
+        )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if dev.type == "cuda":
+            torch.cuda.set_rng_state(cuda.to("cpu", torch.uint8), dev)
+        else:
+            logger.warning("the saved CUDA RNG state is not restored: this process runs on %s", dev)
+    saved_np = state.get("numpy")
+    if saved_np is not None:
+        try:
+            import numpy as np
+        except ImportError:
+            logger.warning("the saved numpy RNG state is not restored: numpy is not installed")
+            return
+        np.random.set_state(
+            (
+                saved_np["bit_generator"],
+                saved_np["keys"].numpy().astype(np.uint32),
+                saved_np["pos"],
+                saved_np["has_gauss"],
+                saved_np["cached_gaussian"],
+            )
+        )
+
+
+def restore_rank_rng(states: Any, *, step: int | None, device: torch.device | None, source: str) -> bool:
+    """Restore this rank's RNG streams from a checkpoint's per-rank list; return whether anything was restored.
+
+    Local. Policy when the world size changed: ranks that exist in the checkpoint restore their own
+    streams; new ranks seed theirs with ``derive_seed(saved seed, rank, step)``; rank 0 logs the
+    change at WARNING, including saved streams that no rank restores.
+    """
+    if states is None:
+        log_rank0(logging.INFO, "%s holds no RNG state; the RNG streams are left as they are", source)
+        return False
+    if not isinstance(states, (list, tuple)) or not states:
+        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
+    rank, world = rank_world()
+    if rank < len(states):
+        load_rng_state_dict(states[rank], device)
+    else:
+        derived = seed_rng(int(states[0]["seed"]), rank=rank, step=step or 0, device=device)
+        logger.debug("rank %d: no saved RNG state; seeded with %d", rank, derived)
+    if len(states) != world:
+        kept = _ranks(0, min(world, len(states)) - 1)
+        if world > len(states):
+            change = (
+                f"new streams on {_ranks(len(states), world - 1)}, derived from the saved seed "
+                f"{states[0]['seed']}, the rank and step {step}"
+            )
+        else:
+            change = f"the saved streams of {_ranks(world, len(states) - 1)} are not used"
+        log_rank0(
+            logging.WARNING,
+            "%s holds RNG state for %d rank(s) but the job has %d: own streams restored "
+            "on %s; %s; training continues, but not as a bitwise replay of the original run",
+            source,
+            len(states),
+            world,
+            kept,
+            change,
+        )
+    return True
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"

@@ -1,0 +1,348 @@
+"""Reading a torch zip checkpoint without loading tensor data, and checking the archive's integrity.
+
+``torch.save`` writes a zip archive: ``<name>/data.pkl`` (the pickled structure), one stored record
+``<name>/data/<key>`` per storage (raw bytes, 64-byte aligned), plus ``version``, ``byteorder``,
+``.format_version``, ``.storage_alignment`` and ``.data/serialization_id``. :func:`read_archive`
+unpickles ``data.pkl`` with torch's own ``weights_only`` unpickler, so exactly what
+``torch.load(weights_only=True)`` refuses is refused here too, but every storage becomes a
+zero-byte ``meta`` storage: tensors come back as meta tensors with the right shape, dtype and
+strides, and no tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import pickle
+import re
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import _weights_only_unpickler as _wo
+
+from .._core.errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
+from .._core.types import PathLike
+from .sniff import GARBLED_PICKLE, check_file, file_kind, unsafe_error
+
+__all__ = [
+    "Record",
+    "StorageInfo",
+    "ArchiveContents",
+    "ArchiveFinding",
+    "read_records",
+    "read_archive",
+    "verify_archive",
+]
+
+LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+LOCAL_SIGNATURE: Final = 0x04034B50
+_CRC_CHUNK: Final = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One member of the archive, as its central directory and local header describe it."""
+
+    name: str  # full name, e.g. "archive/data/0"
+    header_offset: int
+    data_offset: int
+    compress_size: int
+    file_size: int
+    crc: int
+    compress_type: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """One storage referenced by ``data.pkl``: what ``torch.load`` would allocate for it."""
+
+    key: str
+    dtype: torch.dtype
+    location: str  # the device tag it was saved with: "cpu", "cuda:3", ...
+    numel: int
+    nbytes: int
+    pid: tuple[Any, ...]  # the persistent id to emit when re-pickling; its storage class is a real torch class
+
+
+@dataclass
+class ArchiveContents:
+    """The structure of a checkpoint with meta tensors in place of data, and where the data lives."""
+
+    path: Path
+    archive_name: str
+    records: list[Record]
+    pickle_size: int
+    obj: Any
+    storages: dict[str, StorageInfo]
+    _by_cdata: dict[int, StorageInfo] = field(default_factory=dict, repr=False)
+    _keepalive: list[torch.UntypedStorage] = field(default_factory=list, repr=False)
+
+    @property
+    def pickle_record(self) -> str:
+        return f"{self.archive_name}/data.pkl"
+
+    def storage_of(self, tensor: torch.Tensor) -> StorageInfo | None:
+        """The saved storage behind a tensor of :attr:`obj`, or None (a tensor saved without storage)."""
+        if not tensor.is_meta:
+            return None
+        return self._by_cdata.get(tensor.untyped_storage()._cdata)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveFinding:
+    """One integrity problem: the record it concerns (None for the archive as a whole) and what is wrong."""
+
+    record: str | None
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.record}: {self.problem}" if self.record else self.problem
+
+
+def _name(path: Path) -> str:
+    return repr(str(path))
+
+
+def read_records(path: PathLike) -> tuple[str, list[Record]]:
+    """The archive name and the records of a torch zip checkpoint, in file order. Reads no record data.
+
+    Raises :class:`CheckpointError` subclasses for a missing, empty, truncated, legacy or foreign file.
+    """
+    p = check_file(path)
+    if file_kind(p) == "legacy":
+        raise NotACheckpointError(
+            f"{_name(p)} uses torch's legacy (pre-1.6) format, which has no records to copy or inspect; "
+            "re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
+        )
+    size = p.stat().st_size
+    try:
+        with zipfile.ZipFile(p) as zf, open(p, "rb") as f:
+            infos = zf.infolist()
+            records = [_record(f, info, size) for info in infos]
+    except zipfile.BadZipFile as err:
+        raise CheckpointCorruptError(
+            f"checkpoint {_name(p)} is damaged or truncated (zip: {err}); most likely a save that was "
+            "interrupted: resume from an earlier checkpoint"
+        ) from err
+    if not records:
+        raise NotACheckpointError(f"{_name(p)} is an empty zip archive, not a checkpoint written by torch.save")
+    archive_name, slash, _ = records[0].name.partition("/")
+    if not slash or any(not r.name.startswith(archive_name + "/") for r in records):
+        raise NotACheckpointError(
+            f"{_name(p)} is a zip archive but not one written by torch.save (records are not in one folder)"
+        )
+    names = {r.name for r in records}
+    if f"{archive_name}/data.pkl" not in names:
+        what = (
+            "a TorchScript archive (torch.jit.save); load it with torch.jit.load"
+            if f"{archive_name}/constants.pkl" in names
+            else "a zip archive without data.pkl"
+        )
+        raise NotACheckpointError(f"{_name(p)} is {what}, not a checkpoint written by torch.save")
+    return archive_name, records
+
+
+def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
+    f.seek(info.header_offset)
+    head = f.read(LOCAL_HEADER.size)
+    if len(head) < LOCAL_HEADER.size or LOCAL_HEADER.unpack(head)[0] != LOCAL_SIGNATURE:
+        raise zipfile.BadZipFile(f"no local header for {info.filename!r} at offset {info.header_offset}")
+    name_len, extra_len = LOCAL_HEADER.unpack(head)[9:11]
+    data_offset = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
+    if data_offset + info.compress_size > size:
+        raise zipfile.BadZipFile(f"record {info.filename!r} runs past the end of the file")
+    return Record(
+        info.filename, info.header_offset, data_offset, info.compress_size, info.file_size, info.CRC, info.compress_type
+    )
+
+
+class _Garbled(pickle.UnpicklingError):
+    """data.pkl is not what torch.save writes (raised by the persistent_load below)."""
+
+
+class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
+    """torch's weights_only unpickler, with every storage replaced by a zero-byte meta storage."""
+
+    def __init__(self, data: bytes, contents: ArchiveContents) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._contents = contents
+        self._typed: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(self, pid: Any) -> torch.storage.TypedStorage:
+        if not (isinstance(pid, tuple) and len(pid) == 5):
+            raise _Garbled(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, location, numel = pid
+        location = torch.serialization._maybe_decode_ascii(location)
+        if not (isinstance(key, str) and isinstance(location, str) and isinstance(numel, int) and numel >= 0):
+            raise _Garbled(f"unexpected persistent id {pid!r}")
+        if key in self._typed:
+            return self._typed[key]
+        if storage_type is torch.UntypedStorage:
+            dtype, cls = torch.uint8, torch.UntypedStorage
+        elif isinstance(storage_type, torch.serialization.StorageType):
+            dtype = storage_type.dtype
+            cls = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+        else:
+            raise _Garbled(f"unexpected storage type {storage_type!r}")
+        nbytes = numel * torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+        untyped = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
+        info = StorageInfo(key, dtype, location, numel, nbytes, ("storage", cls, key, location, numel))
+        self._contents.storages[key] = info
+        self._contents._by_cdata[untyped._cdata] = info
+        self._contents._keepalive.append(untyped)
+        typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=untyped, dtype=dtype, _internal=True
+        )
+        self._typed[key] = typed
+        return typed
+
+
+def _refused(path: Path, err: Exception) -> UnsafeCheckpointError:
+    builtin = re.search(r"GLOBAL (\w+) was not an allowed global", str(err))  # torch drops "builtins."
+    if builtin:
+        return UnsafeCheckpointError(
+            f"checkpoint {_name(path)} cannot be loaded safely: it references the builtin {builtin.group(1)}, which "
+            "torch.load(weights_only=True) refuses and no checkpoint needs (the file would run code when loaded)"
+        )
+    return unsafe_error(path, err)
+
+
+def read_archive(path: PathLike) -> ArchiveContents:
+    """Unpickle a checkpoint's structure with meta tensors in place of data. Local; reads only ``data.pkl``.
+
+    Refuses what ``torch.load(weights_only=True)`` refuses (with the global's name), before any of
+    it runs. Shapes, dtypes, strides, views and ``requires_grad`` are as saved; each tensor's
+    storage (key, device tag, size) is found with :meth:`ArchiveContents.storage_of`.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2, 3)}, "ckpt.pt")
+        >>> contents = read_archive("ckpt.pt")
+        >>> contents.obj["w"].shape, contents.storages["0"].location
+        (torch.Size([2, 3]), 'cpu')
+    """
+    archive_name, records = read_records(path)
+    p = Path(path)
+    pickle_name = f"{archive_name}/data.pkl"
+    try:
+        with zipfile.ZipFile(p) as zf:
+            data = zf.read(pickle_name)  # checks the record's CRC
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointCorruptError(
+            f"checkpoint {_name(p)} is damaged: its data.pkl cannot be read ({err}); resume from an earlier checkpoint"
+        ) from err
+    contents = ArchiveContents(p, archive_name, records, len(data), None, {})
+    pending = len(torch._utils._sparse_tensors_to_validate)
+    try:
+        contents.obj = _MetaUnpickler(data, contents).load()  # type: ignore[no-untyped-call]
+    except pickle.UnpicklingError as err:
+        if not isinstance(err, _Garbled) and not any(m in str(err) for m in GARBLED_PICKLE):
+            raise _refused(p, err) from err  # what torch.load(weights_only=True) refuses, named
+        raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
+    except (EOFError, IndexError, KeyError, struct.error) as err:
+        raise CheckpointCorruptError(
+            f"checkpoint {_name(p)} has a damaged data.pkl ({type(err).__name__}: {err})"
+        ) from err
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+        raise NotACheckpointError(
+            f"checkpoint {_name(p)} holds a tensor kind that cannot be described without loading it "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "load it with torch.load and re-save it instead"
+        ) from err
+    finally:  # the unpickler queues sparse tensors for torch.load to validate; these are not torch.load's
+        del torch._utils._sparse_tensors_to_validate[pending:]
+    return contents
+
+
+def verify_archive(
+    path: PathLike, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
+) -> list[ArchiveFinding]:
+    """Check a torch zip checkpoint's structure and the CRC32 of every record. Local; reads the whole file.
+
+    ``torch.load`` never checks the CRCs, so a flipped bit loads silently; this finds it. Returns
+    the findings (empty when the archive is sound); with ``strict=True`` (default) any finding
+    raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
+    called with byte counts while checksumming.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> verify_archive("ckpt.pt")
+        []
+    """
+    p = Path(path)
+    try:
+        archive_name, records = read_records(p)
+    except CheckpointCorruptError as err:
+        findings = [ArchiveFinding(None, str(err))]
+    else:
+        findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
+    if findings and strict:
+        shown = "; ".join(str(f) for f in findings[:3])
+        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
+        raise CheckpointCorruptError(
+            f"checkpoint {_name(p)} failed its integrity check: {shown}{more}; the file was damaged after it "
+            "was written (disk, copy or transfer): resume from an earlier checkpoint or copy it again"
+        )
+    return findings
+
+
+def _structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:
+    findings = []
+    seen: set[str] = set()
+    for r in records:
+        if r.name in seen:
+            findings.append(ArchiveFinding(r.name, "appears twice in the archive"))
+        seen.add(r.name)
+    if f"{archive_name}/version" not in seen:
+        findings.append(ArchiveFinding(None, "the archive has no 'version' record"))
+    return findings
+
+
+def _crc_findings(
+    path: Path, records: list[Record], progress: Callable[[int, int], None] | None
+) -> list[ArchiveFinding]:
+    findings = []
+    total, done = sum(r.compress_size for r in records), 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        data = memoryview(view)
+        try:
+            for r in records:
+                if r.compress_type != zipfile.ZIP_STORED:
+                    problem = _compressed_problem(path, r)
+                    if problem:
+                        findings.append(ArchiveFinding(r.name, problem))
+                    done += r.compress_size
+                    continue
+                crc = 0
+                for start in range(r.data_offset, r.data_offset + r.compress_size, _CRC_CHUNK):
+                    end = min(start + _CRC_CHUNK, r.data_offset + r.compress_size)
+                    crc = zlib.crc32(data[start:end], crc)
+                    if progress is not None:
+                        progress(done + end - r.data_offset, total)
+                done += r.compress_size
+                if crc != r.crc:
+                    findings.append(
+                        ArchiveFinding(
+                            r.name, f"CRC32 mismatch (recorded {r.crc:#010x}, data {crc:#010x}): its bytes changed"
+                        )
+                    )
+        finally:
+            data.release()
+    return findings
+
+
+def _compressed_problem(path: Path, record: Record) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as zf, zf.open(record.name) as member:
+            while member.read(_CRC_CHUNK):
+                pass
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+        return f"cannot be decompressed or fails its CRC32 ({err})"
+    return None

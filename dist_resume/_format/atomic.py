@@ -1,0 +1,138 @@
+"""Atomic file replacement: a temporary file in the same folder, fsync, ``os.replace``, fsync of the folder."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._core.errors import CheckpointWriteError
+from .._core.types import PathLike
+
+__all__ = ["TEMP_NAME", "atomic_write"]
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+TEMP_NAME = re.compile(r"^\.(?P<dest>.+)\.(?P<token>[0-9a-f]{16})\.tmp$")
+"""The names :func:`atomic_write` gives its temporary files: ``.<dest name>.<16 hex digits>.tmp``."""
+
+_WRITE_ERRORS = {
+    errno.ENOSPC: ("the disk is full", "free space or save to a larger disk"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space within your quota"),
+    errno.EFBIG: (
+        "the file grew past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or the filesystem's maximum file size",
+        "raise the limit (`ulimit -f unlimited`) or save to a filesystem that allows files this large",
+    ),
+    errno.EACCES: ("permission denied", "fix the folder's permissions"),
+    errno.EPERM: ("operation not permitted", "fix the folder's permissions"),
+    errno.EROFS: ("the filesystem is read-only", "save to a writable folder"),
+}
+
+
+class _RecordingFile:
+    """Remembers the OSError a write raised: torch.save replaces it with an opaque RuntimeError."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written: int = self._f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
+    """A new file next to the destination with the mode ``open()`` would give it (0o666 minus the umask)."""
+    while True:
+        tmp = folder / f".{dest_name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 64 random bits collided
+            continue
+
+
+def _write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+    if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
+        what, fix = _WRITE_ERRORS[err.errno]
+        what = f"{what} ({errno.errorcode[err.errno]}: {err.strerror})"
+    elif isinstance(err, OSError):
+        what, fix = err.strerror or str(err), "fix the cause"
+    else:
+        what, fix = (str(err).splitlines() or [""])[0], "fix the cause"
+    return CheckpointWriteError(
+        f"saving {str(dest)!r} failed: {what}; the previous checkpoint (if any) is untouched and no temporary "
+        f"file was left behind; {fix}, then save again"
+    )
+
+
+def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
+    """Write ``path`` through a temporary file in the same folder, fsync it, then ``os.replace`` it in.
+
+    Local. A reader sees the old file or the new one, never a partial one: the rename is the
+    completion marker, and the folder is fsynced after it so the rename survives a power loss.
+    The file gets the mode ``open()`` would give it (0o666 minus the umask). On error (disk full,
+    file-size limit, permissions) the temporary file is removed and :class:`CheckpointWriteError`
+    names the cause; a process killed mid-write leaves a ``.<name>.<hex>.tmp`` file
+    (:data:`TEMP_NAME`) that :class:`CheckpointManager` removes on its next save.
+
+    Example::
+
+        >>> dist_resume._atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
+        PosixPath('w.pt')
+    """
+    dest = Path(path)
+    folder = dest.parent
+    if not folder.is_dir():
+        raise CheckpointWriteError(
+            f"cannot save {str(dest)!r}: the folder {str(folder)!r} does not exist; create it first"
+        )
+    tmp_name: Path | None = None
+    recorder: _RecordingFile | None = None
+    try:
+        fd, tmp_name = _create_temp(folder, dest.name)
+        with os.fdopen(fd, "wb") as f:
+            recorder = _RecordingFile(f)
+            write(recorder)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, dest)
+        tmp_name = None
+        _fsync_dir(folder)
+    except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
+        cause = recorder.error if recorder is not None and recorder.error is not None else err
+        raise _write_error(dest, cause) from cause
+    except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
+        raise CheckpointWriteError(
+            f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
+            "keep lambdas, open files and other unpicklable objects out of state dicts and extra. "
+            "The previous checkpoint (if any) is untouched"
+        ) from err
+    finally:
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+    return dest

@@ -1,0 +1,125 @@
+"""Reading checkpoint files: placement per local rank, and errors that say what is wrong with the file."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._core.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    NotACheckpointError,
+)
+from .._core.types import MapLocation, PathLike
+from .._dist.env import rank_device
+from .sniff import GARBLED_PICKLE, check_file, file_kind, unsafe_error
+
+__all__ = ["rank_map_location", "load_checkpoint"]
+
+
+def rank_map_location(device: torch.device | str | int | None = None) -> torch.device:
+    """A ``map_location`` that puts **every** storage on ``device`` (default :func:`rank_device`).
+
+    Local. Whatever tags the file carries (``cuda:0`` from rank 0, ``cuda:3``, ``cpu``), everything
+    lands on this rank's device: a dict such as ``{"cuda:0": "cuda:1"}`` would leave ``cuda:3``
+    and ``cpu`` where they were, and no map_location at all piles every rank onto cuda:0.
+
+    Example::
+
+        >>> sd = torch.load(path, map_location=dist_resume.rank_map_location(), weights_only=True)
+        >>> dist_resume.rank_map_location("cpu")
+        device(type='cpu')
+    """
+    if device is None:
+        return rank_device()
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"checkpoint {str(path)!r} is damaged or truncated ({_first_line(err)}); "
+        "most likely a save that was interrupted: resume from an earlier checkpoint"
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).splitlines() or [""]
+    detail = [line for line in lines if any(m in line for m in GARBLED_PICKLE)]
+    text = (detail or lines)[0].split(". This is an internal")[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def load_checkpoint(
+    path: PathLike,
+    *,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
+    verify: bool = False,
+) -> Any:
+    """``torch.load`` with rank-aware placement and errors that name the file and the fix.
+
+    Local: every rank may call it; each one loads onto its own device. ``map_location`` defaults
+    to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
+    maps the file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
+    and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
+    ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``
+    never does; reads the file once more) and raises :class:`CheckpointCorruptError` on a mismatch.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
+        tensor([1., 1.])
+    """
+    p = check_file(path)
+    if verify:  # refuses the legacy format, which has no checksums
+        from .archive import verify_archive  # _archive imports this module
+
+        verify_archive(p)
+    if file_kind(p) == "legacy" and mmap:
+        raise NotACheckpointError(
+            f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "
+            "pass mmap=False, or re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
+        )
+    if map_location is None or isinstance(map_location, int):
+        map_location = rank_map_location(map_location)
+    try:
+        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "Weights only load failed" in text and not any(m in text for m in GARBLED_PICKLE):
+            raise unsafe_error(p, err) from err
+        raise _corrupt(p, err) from err
+    except (EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise _corrupt(p, err) from err
+    except RuntimeError as err:
+        text = str(err)
+        if "on a CUDA device but torch.cuda.is_available() is False" in text or "invalid device ordinal" in text:
+            if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda":
+                raise CheckpointError(
+                    f"cannot load checkpoint {str(p)!r} onto map_location={map_location!r}: this process has "
+                    f"{torch.cuda.device_count()} visible CUDA device(s); use dist_resume.rank_map_location()"
+                ) from err
+            raise CheckpointError(
+                f"checkpoint {str(p)!r} was saved from a GPU and map_location={map_location!r} does not move "
+                "every storage to a device this process has; use dist_resume.rank_map_location()"
+            ) from err
+        if 'hasRecord("version")' in text or "failed locating file data.pkl" in text:
+            raise NotACheckpointError(
+                f"{str(p)!r} is a zip archive but not one written by torch.save (it has no data.pkl/version "
+                "record); point to a .pt/.pth file saved with torch.save"
+            ) from err
+        if "PytorchStreamReader" in text or "zip archive" in text or "storage" in text.lower():
+            raise _corrupt(p, err) from err
+        raise
+    except OSError as err:
+        if isinstance(err, (PermissionError, FileNotFoundError)):
+            raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {err.strerror or err}") from err
+        raise _corrupt(p, err) from err  # e.g. EINVAL from mapping a truncated archive

@@ -1,0 +1,104 @@
+"""Finding tensors on the wrong device, in words a user can act on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import DeviceMismatchError
+from .optim import param_names, step_on_param_device
+
+__all__ = ["device_report", "check_devices"]
+
+_FIX_OPTIMIZER = (
+    "move the model to its device before building the optimizer and loading its state, "
+    "or call dist_resume.optimizer_to(optimizer) after model.to(device)"
+)
+# optimizers that create ``step`` on the parameter's device themselves, capturable or not
+_STEP_ON_PARAM_DEVICE = (torch.optim.ASGD,)
+_FIX_BATCH = "move every batch to the model's device (batch.to(device)) inside the training loop"
+
+
+def _tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{path}[{i}]")
+
+
+def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> list[str]:
+    """Every tensor that sits on a different device than it must, as one sentence each.
+
+    Local; changes nothing. Checks each optimizer state tensor against its parameter (``step``
+    belongs on the CPU unless the group is fused or capturable) and, when ``batch`` is given, each
+    tensor in it against the model's parameters. An empty list means all is in place.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> dist_resume.device_report(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        []
+    """
+    findings = []
+    if optimizer is not None:
+        names = param_names(model)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p) or {}
+                name = names.get(id(p), f"<parameter {tuple(p.shape)} not in the model>")
+                host_scalars = not step_on_param_device(group)
+                for key, entry in state.items():
+                    # LBFGS keeps lists of tensors: look inside, as torch's load_state_dict does
+                    for where, value in _tensors(entry, f"optimizer.state[{name}][{key!r}]"):
+                        if host_scalars and value.dim() == 0 and value.device.type == "cpu":
+                            continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
+                        if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
+                            if value.device.type != "cpu":
+                                findings.append(
+                                    f"{where} is on {value.device}; torch keeps it on cpu "
+                                    "for a group that is neither fused nor capturable (a host sync every step)"
+                                )
+                        elif value.device != p.device:
+                            findings.append(f"{where} is on {value.device}, its parameter on {p.device}")
+    if batch is not None:
+        devices = {p.device for p in model.parameters()}
+        if len(devices) == 1:
+            (model_device,) = devices
+            for path, tensor in _tensors(batch, "batch"):
+                if tensor.device != model_device:
+                    findings.append(f"{path} is on {tensor.device}, the model on {model_device}")
+    return findings
+
+
+def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> None:
+    """Raise :class:`DeviceMismatchError` naming every misplaced tensor and the fix.
+
+    Local. Call it after resuming, before the first step: it turns the late
+    ``Expected all tensors to be on the same device`` into an error that says which tensor.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> dist_resume.check_devices(model, torch.optim.Adam(model.parameters()))  # passes
+    """
+    findings = device_report(model, optimizer, batch=batch)
+    if not findings:
+        return
+    fixes = []
+    if any(f.startswith("optimizer") for f in findings):
+        fixes.append(_FIX_OPTIMIZER)
+    if any(f.startswith("batch") for f in findings):
+        fixes.append(_FIX_BATCH)
+    shown = "\n  ".join(findings[:10])
+    more = f"\n  ... and {len(findings) - 10} more" if len(findings) > 10 else ""
+    raise DeviceMismatchError(
+        f"{len(findings)} tensor(s) on the wrong device:\n  {shown}{more}\nwhat to do: {'; '.join(fixes)}",
+        findings=findings,
+    )

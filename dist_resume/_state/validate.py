@@ -1,0 +1,54 @@
+"""Checks of a checkpoint's model dtypes, LR scheduler and GradScaler state against the live objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import KeyMismatchError, StateMismatchError
+
+__all__ = ["check_dtypes", "check_scheduler", "check_scaler"]
+
+
+def check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, source: str) -> None:
+    live = model.state_dict(keep_vars=True)
+    problems = []
+    for key, value in adapted.items():
+        want = live.get(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor)) or value.dtype == want.dtype:
+            continue
+        cast_ok = value.is_floating_point() and want.is_floating_point()
+        if strict or not cast_ok:
+            problems.append(f"{key}: checkpoint {value.dtype}, model {want.dtype}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise KeyMismatchError(
+            f"{source}: dtypes differ ({shown}); convert the model (model.to(dtype)) to the checkpoint's dtype "
+            "before resuming, or pass strict=False to cast floating-point tensors on load",
+            mismatched=problems,
+        )
+
+
+def check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
+    if not isinstance(saved, Mapping):
+        raise StateMismatchError(f"{source}: the scheduler entry is a {type(saved).__name__}, not a state dict")
+    live = scheduler.state_dict()
+    if set(saved) != set(live):
+        raise StateMismatchError(
+            f"{source}: the saved LR scheduler state does not fit {type(scheduler).__name__} (saved keys "
+            f"{sorted(set(saved) - set(live))} not expected, {sorted(set(live) - set(saved))} missing); "
+            "build the same scheduler class as the run that saved it"
+        )
+
+
+def check_scaler(saved: Any, scaler: Any, source: str) -> None:
+    if not isinstance(saved, Mapping):
+        raise StateMismatchError(f"{source}: the GradScaler entry is a {type(saved).__name__}, not a state dict")
+    if scaler.is_enabled() and not saved:
+        raise StateMismatchError(
+            f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
+            "enabled; pass strict=False to keep the scaler's fresh state"
+        )

@@ -1,0 +1,313 @@
+"""``dist-resume inspect``: what a checkpoint holds, read from its pickle alone (no tensor data is loaded)."""
+
+from __future__ import annotations
+
+import functools
+import zipfile
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .._core.errors import NotACheckpointError
+from .._core.types import PathLike
+from .._format.archive import ArchiveContents, StorageInfo, read_archive
+from .._format.layout import Key, Layout, split_checkpoint
+from .._state.optim import _FACTORED_KEYS, _GROUP_BOOKKEEPING, step_on_param_device
+from .._state.prefix import canonical_key, prefix_style
+from ._common import SCHEMA_PREFIX, dtype_name, human_bytes, jsonable
+
+__all__ = ["inspect_checkpoint", "render_inspect", "optimizer_kind"]
+
+SCHEMA = f"{SCHEMA_PREFIX}/inspect/1"
+_NOT_HYPERPARAMETERS = _GROUP_BOOKKEEPING | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
+
+
+def _tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (Mapping, list, tuple, set, frozenset)) and id(obj) not in seen:
+        seen.add(id(obj))
+        for item in obj.values() if isinstance(obj, Mapping) else obj:
+            yield from _tensors(item, seen)
+
+
+def _summary(contents: ArchiveContents, obj: Any) -> dict[str, Any]:
+    """Tensor count and bytes (each storage counted once), per dtype."""
+    count: Counter[str] = Counter()
+    storages: dict[str, StorageInfo] = {}
+    for t in _tensors(obj):
+        count[dtype_name(t.dtype)] += 1
+        info = contents.storage_of(t)
+        if info is not None:
+            storages[info.key] = info
+    nbytes: Counter[str] = Counter()
+    for info in storages.values():
+        nbytes[dtype_name(info.dtype)] += info.nbytes
+    by_dtype = {d: {"count": count[d], "bytes": nbytes[d]} for d in sorted(count | nbytes)}
+    return {"count": sum(count.values()), "bytes": sum(nbytes.values()), "by_dtype": by_dtype}
+
+
+@functools.lru_cache(maxsize=1)
+def _optimizer_signatures() -> dict[str, tuple[frozenset[str], Any]]:
+    """Each ``torch.optim`` class's hyper-parameter names (and decoupled_weight_decay), from a live instance."""
+    out = {}
+    for name in sorted(dir(torch.optim)):
+        cls: Any = getattr(torch.optim, name)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            make: Any = cls
+            try:
+                opt = make([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.01)
+            except Exception:  # optimizers with required arguments or constraints: not recognisable
+                continue
+            out[name] = (frozenset(opt.defaults), opt.defaults.get("decoupled_weight_decay"))
+    return out
+
+
+def optimizer_kind(groups: list[Any]) -> str | None:
+    """The ``torch.optim`` class whose hyper-parameters the saved param groups carry, or None."""
+    if not groups or not isinstance(groups[0], Mapping):
+        return None
+    keys = frozenset(groups[0]) - _NOT_HYPERPARAMETERS
+    best: list[tuple[int, int, str]] = []
+    for name, (known, decoupled) in _optimizer_signatures().items():
+        if decoupled is not None and groups[0].get("decoupled_weight_decay", decoupled) != decoupled:
+            continue
+        if keys - known - {"momentum", "betas", "initial_lr"}:
+            continue  # the group has hyper-parameters this class does not use (schedulers may add momentum/betas)
+        best.append((len(known - keys), len(keys - known), name))
+    return min(best)[2] if best else None
+
+
+def _optimizer(
+    contents: ArchiveContents, opt: Any, model: Mapping[str, Any], meta: Mapping[str, Any], warnings: list[str]
+) -> dict[str, Any] | None:
+    if opt is None:
+        return None
+    if not (
+        isinstance(opt, Mapping)
+        and isinstance(opt.get("state"), Mapping)
+        and isinstance(opt.get("param_groups"), (list, tuple))
+    ):
+        warnings.append("the optimizer entry is not an optimizer state dict (no 'state' / 'param_groups')")
+        return {"kind": None}
+    groups, state = list(opt["param_groups"]), opt["state"]
+    names = [n for g in groups for n in (g.get("param_names") or [])] if all("param_names" in g for g in groups) else []
+    ids = [i for g in groups for i in g.get("params", [])]
+    where: Counter[str] = Counter()
+    step_dtypes: Counter[str] = Counter()
+    on_device_policy = any(step_on_param_device(g) for g in groups)
+    keys: set[str] = set()
+    for per_param in state.values():
+        keys.update(per_param)
+        step = per_param.get("step")
+        if isinstance(step, torch.Tensor):
+            info = contents.storage_of(step)
+            where[info.location if info else "meta"] += 1
+            step_dtypes[dtype_name(step.dtype)] += 1
+        elif step is not None:
+            where["python number"] += 1
+    gpu_steps = sorted(k for k in where if k.startswith("cuda"))
+    if gpu_steps and not on_device_policy:
+        warnings.append(
+            f"optimizer 'step' tensors are on {', '.join(gpu_steps)} though no group is fused or "
+            "capturable: torch keeps them on the CPU (a GPU step forces a host sync per parameter "
+            "per step); "
+            "dist_resume.optimizer_to() puts them back"
+        )
+    _shape_warnings(state, ids, names, model, warnings)
+    if names and prefix_style(names) != prefix_style(model):
+        warnings.append(f"optimizer param_names use prefix {prefix_style(names)!r}, model keys {prefix_style(model)!r}")
+    summary = _summary(contents, opt)
+    return {
+        "kind": meta.get("optimizer_class") or optimizer_kind(groups),
+        "param_groups": len(groups),
+        "params": len(ids),
+        "params_with_state": len(state),
+        "state_keys": sorted(keys),
+        "step": {"count": sum(where.values()), "where": dict(where), "dtypes": dict(step_dtypes)},
+        "param_names": {"present": bool(names), "prefix_style": prefix_style(names) if names else None},
+        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in _GROUP_BOOKKEEPING}
+        if groups
+        else {},
+        "tensors": summary["count"],
+        "bytes": summary["bytes"],
+    }
+
+
+def _shape_warnings(
+    state: Mapping[Any, Any], ids: list[Any], names: list[str], model: Mapping[str, Any], warnings: list[str]
+) -> None:
+    shapes = {canonical_key(k): tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+    all_shapes = set(shapes.values())
+    by_id = dict(zip(ids, names)) if len(names) == len(ids) else {}
+    problems = []
+    for pid, per_param in state.items():
+        name = by_id.get(pid)
+        want = shapes.get(canonical_key(name)) if name else None
+        for key, value in per_param.items():
+            if not isinstance(value, torch.Tensor) or key == "step" or value.dim() == 0 or key in _FACTORED_KEYS:
+                continue
+            shape = tuple(value.shape)
+            if want is not None and shape != want:
+                problems.append(f"state[{name!r}][{key!r}] is {shape}, the parameter {want}")
+            elif want is None and shape not in all_shapes:
+                problems.append(f"state[{name or pid!r}][{key!r}] is {shape}, which no model tensor has")
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        warnings.append(
+            "optimizer state does not fit the model's parameters: "
+            + "; ".join(problems[:3])
+            + more
+            + " (it would be paired with the wrong parameters or fail at the first step)"
+        )
+
+
+def _archive_info(contents: ArchiveContents) -> dict[str, Any]:
+    small = {}
+    with zipfile.ZipFile(contents.path) as zf:
+        for name in (".format_version", ".storage_alignment", "byteorder", "version"):
+            full = f"{contents.archive_name}/{name}"
+            if any(r.name == full for r in contents.records):
+                small[name] = zf.read(full).decode("utf-8", "replace").strip()
+    return {
+        "name": contents.archive_name,
+        "records": len(contents.records),
+        "pickle_bytes": contents.pickle_size,
+        "version": small.get("version"),
+        "format_version": small.get(".format_version"),
+        "storage_alignment": small.get(".storage_alignment"),
+        "byteorder": small.get("byteorder"),
+    }
+
+
+def _device_tags(contents: ArchiveContents) -> dict[str, dict[str, int]]:
+    tags: dict[str, dict[str, int]] = {}
+    for info in contents.storages.values():
+        entry = tags.setdefault(info.location, {"storages": 0, "bytes": 0})
+        entry["storages"] += 1
+        entry["bytes"] += info.nbytes
+    return tags
+
+
+def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
+    """The ``inspect --json`` report for ``path``. Local; reads the zip directory and data.pkl only.
+
+    A file in no layout dist_resume knows is still described (tensors, device tags), with
+    ``layout`` ``null`` and a warning saying why.
+    """
+    contents = read_archive(path)
+    warnings: list[str] = []
+    tags = _device_tags(contents)
+    gpu = sorted(t for t in tags if t != "cpu")
+    if gpu:
+        warnings.append(
+            f"saved with device tags {', '.join(gpu)}: plain torch.load puts those tensors back on those "
+            "devices (every rank on the same GPU, or an error on a CPU-only host); load with "
+            "map_location=dist_resume.rank_map_location() or dist_resume.load_checkpoint()"
+        )
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "path": str(path),
+        "file_bytes": contents.path.stat().st_size,
+        "archive": _archive_info(contents),
+        "layout": None,
+        "tensors": _summary(contents, contents.obj),
+        "device_tags": tags,
+        "model": None,
+        "optimizer": None,
+        "scheduler": False,
+        "scaler": False,
+        "meta": {},
+        "extra_keys": sorted(map(str, contents.obj)) if isinstance(contents.obj, Mapping) else [],
+        "warnings": warnings,
+    }
+    try:
+        parts = split_checkpoint(contents.obj, source=str(path))
+    except NotACheckpointError as err:
+        warnings.append(str(err))
+        return report
+    model = parts.model
+    style = prefix_style(model)
+    if style == "mixed":
+        styles = sorted({prefix_style([k]) for k in model})
+        warnings.append(
+            f"model keys mix prefixes ({', '.join(styles)}): parts of the state dict come from "
+            "differently wrapped models"
+        )
+    model_summary = _summary(contents, model)
+    meta = dict(parts.meta)
+    meta.setdefault("step", parts.step)
+    meta.setdefault("epoch", parts.epoch)
+    if parts.layout is Layout.TOOLKIT:
+        meta.setdefault("format_version", contents.obj.get(Key.VERSION))
+    report.update(
+        layout=parts.layout.value,
+        model={
+            "keys": len(model),
+            "tensors": model_summary["count"],
+            "bytes": model_summary["bytes"],
+            "prefix_style": style,
+            "first_keys": list(model)[:5],
+        },
+        optimizer=_optimizer(contents, parts.optimizer, model, parts.meta, warnings),
+        scheduler=parts.scheduler is not None,
+        scaler=parts.scaler is not None,
+        meta=jsonable(meta),
+        extra_keys=sorted(str(k) for k in parts.extra) if isinstance(parts.extra, Mapping) else [],
+    )
+    return report
+
+
+def render_inspect(report: dict[str, Any]) -> str:
+    """The human-readable form of an :func:`inspect_checkpoint` report."""
+    model, opt, meta = report["model"], report["optimizer"], report["meta"]
+    lines = [
+        f"checkpoint   {report['path']}  ({human_bytes(report['file_bytes'])}, "
+        f"data.pkl {human_bytes(report['archive']['pickle_bytes'])})",
+        f"layout       {report['layout'] or 'not recognised'}",
+    ]
+    if model is not None:
+        lines.append(
+            f"model        {model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
+            f"prefix: {model['prefix_style']}"
+        )
+    if report["layout"] is not None:
+        if opt is None:
+            lines.append("optimizer    none")
+        elif opt.get("kind") is not None or "params" in opt:
+            lines.append(
+                f"optimizer    {opt['kind'] or 'unknown kind'}: {opt['param_groups']} group(s), "
+                f"{opt['params']} params ({opt['params_with_state']} with state), "
+                f"state keys: {', '.join(opt['state_keys']) or 'none'}"
+            )
+            if opt["step"]["count"]:
+                where = ", ".join(f"{n} on {w}" for w, n in opt["step"]["where"].items())
+                lines.append(f"             step: {where}")
+            names = opt["param_names"]
+            form = f"prefix {names['prefix_style']}" if names["present"] else "absent"
+            lines.append(f"             param_names: {form}")
+        lines.append(
+            f"scheduler    {'yes' if report['scheduler'] else 'no'}    GradScaler {'yes' if report['scaler'] else 'no'}"
+        )
+    tensors = report["tensors"]
+    dtypes = ", ".join(f"{d} {human_bytes(v['bytes'])} ({v['count']})" for d, v in tensors["by_dtype"].items())
+    lines.append(f"tensors      {tensors['count']}, {human_bytes(tensors['bytes'])}: {dtypes or '-'}")
+    tags = ", ".join(
+        f"{t} ({v['storages']} storages, {human_bytes(v['bytes'])})" for t, v in report["device_tags"].items()
+    )
+    lines.append(f"device tags  {tags or '-'}")
+    shown = {
+        k: v
+        for k, v in meta.items()
+        if v is not None
+        and k in ("step", "epoch", "world_size", "torch_version", "format_version", "dist_resume_version")
+    }
+    lines.append("meta         " + (" ".join(f"{k}={v}" for k, v in shown.items()) or "-"))
+    if report["extra_keys"]:
+        lines.append(f"other keys   {', '.join(report['extra_keys'][:10])}")
+    for w in report["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
