@@ -1,0 +1,39 @@
+"""Wording shared by every message: one preview of a long list, one indefinite article."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["preview", "article"]
+
+
+def preview(items: Iterable[Any], n: int = 5, *, sep: str = ", ", quote: bool = True, count: bool = False) -> str:
+    """The first ``n`` items and how many more: ``'a', 'b' and 3 more``.
+
+    ``quote`` shows each item with ``repr`` (keys, paths) instead of ``str`` (sentences); ``count``
+    puts the total first (``5: 'a', 'b' and 3 more``).
+
+    Example::
+
+        >>> preview(["a", "b", "c"], 2)
+        "'a', 'b' and 1 more"
+    """
+    seq = list(items)
+    shown = sep.join(repr(x) if quote else str(x) for x in seq[:n])
+    more = f" and {len(seq) - n} more" if len(seq) > n else ""
+    return f"{len(seq)}: {shown}{more}" if count else f"{shown}{more}"
+
+
+def article(word: str) -> str:
+    """``word`` with its indefinite article: ``an AdamW``, ``an SGD``, ``a GradScaler``, ``an optimizer``.
+
+    Example::
+
+        >>> article("AdamW")
+        'an AdamW'
+    """
+    head = word.split()[0] if word.split() else word
+    acronym = len(head) > 1 and head[:2].isupper()  # spelled out: "an SGD", "an LBFGS", "a GradScaler"
+    vowel_sound = head[:1].upper() in "AEFHILMNORSX" if acronym else head[:1].lower() in "aeio"
+    return f"{'an' if vowel_sound else 'a'} {word}"
