@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from .._dist.env import is_distributed
 from .._format.integrity import CheckpointInfo, archive_digest
 from .folder import find_latest
 
-__all__ = ["resolve_checkpoint"]
+__all__ = ["ViewStatus", "RankView", "resolve_checkpoint"]
 
 
 def _choose(folder: Path) -> CheckpointInfo:
@@ -43,23 +45,43 @@ def _choose(folder: Path) -> CheckpointInfo:
     )
 
 
-def _view(path: Path) -> tuple[str, str, int, str, str]:
-    """What this rank sees at ``path``: (status, path, size, digest, reason)."""
+class ViewStatus(Enum):
+    """What one rank finds at the path rank 0 chose."""
+
+    OK = "ok"
+    MISSING = "missing"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's view of the chosen checkpoint, sent to every rank."""
+
+    status: ViewStatus
+    path: str
+    size: int = -1
+    digest: str = ""
+    reason: str = ""  # why it is unreadable
+
+    def matches(self, chosen: CheckpointInfo) -> bool:
+        return self.status is ViewStatus.OK and (self.size, self.digest) == (chosen.size, chosen.digest)
+
+    def describe(self, rank: int) -> str:
+        if self.status is ViewStatus.MISSING:
+            return f"rank {rank} has no file {self.path!r}"
+        if self.status is ViewStatus.UNREADABLE:
+            return f"rank {rank} cannot read {self.path!r} ({self.reason})"
+        return f"rank {rank} sees {self.path!r} with {self.size} bytes, digest {self.digest[:12]}"
+
+
+def _view(path: Path) -> RankView:
+    """What this rank sees at ``path``."""
     try:
-        return ("ok", str(path), path.stat().st_size, archive_digest(path), "")
+        return RankView(ViewStatus.OK, str(path), path.stat().st_size, archive_digest(path))
     except (CheckpointNotFoundError, FileNotFoundError):
-        return ("missing", str(path), -1, "", "")
+        return RankView(ViewStatus.MISSING, str(path))
     except (CheckpointError, OSError) as err:
-        return ("unreadable", str(path), -1, "", f"{type(err).__name__}: {err}")
-
-
-def _describe(rank: int, view: tuple[str, str, int, str, str]) -> str:
-    status, path, size, digest, reason = view
-    if status == "missing":
-        return f"rank {rank} has no file {path!r}"
-    if status == "unreadable":
-        return f"rank {rank} cannot read {path!r} ({reason})"
-    return f"rank {rank} sees {path!r} with {size} bytes, digest {digest[:12]}"
+        return RankView(ViewStatus.UNREADABLE, str(path), reason=f"{type(err).__name__}: {err}")
 
 
 def _agree(folder: Path) -> Path:
@@ -67,8 +89,8 @@ def _agree(folder: Path) -> Path:
     try:
         chosen: CheckpointInfo = run_on_rank0(lambda: _choose(folder))
         mine = folder / chosen.path.name
-        view = ("ok", str(mine), chosen.size, chosen.digest, "") if rank == 0 else _view(mine)
-        views = all_gather_objects(view)
+        view = RankView(ViewStatus.OK, str(mine), chosen.size, chosen.digest) if rank == 0 else _view(mine)
+        views: list[RankView] = all_gather_objects(view)
     except DistResumeError:
         raise
     except RuntimeError as err:  # a rank died, hangs, or never called: the process-group timeout ends it
@@ -77,9 +99,9 @@ def _agree(folder: Path) -> Path:
             f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}); a rank died, is stuck, or did "
             "not call resume() with a checkpoint folder; check every rank's log, then restart the job"
         ) from err
-    differ = [r for r, v in enumerate(views) if v[0] != "ok" or (v[2], v[3]) != (chosen.size, chosen.digest)]
-    if differ:
-        shown = "; ".join(_describe(r, views[r]) for r in differ[:8])
+    differ = [r for r, v in enumerate(views) if not v.matches(chosen)]
+    if differ:  # every rank holds every view: each one raises, with the same ranks
+        shown = "; ".join(views[r].describe(r) for r in differ[:8])
         raise CheckpointConsensusError(
             f"ranks {differ} do not see the checkpoint rank 0 chose, {chosen.path.name} (step {chosen.step}, "
             f"{chosen.size} bytes, digest {chosen.digest[:12]}): {shown}. Every rank must resume from the same "

@@ -1,6 +1,29 @@
-"""The exception hierarchy. Every error the toolkit raises on purpose derives from DistResumeError."""
+"""The exception hierarchy. Every error the toolkit raises on purpose derives from DistResumeError.
+
+::
+
+    DistResumeError                      .rank: where it happened, when another rank relayed it
+    ├── EnvironmentMismatchError         (also ValueError)
+    ├── CheckpointError
+    │   ├── CheckpointNotFoundError      (also FileNotFoundError)
+    │   ├── CheckpointCorruptError
+    │   ├── NotACheckpointError
+    │   ├── UnsafeCheckpointError
+    │   ├── CheckpointWriteError
+    │   └── CheckpointConsensusError     .ranks
+    ├── StateMismatchError               (also ValueError)
+    │   ├── KeyMismatchError             .missing .unexpected .mismatched
+    │   └── OptimizerStateMismatchError
+    ├── DeviceMismatchError              .findings (also RuntimeError)
+    └── UsageError                       .hint (also ValueError)
+
+Every one pickles with its attributes (and ``rank``), so a failure on one rank can be raised on the
+others as the same class: see :mod:`dist_resume._dist.comm`.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "DistResumeError",
@@ -17,11 +40,37 @@ __all__ = [
     "StateMismatchError",
     "DeviceMismatchError",
     "UsageError",
+    "rebuild_error",
 ]
 
 
 class DistResumeError(Exception):
-    """Base class of every error raised by dist_resume."""
+    """Base class of every error raised by dist_resume.
+
+    ``rank`` is the global rank the failure happened on when another rank relayed it to this one
+    (None for an error raised where it happened).
+    """
+
+    rank: int | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException's own reduction calls ``cls(*args)``: it breaks as soon as a subclass takes a
+        # required keyword. Rebuild without __init__: the args, then every attribute (rank included).
+        return (_rebuild, (type(self), self.args), dict(self.__dict__))
+
+
+def _rebuild(cls: type[DistResumeError], args: tuple[Any, ...]) -> DistResumeError:
+    """Unpickling half of :meth:`DistResumeError.__reduce__` (pickle then restores ``__dict__``)."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    return err
+
+
+def rebuild_error(cls: type[DistResumeError], message: str, attributes: dict[str, Any]) -> DistResumeError:
+    """``cls`` with ``message`` and ``attributes`` set, without calling its ``__init__`` (for relayed errors)."""
+    err = _rebuild(cls, (message,))
+    err.__dict__.update(attributes)
+    return err
 
 
 class EnvironmentMismatchError(DistResumeError, ValueError):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .._core.errors import CheckpointError, StateMismatchError
 from .._core.tree import map_tensors
-from .comm import all_gather_objects, comm_device, run_on_rank0
+from .comm import Outcome, all_gather_objects, comm_device, relabel, run_on_rank0
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "agree_across_ranks"]
 
@@ -137,12 +137,23 @@ def _collect_slots(skeleton: Any) -> list[_Slot]:
 
 
 def agree_across_ranks(error: BaseException | None) -> None:
-    """Collective: share each rank's validation outcome; raise on every rank if any rank failed."""
-    outcomes = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: text for rank, text in enumerate(outcomes) if text is not None}
-    if failed and error is None:
-        first = min(failed)
-        raise StateMismatchError(
-            f"rank(s) {sorted(failed)} could not restore the broadcast checkpoint (rank {first}: "
-            f"{failed[first]}); nothing was restored on any rank"
-        )
+    """Collective: share each rank's validation outcome; raise on every rank if any rank failed.
+
+    A rank passing its own ``error`` returns (its caller raises that). Every other rank raises the
+    lowest failing rank's error: the same class with its attributes (``missing``, ``hint``, ...) and
+    ``rank`` set, its message naming every rank that failed (``StateMismatchError`` chained to the
+    original for an exception that is no dist_resume error).
+    """
+    rank = dist.get_rank()
+    outcomes: list[Outcome] = all_gather_objects(Outcome() if error is None else Outcome.failed(rank, error))
+    failed = [o.error for o in outcomes if o.error is not None]
+    if not failed or error is not None:
+        return
+    first = failed[0]
+    err = first.rebuild(StateMismatchError)
+    what = first.message if type(err).__qualname__ == first.class_name else str(err)
+    raise relabel(
+        err,
+        f"rank(s) {[f.rank for f in failed]} could not restore the broadcast checkpoint, so nothing was restored "
+        f"on any rank; rank {first.rank}: {what}",
+    )

@@ -10,16 +10,25 @@ from __future__ import annotations
 import ctypes
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._core import errors as _errors
-from .._core.errors import CheckpointWriteError, DistResumeError
+from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .env import is_distributed
 
-__all__ = ["comm_device", "broadcast_object", "all_gather_objects", "run_on_rank0"]
+__all__ = [
+    "comm_device",
+    "broadcast_object",
+    "all_gather_objects",
+    "RelayedError",
+    "Outcome",
+    "relabel",
+    "run_on_rank0",
+]
 
 
 def comm_device() -> torch.device:
@@ -67,30 +76,111 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return [_decode(buf, n) for buf, n in zip(bufs, counts)]
 
 
+@dataclass(frozen=True)
+class RelayedError:
+    """An exception on its way from the rank it happened on to the others.
+
+    ``pickled`` is the exception itself where it pickles (class and every attribute survive);
+    ``type_name``, ``message`` and ``attributes`` (those that pickle; others as their repr) are the
+    fallback for an exception that does not, or whose class the receiving rank cannot import.
+    """
+
+    rank: int
+    type_name: str  # module.qualname
+    message: str
+    attributes: dict[str, Any]
+    pickled: bytes | None
+
+    @classmethod
+    def of(cls, rank: int, err: BaseException) -> RelayedError:
+        try:
+            pickled: bytes | None = pickle.dumps(err, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # a lambda, a lock, a local class...: the fallback fields carry it
+            pickled = None
+        attributes = {key: _picklable(value) for key, value in vars(err).items()}
+        name = f"{type(err).__module__}.{type(err).__qualname__}"
+        return cls(rank, name, str(err), attributes, pickled)
+
+    @property
+    def class_name(self) -> str:
+        return self.type_name.rpartition(".")[2]
+
+    def rebuild(self, fallback: type[DistResumeError]) -> DistResumeError:
+        """The error to raise on this rank: the same class with its attributes and ``rank`` set.
+
+        An exception that is no :class:`DistResumeError` becomes ``fallback`` (its message names the
+        original class), chained to the original where that unpickles.
+        """
+        original: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                original = pickle.loads(self.pickled)
+            except Exception:  # its class does not import here: use the fallback fields
+                original = None
+        if isinstance(original, DistResumeError):
+            err = original
+        else:
+            cls = getattr(_errors, self.class_name, None) if self.type_name.startswith(_errors.__name__) else None
+            if isinstance(cls, type) and issubclass(cls, DistResumeError):
+                err = rebuild_error(cls, self.message, self.attributes)
+            else:
+                err = fallback(f"{self.class_name}: {self.message}")
+                err.__cause__ = original
+        err.rank = self.rank
+        return err
+
+
+def _picklable(value: Any) -> Any:
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return repr(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank's step came to: ``value``, or ``error`` (which rank failed, and how)."""
+
+    value: Any = None
+    error: RelayedError | None = None
+
+    @classmethod
+    def failed(cls, rank: int, err: BaseException) -> Outcome:
+        return cls(error=RelayedError.of(rank, err))
+
+    @classmethod
+    def run(cls, fn: Callable[[], Any], rank: int) -> tuple[Outcome, Exception | None]:
+        """Run ``fn``; the outcome to send, and the exception itself (to re-raise on this rank)."""
+        try:
+            return cls(value=fn()), None
+        except Exception as err:  # relayed to the other ranks by the caller
+            return cls.failed(rank, err), err
+
+
+def relabel(err: DistResumeError, message: str) -> DistResumeError:
+    """``err`` with a new message; class, attributes and ``rank`` unchanged."""
+    err.args = (message, *err.args[1:])
+    return err
+
+
 def run_on_rank0(fn: Callable[[], Any], fallback: type[DistResumeError] = CheckpointWriteError) -> Any:
     """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error.
 
     Collective under torch.distributed (one broadcast), so a failure on rank 0 never leaves the
-    other ranks waiting in a barrier: they raise the same dist_resume error class (``fallback``
-    for any other exception).
+    other ranks waiting in a barrier. Rank 0 raises its own exception; the others raise the same
+    dist_resume error class with its attributes and ``rank == 0`` (``fallback`` for any other
+    exception, chained to it).
     """
     if not is_distributed():
         return fn()
-    outcome: Any = None
-    failure: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", fn())
-        except Exception as err:  # reported to every rank below
-            failure = err
-            outcome = ("error", type(err).__name__, str(err))
+    outcome, failure = Outcome.run(fn, 0) if dist.get_rank() == 0 else (None, None)
     outcome = broadcast_object(outcome, src=0)
-    if outcome[0] == "ok":
-        return outcome[1]
     if failure is not None:
         raise failure
-    _, name, message = outcome
-    cls = getattr(_errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, DistResumeError):
-        raise cls(f"{message} (reported by rank 0)")
-    raise fallback(f"rank 0 failed: {name}: {message}")
+    if outcome.error is None:
+        return outcome.value
+    relayed: RelayedError = outcome.error
+    err = relayed.rebuild(fallback)
+    same = type(err).__qualname__ == relayed.class_name
+    raise relabel(err, f"{relayed.message} (reported by rank 0)" if same else f"rank 0 failed: {err}")
