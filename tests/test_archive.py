@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import zipfile
 from collections.abc import Callable
@@ -16,9 +17,10 @@ from dist_resume import (
     CheckpointNotFoundError,
     NotACheckpointError,
     UnsafeCheckpointError,
+    load_checkpoint,
 )
 from dist_resume._format import archive_write as _archive_write
-from dist_resume._format.archive import read_archive, read_records, verify_archive
+from dist_resume._format.archive import FindingKind, read_archive, read_records, verify_archive
 from dist_resume._format.archive_write import dump_pickle, rewrite_archive
 from tests.helpers import save_with_device_tag
 
@@ -196,6 +198,23 @@ def test_pickle_that_would_run_code_is_refused_before_it_runs(tmp_path: Path, ho
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("how", ["argparse.Namespace", "os.system", "exec"])
+def test_read_archive_and_load_checkpoint_refuse_in_the_same_words(tmp_path: Path, how: str) -> None:
+    marker = tmp_path / "marker"
+    payload = {
+        "argparse.Namespace": argparse.Namespace(lr=0.1),
+        "os.system": _RunsCode(os.system, f"touch {marker}"),
+        "exec": _RunsCode(exec, f"open({str(marker)!r}, 'w').close()"),
+    }[how]
+    torch.save({"w": torch.ones(1), "extra": payload}, tmp_path / "x.pt")
+    with pytest.raises(UnsafeCheckpointError) as by_archive:
+        read_archive(tmp_path / "x.pt")
+    with pytest.raises(UnsafeCheckpointError) as by_load:
+        load_checkpoint(tmp_path / "x.pt", map_location="cpu")
+    assert str(by_archive.value) == str(by_load.value)
+    assert how.rpartition(".")[2] in str(by_load.value) and not marker.exists()
+
+
 def test_verify_archive_finds_a_flipped_byte(tmp_path: Path) -> None:
     torch.save({"w": torch.randn(100)}, tmp_path / "a.pt")
     assert verify_archive(tmp_path / "a.pt") == []
@@ -209,6 +228,7 @@ def test_verify_archive_finds_a_flipped_byte(tmp_path: Path) -> None:
     torch.load(tmp_path / "a.pt", weights_only=True)  # torch itself does not notice
     findings = verify_archive(tmp_path / "a.pt", strict=False)
     assert [f.record for f in findings] == [target.name] and "CRC32 mismatch" in findings[0].problem
+    assert findings[0].kind is FindingKind.CRC_MISMATCH
     with pytest.raises(CheckpointCorruptError, match="data/0: CRC32 mismatch"):
         verify_archive(tmp_path / "a.pt")
 
@@ -221,7 +241,7 @@ def test_verify_archive_reports_truncation_and_reports_progress(tmp_path: Path) 
     data = (tmp_path / "a.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
     findings = verify_archive(tmp_path / "cut.pt", strict=False)
-    assert len(findings) == 1 and "truncated" in str(findings[0])
+    assert len(findings) == 1 and "truncated" in str(findings[0]) and findings[0].kind is FindingKind.UNREADABLE
     with pytest.raises(CheckpointCorruptError):
         verify_archive(tmp_path / "cut.pt")
 

@@ -14,26 +14,27 @@ from __future__ import annotations
 import io
 import mmap
 import pickle
-import re
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Final
 
 import torch
-from torch import _weights_only_unpickler as _wo
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
+from .._core import torch_compat
+from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.types import PathLike
-from .sniff import GARBLED_PICKLE, check_file, file_kind, unsafe_error
+from .sniff import FileKind, check_file, file_kind, unsafe_error
 
 __all__ = [
     "Record",
     "StorageInfo",
     "ArchiveContents",
+    "FindingKind",
     "ArchiveFinding",
     "read_records",
     "read_archive",
@@ -91,7 +92,17 @@ class ArchiveContents:
         """The saved storage behind a tensor of :attr:`obj`, or None (a tensor saved without storage)."""
         if not tensor.is_meta:
             return None
-        return self._by_cdata.get(tensor.untyped_storage()._cdata)
+        return self._by_cdata.get(torch_compat.storage_id(tensor.untyped_storage()))
+
+
+class FindingKind(Enum):
+    """What kind of integrity problem an :class:`ArchiveFinding` reports."""
+
+    UNREADABLE = "unreadable"  # the archive's structure cannot be read (truncated, damaged directory)
+    DUPLICATE_RECORD = "duplicate_record"
+    NO_VERSION = "no_version"  # the 'version' record torch.save always writes is absent
+    CRC_MISMATCH = "crc_mismatch"
+    UNDECOMPRESSABLE = "undecompressable"  # a compressed record that does not inflate or fails its CRC
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +111,7 @@ class ArchiveFinding:
 
     record: str | None
     problem: str
+    kind: FindingKind
 
     def __str__(self) -> str:
         return f"{self.record}: {self.problem}" if self.record else self.problem
@@ -115,7 +127,7 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
     Raises :class:`CheckpointError` subclasses for a missing, empty, truncated, legacy or foreign file.
     """
     p = check_file(path)
-    if file_kind(p) == "legacy":
+    if file_kind(p) is FileKind.LEGACY:
         raise NotACheckpointError(
             f"{_name(p)} uses torch's legacy (pre-1.6) format, which has no records to copy or inspect; "
             "re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
@@ -166,7 +178,7 @@ class _Garbled(pickle.UnpicklingError):
     """data.pkl is not what torch.save writes (raised by the persistent_load below)."""
 
 
-class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
+class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
     """torch's weights_only unpickler, with every storage replaced by a zero-byte meta storage."""
 
     def __init__(self, data: bytes, contents: ArchiveContents) -> None:
@@ -178,39 +190,24 @@ class _MetaUnpickler(_wo.Unpickler):  # type: ignore[misc]
         if not (isinstance(pid, tuple) and len(pid) == 5):
             raise _Garbled(f"unexpected persistent id {pid!r}")
         _, storage_type, key, location, numel = pid
-        location = torch.serialization._maybe_decode_ascii(location)
+        location = torch_compat.decode_location(location)
         if not (isinstance(key, str) and isinstance(location, str) and isinstance(numel, int) and numel >= 0):
             raise _Garbled(f"unexpected persistent id {pid!r}")
         if key in self._typed:
             return self._typed[key]
-        if storage_type is torch.UntypedStorage:
-            dtype, cls = torch.uint8, torch.UntypedStorage
-        elif isinstance(storage_type, torch.serialization.StorageType):
-            dtype = storage_type.dtype
-            cls = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
-        else:
+        kind = torch_compat.storage_class_of(storage_type)
+        if kind is None:
             raise _Garbled(f"unexpected storage type {storage_type!r}")
-        nbytes = numel * torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+        dtype, cls = kind
+        nbytes = numel * dtype.itemsize
         untyped = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
         info = StorageInfo(key, dtype, location, numel, nbytes, ("storage", cls, key, location, numel))
         self._contents.storages[key] = info
-        self._contents._by_cdata[untyped._cdata] = info
+        self._contents._by_cdata[torch_compat.storage_id(untyped)] = info
         self._contents._keepalive.append(untyped)
-        typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=untyped, dtype=dtype, _internal=True
-        )
+        typed = torch_compat.meta_typed_storage(untyped, dtype)
         self._typed[key] = typed
         return typed
-
-
-def _refused(path: Path, err: Exception) -> UnsafeCheckpointError:
-    builtin = re.search(r"GLOBAL (\w+) was not an allowed global", str(err))  # torch drops "builtins."
-    if builtin:
-        return UnsafeCheckpointError(
-            f"checkpoint {_name(path)} cannot be loaded safely: it references the builtin {builtin.group(1)}, which "
-            "torch.load(weights_only=True) refuses and no checkpoint needs (the file would run code when loaded)"
-        )
-    return unsafe_error(path, err)
 
 
 def read_archive(path: PathLike) -> ArchiveContents:
@@ -238,12 +235,12 @@ def read_archive(path: PathLike) -> ArchiveContents:
             f"checkpoint {_name(p)} is damaged: its data.pkl cannot be read ({err}); resume from an earlier checkpoint"
         ) from err
     contents = ArchiveContents(p, archive_name, records, len(data), None, {})
-    pending = len(torch._utils._sparse_tensors_to_validate)
     try:
-        contents.obj = _MetaUnpickler(data, contents).load()  # type: ignore[no-untyped-call]
+        with torch_compat.discarding_sparse_checks():  # queued for torch.load to validate: not torch.load's
+            contents.obj = _MetaUnpickler(data, contents).load()
     except pickle.UnpicklingError as err:
-        if not isinstance(err, _Garbled) and not any(m in str(err) for m in GARBLED_PICKLE):
-            raise _refused(p, err) from err  # what torch.load(weights_only=True) refuses, named
+        if not isinstance(err, _Garbled) and not torch_compat.is_garbled_pickle(err):
+            raise unsafe_error(p, err) from err  # what torch.load(weights_only=True) refuses, named
         raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
     except (EOFError, IndexError, KeyError, struct.error) as err:
         raise CheckpointCorruptError(
@@ -255,8 +252,6 @@ def read_archive(path: PathLike) -> ArchiveContents:
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "load it with torch.load and re-save it instead"
         ) from err
-    finally:  # the unpickler queues sparse tensors for torch.load to validate; these are not torch.load's
-        del torch._utils._sparse_tensors_to_validate[pending:]
     return contents
 
 
@@ -280,7 +275,7 @@ def verify_archive(
     try:
         archive_name, records = read_records(p)
     except CheckpointCorruptError as err:
-        findings = [ArchiveFinding(None, str(err))]
+        findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
     else:
         findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
     if findings and strict:
@@ -298,10 +293,10 @@ def _structure_findings(archive_name: str, records: list[Record]) -> list[Archiv
     seen: set[str] = set()
     for r in records:
         if r.name in seen:
-            findings.append(ArchiveFinding(r.name, "appears twice in the archive"))
+            findings.append(ArchiveFinding(r.name, "appears twice in the archive", FindingKind.DUPLICATE_RECORD))
         seen.add(r.name)
     if f"{archive_name}/version" not in seen:
-        findings.append(ArchiveFinding(None, "the archive has no 'version' record"))
+        findings.append(ArchiveFinding(None, "the archive has no 'version' record", FindingKind.NO_VERSION))
     return findings
 
 
@@ -317,7 +312,7 @@ def _crc_findings(
                 if r.compress_type != zipfile.ZIP_STORED:
                     problem = _compressed_problem(path, r)
                     if problem:
-                        findings.append(ArchiveFinding(r.name, problem))
+                        findings.append(ArchiveFinding(r.name, problem, FindingKind.UNDECOMPRESSABLE))
                     done += r.compress_size
                     continue
                 crc = 0
@@ -330,7 +325,9 @@ def _crc_findings(
                 if crc != r.crc:
                     findings.append(
                         ArchiveFinding(
-                            r.name, f"CRC32 mismatch (recorded {r.crc:#010x}, data {crc:#010x}): its bytes changed"
+                            r.name,
+                            f"CRC32 mismatch (recorded {r.crc:#010x}, data {crc:#010x}): its bytes changed",
+                            FindingKind.CRC_MISMATCH,
                         )
                     )
         finally:

@@ -15,13 +15,13 @@ import os
 import pickle
 import struct
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.torch_compat import tensor_reduction
 from .archive import LOCAL_HEADER, LOCAL_SIGNATURE, ArchiveContents, Record
 
 __all__ = ["dump_pickle", "rewrite_archive", "ZipWriter"]
@@ -67,25 +67,7 @@ class _MetaPickler(pickle.Pickler):
             return NotImplemented  # saved without storage (a meta tensor): torch's own reduction is right
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
             raise NotACheckpointError(f"cannot rewrite a {obj.layout} tensor without loading it")
-        args: tuple[Any, ...] = (
-            _StorageRef(info.pid),
-            obj.storage_offset(),
-            tuple(obj.size()),
-            obj.stride(),
-            obj.requires_grad,
-            OrderedDict(),
-        )
-        metadata = torch._utils.get_tensor_metadata(obj)  # type: ignore[no-untyped-call]
-        if info.dtype == obj.dtype:
-            func: Any = torch._utils._rebuild_tensor_v2
-        else:  # a tensor over an untyped storage
-            func, args = torch._utils._rebuild_tensor_v3, args + (obj.dtype,)
-        if metadata:
-            args = args + (metadata,)
-        state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]
-        if type(obj) is not torch.Tensor or state:
-            return (torch._tensor._rebuild_from_type_v2, (func, type(obj), args, state))
-        return (func, args)
+        return tensor_reduction(obj, _StorageRef(info.pid), info.dtype)
 
 
 def dump_pickle(obj: Any, contents: ArchiveContents) -> bytes:

@@ -14,9 +14,10 @@ from .._core.errors import (
     CheckpointError,
     NotACheckpointError,
 )
+from .._core.torch_compat import LoadFailure, classify_load_error, error_summary
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
-from .sniff import GARBLED_PICKLE, check_file, file_kind, unsafe_error
+from .sniff import FileKind, check_file, file_kind, unsafe_error
 
 __all__ = ["rank_map_location", "load_checkpoint"]
 
@@ -43,16 +44,9 @@ def rank_map_location(device: torch.device | str | int | None = None) -> torch.d
 
 def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"checkpoint {str(path)!r} is damaged or truncated ({_first_line(err)}); "
+        f"checkpoint {str(path)!r} is damaged or truncated ({error_summary(err)}); "
         "most likely a save that was interrupted: resume from an earlier checkpoint"
     )
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).splitlines() or [""]
-    detail = [line for line in lines if any(m in line for m in GARBLED_PICKLE)]
-    text = (detail or lines)[0].split(". This is an internal")[0]
-    return f"{type(err).__name__}: {text[:200]}"
 
 
 def load_checkpoint(
@@ -83,7 +77,7 @@ def load_checkpoint(
         from .archive import verify_archive  # _archive imports this module
 
         verify_archive(p)
-    if file_kind(p) == "legacy" and mmap:
+    if file_kind(p) is FileKind.LEGACY and mmap:
         raise NotACheckpointError(
             f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "
             "pass mmap=False, or re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
@@ -93,15 +87,14 @@ def load_checkpoint(
     try:
         return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
-        text = str(err)
-        if "Weights only load failed" in text and not any(m in text for m in GARBLED_PICKLE):
+        if classify_load_error(err) is LoadFailure.UNSAFE:
             raise unsafe_error(p, err) from err
         raise _corrupt(p, err) from err
     except (EOFError, zipfile.BadZipFile, ValueError) as err:
         raise _corrupt(p, err) from err
     except RuntimeError as err:
-        text = str(err)
-        if "on a CUDA device but torch.cuda.is_available() is False" in text or "invalid device ordinal" in text:
+        failure = classify_load_error(err)
+        if failure is LoadFailure.NO_DEVICE:
             if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda":
                 raise CheckpointError(
                     f"cannot load checkpoint {str(p)!r} onto map_location={map_location!r}: this process has "
@@ -111,12 +104,12 @@ def load_checkpoint(
                 f"checkpoint {str(p)!r} was saved from a GPU and map_location={map_location!r} does not move "
                 "every storage to a device this process has; use dist_resume.rank_map_location()"
             ) from err
-        if 'hasRecord("version")' in text or "failed locating file data.pkl" in text:
+        if failure is LoadFailure.NOT_TORCH_ARCHIVE:
             raise NotACheckpointError(
                 f"{str(p)!r} is a zip archive but not one written by torch.save (it has no data.pkl/version "
                 "record); point to a .pt/.pth file saved with torch.save"
             ) from err
-        if "PytorchStreamReader" in text or "zip archive" in text or "storage" in text.lower():
+        if failure is LoadFailure.DAMAGED:
             raise _corrupt(p, err) from err
         raise
     except OSError as err:

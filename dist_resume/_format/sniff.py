@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from enum import Enum
 from pathlib import Path
 
 from .._core.errors import (
@@ -12,29 +12,38 @@ from .._core.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
+from .._core.torch_compat import refused_global
 from .._core.types import PathLike
 
-__all__ = ["GARBLED_PICKLE", "file_kind", "check_file", "unsafe_error"]
+__all__ = ["FileKind", "file_kind", "check_file", "unsafe_error"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-# weights_only unpickler messages that mean damaged bytes, not a refused object
-GARBLED_PICKLE = ("Unsupported operand", "String is too long", "Expected bytes, got")
 
 
-def file_kind(path: Path) -> str:
-    """``zip`` (torch >= 1.6), ``legacy`` (older torch.save), ``pickle``, ``empty`` or ``unknown``."""
+class FileKind(Enum):
+    """What a file holds, by its first bytes."""
+
+    ZIP = "zip"  # torch.save since torch 1.6 (or any zip archive)
+    LEGACY = "legacy"  # torch.save before 1.6, or _use_new_zipfile_serialization=False
+    PICKLE = "pickle"  # a plain pickle, not written by torch.save
+    EMPTY = "empty"
+    UNKNOWN = "unknown"
+
+
+def file_kind(path: Path) -> FileKind:
+    """The :class:`FileKind` of ``path``, from its first 16 bytes. Local."""
     with open(path, "rb") as f:
         head = f.read(16)
     if not head:
-        return "empty"
+        return FileKind.EMPTY
     if head.startswith(_ZIP_MAGIC):
-        return "zip"
+        return FileKind.ZIP
     if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
-        return "legacy"
+        return FileKind.LEGACY
     if head[:1] == b"\x80":
-        return "pickle"
-    return "unknown"
+        return FileKind.PICKLE
+    return FileKind.UNKNOWN
 
 
 def check_file(path: PathLike) -> Path:
@@ -52,34 +61,43 @@ def check_file(path: PathLike) -> Path:
         kind = file_kind(p)
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {err.strerror or err}; check permissions") from err
-    if kind == "empty":
+    if kind is FileKind.EMPTY:
         raise CheckpointCorruptError(
             f"checkpoint {str(p)!r} is empty (0 bytes), most likely a save that was interrupted; "
             "resume from an earlier checkpoint and delete this one"
         )
-    if kind in ("unknown", "pickle"):
-        what = "a plain pickle, not written by torch.save" if kind == "pickle" else "not a file written by torch.save"
+    if kind in (FileKind.UNKNOWN, FileKind.PICKLE):
+        what = (
+            "a plain pickle, not written by torch.save"
+            if kind is FileKind.PICKLE
+            else "not a file written by torch.save"
+        )
         raise NotACheckpointError(f"{str(p)!r} is {what}; point to a .pt/.pth file saved with torch.save")
     return p
 
 
 def unsafe_error(path: Path, err: BaseException) -> UnsafeCheckpointError:
-    text = str(err)
-    blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
-    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
-    name = found.group(1) if found else None
-    if blocked:
+    """The one refusal message: what ``torch.load(weights_only=True)`` refused in ``path``, and what to do.
+
+    Used by :func:`load_checkpoint` and :func:`read_archive` alike.
+    """
+    refused = refused_global(err)
+    never = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
+    if refused.blocked_module:
         what = (
-            f"it calls {blocked.group(1)}, from the module {blocked.group(2).rstrip('.')} that "
+            f"it calls {refused.name}, from the module {refused.blocked_module} that "
             "torch.load(weights_only=True) blocks entirely: loading it would run code"
         )
-        fix = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
-    elif name and "." not in name.strip("."):  # a builtin such as exec or eval: never something to allow
-        what = f"it calls the builtin {name.strip('.')}, which torch.load(weights_only=True) refuses: loading it would run code"
-        fix = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
-    elif name:
-        module, _, attr = name.rpartition(".")
-        what = f"it references {name}, which torch.load(weights_only=True) refuses"
+        fix = never
+    elif refused.name and refused.is_builtin:  # exec, eval, ...: never something to allow
+        what = (
+            f"it calls the builtin {refused.name.strip('.')}, which torch.load(weights_only=True) refuses and "
+            "no checkpoint needs: loading it would run code"
+        )
+        fix = never
+    elif refused.name:
+        module, _, attr = refused.name.rpartition(".")
+        what = f"it references {refused.name}, which torch.load(weights_only=True) refuses"
         fix = (
             f"if you trust the file, allow it with `from {module} import {attr}; "
             f"torch.serialization.add_safe_globals([{attr}])`, or pass weights_only=False"

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
+from .._core.torch_compat import compiled_original
 
 __all__ = [
     "DDP_PREFIX",
@@ -116,18 +117,10 @@ def _wrapper_chain(model: nn.Module) -> tuple[nn.Module, str]:
     while True:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             model, prefix = model.module, prefix + DDP_PREFIX
-        elif _is_compiled(model):
-            model, prefix = model._orig_mod, prefix + COMPILE_PREFIX  # type: ignore[assignment]
+        elif (inner := compiled_original(model)) is not None:
+            model, prefix = inner, prefix + COMPILE_PREFIX
         else:
             return model, prefix
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return False
-    return isinstance(model, OptimizedModule)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

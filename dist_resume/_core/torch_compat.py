@@ -1,0 +1,205 @@
+"""Everything dist_resume relies on that torch does not promise: private APIs and the wording of its errors.
+
+Each item says which torch behaviour it depends on (checked on torch 2.13). When torch changes one,
+this is the one module to fix; nothing else in the package reaches into ``torch._*``,
+``torch.serialization._*`` or ``torch._utils._*``, or reads torch's error messages.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler as _wo
+from torch import nn
+
+__all__ = [
+    "GARBLED_PICKLE",
+    "LoadFailure",
+    "RefusedGlobal",
+    "WeightsOnlyUnpickler",
+    "classify_load_error",
+    "compiled_original",
+    "decode_location",
+    "discarding_sparse_checks",
+    "error_summary",
+    "is_garbled_pickle",
+    "meta_typed_storage",
+    "refused_global",
+    "storage_id",
+    "storage_class_of",
+    "tensor_reduction",
+]
+
+# ---------------------------------------------------------------------------------------------------
+# The wording of torch's errors
+# ---------------------------------------------------------------------------------------------------
+
+# torch._weights_only_unpickler raises UnpicklingError("Weights only load failed ...") for refused
+# globals AND for bytes it cannot parse; these phrases (its own messages, torch >= 2.4) mean the
+# latter: damaged bytes, not a refused object.
+GARBLED_PICKLE = ("Unsupported operand", "String is too long", "Expected bytes, got")
+
+
+def is_garbled_pickle(err: BaseException) -> bool:
+    """The weights_only unpickler choked on damaged bytes (see :data:`GARBLED_PICKLE`)."""
+    return any(marker in str(err) for marker in GARBLED_PICKLE)
+
+
+class LoadFailure(Enum):
+    """What an exception from ``torch.load`` means, read from its text."""
+
+    UNSAFE = "unsafe"  # weights_only refused a global
+    NO_DEVICE = "no_device"  # a storage is bound for a device this process lacks
+    NOT_TORCH_ARCHIVE = "not_torch_archive"  # a zip, but not one torch.save wrote
+    DAMAGED = "damaged"  # truncated or corrupt bytes
+    OTHER = "other"
+
+
+def classify_load_error(err: BaseException) -> LoadFailure:
+    """Classify an ``UnpicklingError`` or ``RuntimeError`` raised by ``torch.load`` (torch 2.6 - 2.13 wording)."""
+    text = str(err)
+    # torch.load(weights_only=True) wraps every unpickler error in "Weights only load failed" (torch >= 2.4)
+    if "Weights only load failed" in text and not is_garbled_pickle(err):
+        return LoadFailure.UNSAFE
+    # torch.serialization.validate_cuda_device / _cuda_deserialize: a cuda tag without CUDA, or a
+    # device index past device_count() ("CUDA error: invalid device ordinal")
+    if "on a CUDA device but torch.cuda.is_available() is False" in text or "invalid device ordinal" in text:
+        return LoadFailure.NO_DEVICE
+    # PyTorchStreamReader (caffe2/serialize/inline_container.cc) on a zip without torch's records
+    if 'hasRecord("version")' in text or "failed locating file data.pkl" in text:
+        return LoadFailure.NOT_TORCH_ARCHIVE
+    # PyTorchStreamReader on a truncated zip ("failed finding central directory"), and the storage
+    # size checks when a truncated file is memory-mapped or read ("... storage ... bytes ...")
+    if "PytorchStreamReader" in text or "zip archive" in text or "storage" in text.lower():
+        return LoadFailure.DAMAGED
+    return LoadFailure.OTHER
+
+
+def error_summary(err: BaseException) -> str:
+    """``Type: first line`` of a torch error, preferring the unpickler's own detail line and dropping
+    torch's "This is an internal error" boilerplate (wording of torch 2.6 - 2.13)."""
+    lines = str(err).splitlines() or [""]
+    detail = [line for line in lines if any(m in line for m in GARBLED_PICKLE)]
+    text = (detail or lines)[0].split(". This is an internal")[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+@dataclass(frozen=True)
+class RefusedGlobal:
+    """The global a weights_only load refused, as torch's message names it."""
+
+    name: str | None  # e.g. "argparse.Namespace"; a builtin comes without "builtins." ("exec")
+    blocked_module: str | None = None  # set when torch blocks the whole module (os, subprocess, ...)
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.name is not None and "." not in self.name.strip(".")
+
+
+def refused_global(err: BaseException) -> RefusedGlobal:
+    """Parse torch._weights_only_unpickler's refusal: "GLOBAL x.y whose module x is blocked" (a module
+    on its deny list, torch >= 2.4) or "GLOBAL x.y was not an allowed global" (torch >= 2.4)."""
+    text = str(err)
+    blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
+    if blocked:
+        return RefusedGlobal(blocked.group(1), blocked.group(2).rstrip("."))
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    return RefusedGlobal(found.group(1) if found else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Private APIs
+# ---------------------------------------------------------------------------------------------------
+
+# torch._weights_only_unpickler.Unpickler: the pure-Python unpickler behind torch.load(weights_only=True)
+# (torch >= 2.0). Subclassed to unpickle data.pkl with the same allow-list, overriding persistent_load.
+WeightsOnlyUnpickler: type = _wo.Unpickler
+
+
+def decode_location(location: Any) -> Any:
+    """A storage's location tag as ``str``: torch.serialization._maybe_decode_ascii (all torch 2.x) decodes
+    the bytes that Python-2-era pickles carry; anything else is returned unchanged."""
+    return torch.serialization._maybe_decode_ascii(location)
+
+
+def storage_class_of(storage_type: Any) -> tuple[torch.dtype, type] | None:
+    """(dtype, storage class) for the storage type in a persistent id: ``torch.UntypedStorage``, or a
+    ``torch.serialization.StorageType`` whose class name comes from torch.storage._dtype_to_storage_type_map
+    (torch >= 2.0); None for anything else."""
+    if storage_type is torch.UntypedStorage:
+        return torch.uint8, torch.UntypedStorage
+    if isinstance(storage_type, torch.serialization.StorageType):
+        dtype = storage_type.dtype
+        return dtype, getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+    return None
+
+
+def meta_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:
+    """The TypedStorage torch.load hands to tensor rebuilding; ``_internal=True`` (torch >= 2.0) silences
+    the TypedStorage deprecation warning as torch.serialization itself does."""
+    return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+        wrap_storage=untyped, dtype=dtype, _internal=True
+    )
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """An identity for a storage that all tensors viewing it share: ``_cdata``, the C++ StorageImpl
+    pointer (all torch 2.x). ``data_ptr()`` does not do: every zero-byte meta storage has 0."""
+    return int(storage._cdata)
+
+
+@contextmanager
+def discarding_sparse_checks() -> Iterator[None]:
+    """Drop what an unpickling run queues on torch._utils._sparse_tensors_to_validate (torch >= 2.1):
+    sparse tensors that torch.load validates after loading; ours are not torch.load's."""
+    pending = len(torch._utils._sparse_tensors_to_validate)
+    try:
+        yield
+    finally:
+        del torch._utils._sparse_tensors_to_validate[pending:]
+
+
+def tensor_reduction(tensor: torch.Tensor, storage: Any, storage_dtype: torch.dtype) -> tuple[Any, tuple[Any, ...]]:
+    """The reduction torch.Tensor._reduce_ex_internal (torch 2.x) gives a strided tensor, over ``storage``
+    (pickled as its persistent id): torch._utils._rebuild_tensor_v2, or _v3 with the dtype when the
+    storage is untyped; wrapped in torch._tensor._rebuild_from_type_v2 for subclasses or Python state
+    (torch._utils._get_obj_state), with torch._utils.get_tensor_metadata when there is any."""
+    args: tuple[Any, ...] = (
+        storage,
+        tensor.storage_offset(),
+        tuple(tensor.size()),
+        tensor.stride(),
+        tensor.requires_grad,
+        OrderedDict(),
+    )
+    metadata = torch._utils.get_tensor_metadata(tensor)  # type: ignore[no-untyped-call]
+    if storage_dtype == tensor.dtype:
+        func: Any = torch._utils._rebuild_tensor_v2
+    else:  # a tensor over an untyped storage
+        func, args = torch._utils._rebuild_tensor_v3, args + (tensor.dtype,)
+    if metadata:
+        args = args + (metadata,)
+    state = torch._utils._get_obj_state(tensor)  # type: ignore[no-untyped-call]
+    if type(tensor) is not torch.Tensor or state:
+        return (torch._tensor._rebuild_from_type_v2, (func, type(tensor), args, state))
+    return (func, args)
+
+
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped, or None: torch._dynamo.eval_frame.OptimizedModule
+    keeps it as ``_orig_mod`` (torch >= 2.0), which is where the ``_orig_mod.`` key prefix comes from."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return None
+    if isinstance(model, OptimizedModule):
+        inner: nn.Module = model._orig_mod
+        return inner
+    return None
