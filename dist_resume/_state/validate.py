@@ -1,4 +1,4 @@
-"""Checks of a checkpoint's model dtypes, LR scheduler and GradScaler state against the live objects."""
+"""Checks of a checkpoint's model dtypes, LR scheduler, GradScaler and RNG state against the live objects."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from .._core.errors import KeyMismatchError, StateMismatchError
 
-__all__ = ["check_dtypes", "check_scheduler", "check_scaler"]
+__all__ = ["check_dtypes", "check_scheduler", "check_scaler", "check_rng_states"]
 
 
 def check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, source: str) -> None:
@@ -51,4 +51,24 @@ def check_scaler(saved: Any, scaler: Any, source: str) -> None:
         raise StateMismatchError(
             f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
             "enabled; pass strict=False to keep the scaler's fresh state"
+        )
+
+
+def check_rng_states(states: Any, rank: int, source: str) -> None:
+    """Raise :class:`StateMismatchError` if ``rank`` cannot restore its RNG streams from ``states``. Local.
+
+    ``states`` is a checkpoint's per-rank list (None: the file has none, nothing to check). A rank
+    within the list needs its own entry; a rank beyond it derives its streams from entry 0's seed.
+    """
+    if states is None:
+        return
+    if not isinstance(states, (list, tuple)) or not states:
+        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
+    own = rank < len(states)
+    entry, needed = (states[rank], {"python", "torch"}) if own else (states[0], {"seed"})
+    if not isinstance(entry, Mapping) or not needed <= set(entry):
+        found = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+        raise StateMismatchError(
+            f"{source}: the RNG state of rank {rank if own else 0} lacks {sorted(needed)} (found {found}); "
+            "it was not written by save_checkpoint(rng=True); resume without rng=True to keep the current streams"
         )

@@ -1,0 +1,162 @@
+"""plan_restore validates everything and changes nothing; RestorePlan.apply changes the live objects."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dist_resume as dr
+from dist_resume._checkpoint.plan import plan_restore
+from dist_resume._core.tree import iter_tensors, map_tensors
+from dist_resume._format.layout import Key, split_checkpoint
+from dist_resume._format.load import load_checkpoint
+from tests.models import TinyNet, assert_same, make_batches, snapshot, train_steps
+
+BATCHES = make_batches(5)
+
+
+def _objects(seed):
+    """Model, optimizer, scheduler, GradScaler and sampler that have trained a little on their own."""
+    model = TinyNet(seed)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    sampler = dr.ResumableDistributedSampler(list(range(10)), num_replicas=1, rank=0, seed=4)
+    return model, opt, sched, scaler, sampler
+
+
+def _checkpoint(tmp_path):
+    model, opt, sched, scaler, sampler = _objects(seed=0)
+    train_steps(model, opt, BATCHES[:3], scheduler=sched, scaler=scaler)
+    it = iter(sampler)
+    next(it), next(it)
+    path = tmp_path / "ckpt.pt"
+    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, step=3)
+    return path
+
+
+def _live(seed=6):
+    objs = _objects(seed)
+    train_steps(objs[0], objs[1], BATCHES[3:5], scheduler=objs[2], scaler=objs[3])
+    return objs
+
+
+def _frozen(model, opt, sched, scaler, sampler):
+    return {
+        **snapshot(model, opt, sched, scaler),
+        "sampler": sampler.state_dict(),
+        "rng": (torch.get_rng_state(), random.getstate()),
+    }
+
+
+def _parts(path, **edits):
+    obj = load_checkpoint(path, mmap=False)
+    for key, value in edits.items():
+        obj[key] = value
+    return split_checkpoint(obj, "test checkpoint")
+
+
+def test_the_plan_changes_nothing_until_apply(tmp_path):
+    path = _checkpoint(tmp_path)
+    model, opt, sched, scaler, sampler = objs = _live()
+    frozen = _frozen(*objs)
+    plan = plan_restore(
+        _parts(path), model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True
+    )
+    assert_same(_frozen(*objs), frozen)
+    assert plan.restore == ("model", "scaler", "optimizer", "scheduler", "sampler", "rng")
+    assert plan.skipped == () and plan.missing_keys == () and plan.unexpected_keys == ()
+    assert plan.apply() == plan.restore
+    saved = torch.load(path, weights_only=True)
+    assert_same({k: v.detach() for k, v in model.state_dict().items()}, saved[Key.MODEL])
+    assert_same(opt.state_dict()["state"], saved[Key.OPTIMIZER]["state"])
+    assert sched.state_dict() == saved[Key.SCHEDULER] and scaler.state_dict() == saved[Key.SCALER]
+    assert sampler.state_dict()["consumed"] == 2
+    assert torch.equal(torch.get_rng_state(), saved[Key.RNG][0]["torch"])
+
+
+def _bad_rng():
+    return [{"seed": 1}]  # no 'python'/'torch' streams for rank 0
+
+
+@pytest.mark.parametrize(
+    ("edits", "error", "words"),
+    [
+        ({Key.MODEL: {}}, dr.KeyMismatchError, "missing from checkpoint"),
+        ({Key.SCHEDULER: {"not": "a StepLR"}}, dr.StateMismatchError, "StepLR"),
+        ({Key.SCALER: {}}, dr.StateMismatchError, "disabled scaler"),
+        ({Key.SAMPLER: {"epoch": 0, "consumed": 99, "num_samples": 10}}, dr.StateMismatchError, "exceeds"),
+        ({Key.RNG: "junk"}, dr.StateMismatchError, "not a list of per-rank states"),
+        ({Key.RNG: _bad_rng()}, dr.StateMismatchError, "RNG state of rank 0 lacks"),
+    ],
+    ids=["model", "scheduler", "scaler", "sampler", "rng_entry", "rng_rank"],
+)
+def test_a_failed_validation_raises_before_any_change(tmp_path, edits, error, words):
+    path = _checkpoint(tmp_path)
+    model, opt, sched, scaler, sampler = objs = _live()
+    frozen = _frozen(*objs)
+    with pytest.raises(error, match=words):
+        plan_restore(
+            _parts(path, **edits), model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True
+        )
+    assert_same(_frozen(*objs), frozen)
+
+
+def test_resume_validates_the_rng_entry_before_changing_anything(tmp_path):
+    """The RNG entry used to be checked after model and optimizer had been restored."""
+    path = _checkpoint(tmp_path)
+    obj = torch.load(path, weights_only=True)
+    obj[Key.RNG] = _bad_rng()
+    torch.save(obj, path)
+    model, opt, sched, scaler, sampler = objs = _live()
+    frozen = _frozen(*objs)
+    with pytest.raises(dr.StateMismatchError, match="RNG state of rank 0"):
+        dr.resume(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True)
+    assert_same(_frozen(*objs), frozen)
+
+
+def test_strict_false_plans_what_the_file_has_and_apply_returns_it(tmp_path):
+    path = _checkpoint(tmp_path)
+    model, opt, sched, scaler, sampler = _live()
+    parts = _parts(path, **{Key.SCHEDULER: None, Key.SAMPLER: None, Key.RNG: None})
+    with pytest.raises(dr.StateMismatchError, match="has no scheduler state"):
+        plan_restore(parts, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler)
+    frozen_sched = sched.state_dict()
+    plan = plan_restore(
+        parts, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True, strict=False
+    )
+    assert plan.restore == ("model", "scaler", "optimizer")
+    assert plan.skipped == ("scheduler", "sampler")
+    assert plan.apply() == ("model", "scaler", "optimizer")
+    assert sched.state_dict() == frozen_sched
+
+
+def test_a_plan_built_on_stand_ins_applies_the_data_it_is_rebound_to(tmp_path):
+    """Broadcast loading: validate on meta tensors, receive into the destinations, apply the arrived data."""
+    path = _checkpoint(tmp_path)
+    real = load_checkpoint(path, mmap=False)
+    stand_ins = map_tensors(real, lambda t: torch.empty_like(t, device="meta"))
+    model, opt, sched, scaler, sampler = _live()
+    params = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
+    plan = plan_restore(
+        split_checkpoint(stand_ins, "stand-ins"), model=model, optimizer=opt, scheduler=sched, scaler=scaler
+    )
+    dests = plan.destinations()
+    stand_in_model = stand_ins[Key.MODEL]
+    assert {id(stand_in_model[k]) for k in params} <= dests.keys()  # every model entry lands in place
+    live_state = [v for st in opt.state.values() for v in st.values()]
+    assert {id(d) for d in dests.values()} >= {id(v) for v in live_state if v.dim() > 0}
+    arrived = {}
+    for old, new in zip(iter_tensors(stand_ins), iter_tensors(real), strict=True):
+        if id(old) in dests:
+            dests[id(old)].copy_(new)
+            new = dests[id(old)]
+        arrived[id(old)] = new
+    assert plan.rebind(arrived).apply() == ("model", "scaler", "optimizer", "scheduler")
+    after = model.state_dict(keep_vars=True)
+    assert all(after[k] is t and t.data_ptr() == p for k, (t, p) in params.items())
+    assert_same({k: v.detach() for k, v in after.items()}, real[Key.MODEL])
+    assert_same(opt.state_dict()["state"], real[Key.OPTIMIZER]["state"])
+    assert sched.state_dict() == real[Key.SCHEDULER]
