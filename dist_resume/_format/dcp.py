@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
@@ -169,6 +170,14 @@ def _empty_state(metadata: Metadata) -> dict[str, Any]:
     return root
 
 
+def _unreadable(folder: Path, err: BaseException) -> CheckpointCorruptError:
+    detail = (str(err).splitlines() or [""])[0][:200]
+    return CheckpointCorruptError(
+        f"cannot read DCP folder {str(folder)!r} ({type(err).__name__}: {detail}); a .distcp file is missing "
+        "or truncated: copy the whole folder, or resume from an earlier checkpoint"
+    )
+
+
 def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
     """The whole nested state a DCP folder holds, on CPU, read by torch's DCP reader in this process. Local."""
     folder = Path(path)
@@ -179,13 +188,16 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
             dcp_load(state, storage_reader=_Reader(folder, weights_only), planner=_Planner(weights_only), no_dist=True)
+        except CheckpointException as err:  # a BaseException wrapping each rank's exception
+            inner = [exc for exc, _ in err.failures.values()]
+            own = next((exc for exc in inner if isinstance(exc, CheckpointError)), None)
+            if own is not None:
+                raise own from err
+            raise _unreadable(folder, inner[0] if inner else err) from err
         except CheckpointError:
             raise
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
-            raise CheckpointCorruptError(
-                f"cannot read DCP folder {str(folder)!r} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-                "a .distcp file is missing or truncated: copy the whole folder, or resume from an earlier one"
-            ) from err
+            raise _unreadable(folder, err) from err
     return state
 
 
