@@ -1,0 +1,269 @@
+"""Reading torch.distributed.checkpoint (DCP) folders into a plain state, without a process group.
+
+The folder is read through torch's own DCP reader (``dcp.load`` with ``no_dist=True``) into an
+empty structure rebuilt from the folder's metadata, so any sharding the writer used is gathered
+into full tensors. With ``weights_only=True`` (the default) nothing is unpickled unsafely: torch's
+reader opens ``.metadata`` with plain ``pickle`` and non-tensor entries with
+``torch.load(weights_only=False)``; here the first goes through an unpickler that knows only DCP's
+metadata classes and the second through ``torch.load(weights_only=True)``.
+
+Optimizer state comes back in the form ``Optimizer.load_state_dict`` expects: state keyed by the
+ints ``param_groups`` list (DCP stores them as digit strings, and ``Optimizer.load_state_dict``
+would silently drop all of it), and DSD's FQN-keyed state as positions plus ``param_names``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .._core.tree import map_tensors
+from .._core.types import MapLocation, PathLike
+from .foreign import FolderKind, foreign_layout
+from .layout import CheckpointParts, split_checkpoint
+from .load import rank_map_location
+
+__all__ = ["is_dcp_folder", "read_dcp", "read_dcp_metadata", "normalize_optimizer_state"]
+
+_METADATA: Final = ".metadata"
+_ALLOWED: Final = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def is_dcp_folder(path: PathLike) -> bool:
+    """True when ``path`` is a folder with a ``.metadata`` file and ``*.distcp`` files. Local."""
+    folder = Path(path)
+    return (folder / _METADATA).is_file() and any(folder.glob("*.distcp"))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP metadata")
+
+
+def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
+    """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes. Local."""
+    meta_path = Path(path) / _METADATA
+    try:
+        with open(meta_path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
+    except FileNotFoundError as err:
+        raise NotACheckpointError(f"{str(path)!r} is not a DCP folder: it has no {_METADATA} file") from err
+    except pickle.UnpicklingError as err:
+        if "is not part of DCP metadata" in str(err):
+            raise UnsafeCheckpointError(
+                f"{str(meta_path)!r} holds more than DCP metadata ({err}); if you trust the folder, "
+                "pass weights_only=False"
+            ) from err
+        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
+    except (EOFError, ValueError, TypeError, AttributeError) as err:
+        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
+    if not isinstance(metadata, Metadata):
+        raise NotACheckpointError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class _Reader(FileSystemReader):
+    """torch's FileSystemReader, reading ``.metadata`` through the allowlist."""
+
+    def __init__(self, path: Path, weights_only: bool) -> None:
+        super().__init__(path)
+        self._folder, self._weights_only = path, weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(self._folder, weights_only=self._weights_only)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+
+class _Planner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries load with ``torch.load(weights_only=True)``."""
+
+    def __init__(self, weights_only: bool) -> None:
+        super().__init__()
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if not self._weights_only:
+            super().load_bytes(read_item, value)
+            return
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(
+                f"DCP entry {read_item.dest_index.fqn!r} holds objects weights_only=True refuses "
+                f"({str(err).splitlines()[0][:200]}); if you trust the folder, pass weights_only=False"
+            ) from err
+        if self.flatten_state_dict:
+            _set_path(self.original_state_dict, tuple(self.mappings[read_item.dest_index.fqn]), obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    node = root
+    for key, nxt in itertools.pairwise(path):
+        default: Any = [] if type(nxt) is int else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = default
+        else:
+            node.setdefault(key, default)
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _empty_state(metadata: Metadata) -> dict[str, Any]:
+    """The nested structure DCP saved, with empty tensors and placeholders to read into."""
+    root: dict[str, Any] = {}
+    planner_data = metadata.planner_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        value: Any = md
+        if isinstance(md, TensorStorageMetadata):
+            value = torch.empty(md.size, dtype=md.properties.dtype)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise NotACheckpointError(f"DCP entry {fqn!r} is {type(md).__name__}; only full tensors and objects load")
+        path = planner_data.get(fqn)
+        if path:
+            _set_path(root, tuple(path), value)
+        else:
+            root[fqn] = value
+    return root
+
+
+def _unreadable(folder: Path, err: BaseException) -> CheckpointCorruptError:
+    detail = (str(err).splitlines() or [""])[0][:200]
+    return CheckpointCorruptError(
+        f"cannot read DCP folder {str(folder)!r} ({type(err).__name__}: {detail}); a .distcp file is missing "
+        "or truncated: copy the whole folder, or resume from an earlier checkpoint"
+    )
+
+
+def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+    """The whole nested state a DCP folder holds, on CPU, read by torch's DCP reader in this process. Local."""
+    folder = Path(path)
+    if not is_dcp_folder(folder):
+        raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {_METADATA} and *.distcp files)")
+    state = _empty_state(read_dcp_metadata(folder, weights_only=weights_only))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        try:
+            dcp_load(state, storage_reader=_Reader(folder, weights_only), planner=_Planner(weights_only), no_dist=True)
+        except CheckpointException as err:  # a BaseException wrapping each rank's exception
+            inner = [exc for exc, _ in err.failures.values()]
+            own = next((exc for exc in inner if isinstance(exc, CheckpointError)), None)
+            if own is not None:
+                raise own from err
+            raise _unreadable(folder, inner[0] if inner else err) from err
+        except CheckpointError:
+            raise
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+            raise _unreadable(folder, err) from err
+    return state
+
+
+def normalize_optimizer_state(osd: Any) -> Any:
+    """Optimizer state keyed as ``Optimizer.load_state_dict`` expects, or ``osd`` unchanged. Local.
+
+    Digit-string state keys become ints where the groups list those ints (and no key exists in
+    both forms); DSD's FQN form (groups list names) becomes positions with ``param_names``.
+    """
+    if not (isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping)):
+        return osd
+    groups = osd.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
+        return osd
+    params = [p for g in groups for p in g["params"]]
+    state = osd["state"]
+    if params and all(type(p) is int for p in params):
+        keys = list(state)
+        as_int = {k: int(k) for k in keys if isinstance(k, str) and k.isdigit()}
+        if not as_int or set(as_int.values()) & {k for k in keys if type(k) is int}:
+            return osd
+        return {**osd, "state": {as_int.get(k, k): v for k, v in state.items()}}
+    if params and all(isinstance(p, str) for p in params) and len(set(params)) == len(params):
+        position = {name: i for i, name in enumerate(params)}
+        new_groups = []
+        for g in groups:
+            new_groups.append({**g, "params": [position[n] for n in g["params"]], "param_names": list(g["params"])})
+        return {**osd, "state": {position.get(k, k): v for k, v in state.items()}, "param_groups": new_groups}
+    return osd
+
+
+def _to_device(map_location: MapLocation, folder: Path) -> torch.device:
+    if isinstance(map_location, dict) or callable(map_location):
+        raise CheckpointError(
+            f"map_location={map_location!r} cannot be applied to DCP folder {str(folder)!r}: it has no device "
+            "tags; pass a device ('cpu', 'cuda:1') or None for this rank's device"
+        )
+    if map_location is None or isinstance(map_location, int):
+        return rank_map_location(map_location)
+    return torch.device(map_location)
+
+
+def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
+    """A DCP folder as :class:`CheckpointParts`. Local: every rank may read it (no process group is used).
+
+    The top level is split as a file's would be (``{"model": ..., "optim": ...}``, a bare state
+    dict, ...), then the optimizer state is normalised (:func:`normalize_optimizer_state`).
+
+    Example::
+
+        >>> dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id="ckpt")
+        >>> parts = read_dcp("ckpt", map_location="cpu")
+    """
+    folder = Path(path)
+    device = _to_device(map_location, folder)
+    state = load_dcp_state(folder, weights_only=weights_only)
+    if device.type != "cpu":
+        state = map_tensors(state, lambda t: t.to(device))
+    parts = split_checkpoint(state, source=f"DCP folder {str(folder)!r}")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    meta = {
+        **parts.meta,
+        "source_layout": FolderKind.DCP.value,
+        "files": files,
+        "top_level_keys": sorted(map(str, state)),
+    }
+    return dataclasses.replace(
+        parts, layout=foreign_layout(FolderKind.DCP), optimizer=normalize_optimizer_state(parts.optimizer), meta=meta
+    )
