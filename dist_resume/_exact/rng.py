@@ -14,6 +14,7 @@ import torch
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import global_rank, rank_and_world
+from .._core.text import article
 
 __all__ = [
     "rng_state_dict",
@@ -167,7 +168,9 @@ def restore_rank_rng(states: Any, *, step: int | None, device: torch.device | No
         log_rank0(logging.INFO, "%s holds no RNG state; the RNG streams are left as they are", source)
         return False
     if not isinstance(states, (list, tuple)) or not states:
-        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
+        raise StateMismatchError(
+            f"{source}: the RNG entry is {article(type(states).__name__)}, not a list of per-rank states"
+        )
     rank, world = rank_and_world()
     if rank < len(states):
         load_rng_state_dict(states[rank], device)

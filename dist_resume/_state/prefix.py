@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
+from .._core.text import preview
 
 __all__ = [
     "DDP_PREFIX",
@@ -223,12 +224,6 @@ def _leading_module_count(key: str) -> int:
     return i
 
 
-def _preview(items: list[str], n: int = 5) -> str:
-    shown = ", ".join(repr(x) for x in items[:n])
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return f"{len(items)}: {shown}{more}"
-
-
 def prefix_style(keys: Iterable[str]) -> str:
     """Describe the wrapper prefixes on ``keys``: ``none``, ``module.``, ``_orig_mod.``, a nested chain, or ``mixed``."""
     styles = set()
@@ -307,11 +302,11 @@ def _mismatch_message(
         f" (key prefix in checkpoint: {prefix_style(saved)}; in model: {wrapper_prefix(model) or 'none'})"
     ]
     if missing:
-        lines.append(f"  missing from checkpoint ({_preview(missing)})")
+        lines.append(f"  missing from checkpoint ({preview(missing, count=True)})")
     if unexpected:
-        lines.append(f"  unexpected in checkpoint ({_preview(unexpected)})")
+        lines.append(f"  unexpected in checkpoint ({preview(unexpected, count=True)})")
     if mismatched:
-        lines.append(f"  shape mismatch ({_preview(mismatched)})")
+        lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
     hint = "check that the checkpoint was saved from the same architecture and configuration"
     if strict and (missing or unexpected) and not mismatched:
         hint += "; pass strict=False to load only the keys that fit"
