@@ -153,7 +153,12 @@ def wrapper_prefix(model: nn.Module) -> str:
 def canonical_key(key: str) -> str:
     """``key`` without ``_orig_mod.`` anywhere and without leading ``module.`` parts.
 
-    >>> dist_resume.canonical_key("_orig_mod.module.net._orig_mod.fc.weight")
+    Local. The one canonical form of a key or optimizer ``param_names`` entry: two keys name the
+    same tensor when their canonical forms are equal (the last part is never dropped).
+
+    Example::
+
+        >>> dist_resume.canonical_key("_orig_mod.module.net._orig_mod.fc.weight")
     'net.fc.weight'
     """
     parts = [p for p in key.split(".") if p != "_orig_mod"]
