@@ -1,11 +1,14 @@
 """dist_resume: resume PyTorch training under DDP and torchrun without surprises.
 
-Everything public is importable from here; the modules behind it are private.
+Everything public is importable from here (and ``dist_resume.testing``, the multi-process test
+launcher); the modules behind it are private. Every exported class and function reports
+``dist_resume`` as its module, so reprs, tracebacks and pickles name the public path.
 """
 
 from __future__ import annotations
 
 from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
+from ._checkpoint.consensus import resolve_checkpoint
 from ._checkpoint.folder import CheckpointManager, latest_checkpoint
 from ._checkpoint.restore import ResumeResult, resume
 from ._checkpoint.save import save_checkpoint
@@ -29,8 +32,8 @@ from ._core.version import __version__
 from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._exact.sampler import ResumableDistributedSampler
-from ._format.archive import verify_archive
-from ._format.convert import KeyForm, convert_checkpoint
+from ._format.archive import ArchiveFinding, verify_archive
+from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
 from ._format.integrity import CheckpointInfo, inspect_checkpoint
 from ._format.layout import Layout
 from ._format.load import load_checkpoint, rank_map_location
@@ -68,10 +71,13 @@ __all__ = [
     # checkpoint folders, integrity, conversion
     "CheckpointManager",
     "latest_checkpoint",
+    "resolve_checkpoint",
     "CheckpointInfo",
     "inspect_checkpoint",
     "verify_archive",
+    "ArchiveFinding",
     "convert_checkpoint",
+    "ConvertResult",
     "KeyForm",
     # exact resume
     "ResumableDistributedSampler",
@@ -95,3 +101,17 @@ __all__ = [
     "DeviceMismatchError",
     "UsageError",
 ]
+
+
+def _publish() -> None:
+    """Set ``__module__ = "dist_resume"`` on every exported class and function (not on modules or values)."""
+    import inspect
+
+    for name in __all__:
+        obj = globals()[name]
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            obj.__module__ = __name__
+
+
+_publish()
+del _publish

@@ -1,7 +1,8 @@
 """Process plumbing for scripts/bench.py: /proc readers, a memory sampler, and a launcher for ranks.
 
-The parent never holds the big tensors. Every measurement runs in fresh ``spawn`` processes (joined
-through a FileStore when there is more than one, or when the body needs a process group); the
+The parent never holds the big tensors. Every measurement runs in fresh ``spawn`` processes started by
+``dist_resume.testing.run_ranks`` (joined through a FileStore when there is more than one, or when
+the body needs a process group); the
 parent polls ``/proc/<pid>/status`` of each child every ``interval`` seconds from a thread, so the
 sampling costs the measured processes nothing (no GIL, no thread of theirs). Bodies report the
 ``time.monotonic()`` windows they care about; CLOCK_MONOTONIC is system-wide, so the parent picks
@@ -10,22 +11,14 @@ the samples that fall inside each window.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
-from multiprocessing.connection import wait
-from pathlib import Path
 from typing import Any
 
-__all__ = ["proc_status_kib", "proc_io", "Sampler", "launch", "Launched"]
+from dist_resume.testing import run_ranks
 
-_CTX = mp.get_context("spawn")
+__all__ = ["proc_status_kib", "proc_io", "Sampler", "launch", "Launched"]
 
 
 def proc_status_kib(pid: int | str = "self", fields: Sequence[str] = ("RssAnon", "RssFile")) -> dict[str, int]:
@@ -88,29 +81,6 @@ class Sampler:
         }
 
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, store_path: str, use_pg: bool, args: tuple[Any, ...], conn: Any
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1 for several ranks; also 2 cores here
-    try:
-        if use_pg:
-            store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
-            )
-        msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
-    except BaseException:
-        msg = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    conn.send_bytes(pickle.dumps(msg))
-    conn.close()
-
-
 class Launched:
     """Results (rank order) of one launch, its pids, and the sampler that watched them."""
 
@@ -132,54 +102,28 @@ def launch(
 ) -> Launched:
     """Run module-level ``fn(rank, world_size, *args)`` in ``world_size`` fresh spawn processes.
 
-    A gloo process group joins them through a FileStore in a private temporary folder when
-    ``world_size > 1`` (or ``use_pg``). Raises RuntimeError with each failed rank's traceback;
-    processes still alive at ``timeout`` are killed (by their own pid).
+    ``dist_resume.testing.run_ranks`` launches them (the one launcher tests and benchmarks share):
+    a gloo process group joins them through a FileStore when ``world_size > 1`` (or ``use_pg``);
+    each rank is watched by the sampler from the moment it starts. Raises ``RankFailure`` with each
+    failed rank's traceback; at ``timeout`` every rank's process group is killed.
     """
     use_pg = world_size > 1 if use_pg is None else use_pg
     sampler = Sampler(interval)
-    procs, readers = [], []
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-store.") as store_dir, sampler:
-        store_path = str(Path(store_dir) / "store")
-        try:
-            for rank in range(world_size):
-                reader, writer = _CTX.Pipe(duplex=False)
-                p = _CTX.Process(
-                    target=_entry,
-                    args=(fn, rank, world_size, store_path, use_pg, tuple(args), writer),
-                    name=f"bench-rank{rank}",
-                )
-                p.start()
-                writer.close()
-                assert p.pid is not None
-                sampler.add(p.pid)
-                procs.append(p)
-                readers.append(reader)
-            end = time.monotonic() + timeout
-            pending = set(range(world_size))
-            while pending and (left := end - time.monotonic()) > 0:
-                by_reader = {readers[r]: r for r in pending}
-                for ready in wait(list(by_reader), timeout=left):
-                    rank = by_reader[ready]  # type: ignore[index]
-                    pending.discard(rank)
-                    try:
-                        status, value = pickle.loads(readers[rank].recv_bytes())
-                    except EOFError:
-                        status, value = "error", f"exited with code {procs[rank].exitcode} without a result"
-                    (results if status == "ok" else failures)[rank] = value
-            for rank in pending:
-                failures[rank] = f"still running after {timeout:g}s; killed"
-        finally:
-            for p in procs:
-                if p.is_alive() and p.pid is not None:
-                    os.kill(p.pid, 9)
-            for p in procs:
-                p.join(30)
-            for r in readers:
-                r.close()
-    if failures:
-        reports = (f"----- rank {r} of {fn.__name__} -----\n{text}" for r, text in sorted(failures.items()))
-        raise RuntimeError("\n".join(reports))
-    return Launched([results[r] for r in range(world_size)], [p.pid or -1 for p in procs], sampler)
+    pids: dict[int, int] = {}
+
+    def started(rank: int, pid: int) -> None:
+        pids[rank] = pid
+        sampler.add(pid)
+
+    with sampler:
+        results = run_ranks(
+            fn,
+            world_size,
+            args=args,
+            timeout=timeout,
+            pg_timeout=timeout / 2,
+            backend="gloo" if use_pg else None,
+            start_method="spawn",  # fresh interpreters: memory baselines owe nothing to a forkserver
+            on_start=started,
+        )
+    return Launched(results, [pids[r] for r in range(world_size)], sampler)

@@ -290,7 +290,7 @@ def _states(world: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("rank,world,saved", [(1, 2, 2), (1, 2, 3), (2, 3, 2), (0, 1, 2)])
 def test_world_size_policy(monkeypatch, caplog, rank, world, saved):
     states = _states(saved)
-    monkeypatch.setattr(_rng, "rank_world", lambda: (rank, world))
+    monkeypatch.setattr(_rng, "rank_and_world", lambda: (rank, world))
     monkeypatch.setattr(_rng, "log_rank0", lambda level, msg, *a: logging.getLogger("dist_resume").log(level, msg, *a))
     with caplog.at_level(logging.INFO, logger="dist_resume"):
         assert _rng.restore_rank_rng(states, step=40, device=torch.device("cpu"), source="ckpt")

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import logging
-import os
 
-import torch.distributed as dist
+from .errors import EnvironmentMismatchError
+from .rank import global_rank
 
-__all__ = ["logger", "global_rank", "log_rank0"]
+__all__ = ["logger", "log_rank0"]
 
 logger = logging.getLogger("dist_resume")
 
 
-def global_rank() -> int:
-    """This process's global rank: from the process group if there is one, else ``RANK``, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def log_rank0(level: int, msg: str, *args: object) -> None:
-    """Log on global rank 0 only; ``stacklevel`` points the record at the caller."""
-    if global_rank() == 0:
+    """Log on global rank 0 only; ``stacklevel`` points the record at the caller.
+
+    The rank comes from :func:`dist_resume._core.rank.global_rank`. Logging never raises: with a
+    ``RANK`` that is not an integer this process logs as rank 0 (``rank_info`` reports the bad value).
+    """
+    try:
+        rank0 = global_rank() == 0
+    except EnvironmentMismatchError:
+        rank0 = True
+    if rank0:
         logger.log(level, msg, *args, stacklevel=2)

@@ -1,40 +1,68 @@
-"""Walking nested containers of tensors (state dicts, optimizer state, checkpoints) without losing their shape."""
+"""Walking nested containers of tensors (state dicts, optimizer state, checkpoints): the one walker.
+
+Every module that needs the tensors inside a nested object uses these three functions; none
+keeps a walker of its own.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "iter_tensors"]
+__all__ = ["map_tensors", "iter_tensors", "named_tensors"]
 
 
-def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> Any:
-    """``obj`` with every tensor (every ``kind`` instance) replaced by ``fn(it)``; dicts keep their type and ``_metadata``."""
+def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor, *, share_unchanged: bool = False) -> Any:
+    """``obj`` with every tensor (every ``kind`` instance) replaced by ``fn(it)``; dicts keep their type and ``_metadata``.
+
+    Walks dicts, lists and tuples. With ``share_unchanged`` a container in which ``fn`` changed
+    nothing is returned as it is (the same object), so a caller can tell "nothing moved" by identity.
+    """
     if isinstance(obj, kind):
         return fn(obj)
     if isinstance(obj, dict):
-        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
-        for key, value in obj.items():
-            out[key] = map_tensors(value, fn, kind)
+        items = {key: map_tensors(value, fn, kind, share_unchanged=share_unchanged) for key, value in obj.items()}
+        if share_unchanged and all(items[k] is v for k, v in obj.items()):
+            return obj
+        out: dict[Any, Any] = OrderedDict(items) if isinstance(obj, OrderedDict) else items
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
-            out._metadata = meta  # type: ignore[attr-defined,union-attr]
+            out._metadata = meta  # type: ignore[attr-defined]
         return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn, kind) for v in obj)
+        values = [map_tensors(v, fn, kind, share_unchanged=share_unchanged) for v in obj]
+        if share_unchanged and all(a is b for a, b in zip(values, obj)):
+            return obj
+        return type(obj)(values)
     return obj
 
 
+def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj`` with its path from ``prefix``: ``prefix['state'][0]``, depth first.
+
+    Walks mappings, lists, tuples, sets and frozensets. Each container is walked once, so a
+    container reachable twice (or a cycle, which a pickle can hold) neither repeats nor loops.
+    """
+    return _walk(obj, prefix, set())
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``obj``, depth first."""
+    """Every tensor inside ``obj``, depth first, in the order and with the rules of :func:`named_tensors`."""
+    return (t for _, t in _walk(obj, None, set()))
+
+
+def _walk(obj: Any, path: str | None, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    # ``path`` None: the caller wants no paths, so none is built
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from iter_tensors(value)
+        yield path or "", obj
+        return
+    if not isinstance(obj, (Mapping, list, tuple, set, frozenset)) or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    pairs = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+    for key, value in pairs:
+        sub = None if path is None else (f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]")
+        yield from _walk(value, sub, seen)

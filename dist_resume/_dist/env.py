@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .._core.errors import EnvironmentMismatchError
 from .._core.log import log_rank0
+from .._core.rank import check_rank, env_int, rank_and_world
 
 __all__ = ["RankInfo", "rank_info", "rank_device", "init_distributed", "is_distributed"]
 
@@ -35,11 +36,7 @@ class RankInfo:
             raise EnvironmentMismatchError(
                 f"WORLD_SIZE={self.world_size} and LOCAL_WORLD_SIZE={self.local_world_size} must be at least 1"
             )
-        if not 0 <= self.rank < self.world_size:
-            raise EnvironmentMismatchError(
-                f"RANK={self.rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={self.world_size}); "
-                "launch with torchrun, or set RANK and WORLD_SIZE consistently"
-            )
+        check_rank(self.rank, self.world_size)
         if not 0 <= self.local_rank < self.local_world_size:
             raise EnvironmentMismatchError(
                 f"LOCAL_RANK={self.local_rank} is outside 0..LOCAL_WORLD_SIZE-1 "
@@ -58,23 +55,13 @@ class RankInfo:
         return self.world_size > 1
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise EnvironmentMismatchError(
-            f"environment variable {name}={raw!r} is not an integer; it is set by torchrun, unset it or fix it"
-        ) from None
-
-
 def rank_info() -> RankInfo:
     """Read torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``.
 
-    Local: reads the environment only. Unset variables take single-process defaults; under a
-    process group that was initialised without torchrun, rank and world size come from it.
+    Local. Rank and world size follow the one precedence of
+    :func:`dist_resume._core.rank.rank_and_world`: the initialised process group, else ``RANK`` /
+    ``WORLD_SIZE``, else 0 / 1. The other variables take single-process defaults when unset.
+    Values that are not integers or are out of range raise :class:`EnvironmentMismatchError`.
 
     Example::
 
@@ -82,16 +69,14 @@ def rank_info() -> RankInfo:
         >>> info.rank, info.world_size, info.is_distributed
         (0, 1, False)
     """
-    pg = dist.is_available() and dist.is_initialized()
-    world_size = _env_int("WORLD_SIZE", dist.get_world_size() if pg else 1)
-    rank = _env_int("RANK", dist.get_rank() if pg else 0)
+    rank, world_size = rank_and_world()
     if "LOCAL_RANK" in os.environ:
-        local_rank = _env_int("LOCAL_RANK", 0)
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        local_rank = env_int("LOCAL_RANK", 0)
+        local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     else:  # no launcher told us: assume one node (mp.spawn and friends)
         local_rank = rank
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    node_rank = _env_int("GROUP_RANK", 0)
+        local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
+    node_rank = env_int("GROUP_RANK", 0)
     return RankInfo(rank, local_rank, world_size, local_world_size, node_rank)
 
 

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
-from .._dist.env import rank_info
+from .._core.rank import global_rank, rank_and_world
+from .._core.text import article
 
 __all__ = [
     "rng_state_dict",
@@ -22,19 +22,10 @@ __all__ = [
     "seed_rng",
     "derive_seed",
     "restore_rank_rng",
-    "rank_world",
     "param_device",
 ]
 
 _base_seed: int | None = None  # the seed last given to seed_rng(); stored so new ranks can derive from it
-
-
-def rank_world() -> tuple[int, int]:
-    """(rank, world size): from the process group if there is one, else from torchrun's variables."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    info = rank_info()
-    return info.rank, info.world_size
 
 
 def param_device(model: torch.nn.Module) -> torch.device:
@@ -69,7 +60,7 @@ def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch
     """
     global _base_seed
     if rank is None:
-        rank = rank_world()[0]
+        rank = global_rank()
     derived = derive_seed(seed, rank, step)
     random.seed(derived)
     torch.default_generator.manual_seed(derived)
@@ -177,8 +168,10 @@ def restore_rank_rng(states: Any, *, step: int | None, device: torch.device | No
         log_rank0(logging.INFO, "%s holds no RNG state; the RNG streams are left as they are", source)
         return False
     if not isinstance(states, (list, tuple)) or not states:
-        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
-    rank, world = rank_world()
+        raise StateMismatchError(
+            f"{source}: the RNG entry is {article(type(states).__name__)}, not a list of per-rank states"
+        )
+    rank, world = rank_and_world()
     if rank < len(states):
         load_rng_state_dict(states[rank], device)
     else:

@@ -15,9 +15,10 @@ from torch.utils.data import Sampler
 
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
+from .._core.rank import rank_and_world
 from .._dist.comm import all_gather_objects
 from .._dist.env import is_distributed
-from .rng import param_device, rank_world, restore_rank_rng, rng_state_dict
+from .rng import param_device, restore_rank_rng, rng_state_dict
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -136,7 +137,7 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         if num_replicas is None or rank is None:
-            cur_rank, cur_world = rank_world()
+            cur_rank, cur_world = rank_and_world()
             num_replicas = cur_world if num_replicas is None else num_replicas
             rank = cur_rank if rank is None else rank
         n = dataset if isinstance(dataset, int) and not isinstance(dataset, bool) else len(dataset)  # type: ignore[arg-type]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._core.errors import DeviceMismatchError
+from .._core.text import preview
+from .._core.tree import named_tensors
 from .optim import param_names, step_on_param_device
 
 __all__ = ["device_report", "check_devices"]
@@ -20,17 +21,6 @@ _FIX_OPTIMIZER = (
 # optimizers that create ``step`` on the parameter's device themselves, capturable or not
 _STEP_ON_PARAM_DEVICE = (torch.optim.ASGD,)
 _FIX_BATCH = "move every batch to the model's device (batch.to(device)) inside the training loop"
-
-
-def _tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _tensors(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _tensors(value, f"{path}[{i}]")
 
 
 def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> list[str]:
@@ -56,7 +46,7 @@ def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 host_scalars = not step_on_param_device(group)
                 for key, entry in state.items():
                     # LBFGS keeps lists of tensors: look inside, as torch's load_state_dict does
-                    for where, value in _tensors(entry, f"optimizer.state[{name}][{key!r}]"):
+                    for where, value in named_tensors(entry, f"optimizer.state[{name}][{key!r}]"):
                         if host_scalars and value.dim() == 0 and value.device.type == "cpu":
                             continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
                         if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
@@ -71,7 +61,7 @@ def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         devices = {p.device for p in model.parameters()}
         if len(devices) == 1:
             (model_device,) = devices
-            for path, tensor in _tensors(batch, "batch"):
+            for path, tensor in named_tensors(batch, "batch"):
                 if tensor.device != model_device:
                     findings.append(f"{path} is on {tensor.device}, the model on {model_device}")
     return findings
@@ -96,9 +86,8 @@ def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         fixes.append(_FIX_OPTIMIZER)
     if any(f.startswith("batch") for f in findings):
         fixes.append(_FIX_BATCH)
-    shown = "\n  ".join(findings[:10])
-    more = f"\n  ... and {len(findings) - 10} more" if len(findings) > 10 else ""
+    shown = preview(findings, 10, sep="\n  ", quote=False)
     raise DeviceMismatchError(
-        f"{len(findings)} tensor(s) on the wrong device:\n  {shown}{more}\nwhat to do: {'; '.join(fixes)}",
+        f"{len(findings)} tensor(s) on the wrong device:\n  {shown}\nwhat to do: {'; '.join(fixes)}",
         findings=findings,
     )

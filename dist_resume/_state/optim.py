@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from .._core.errors import OptimizerStateMismatchError
-from .prefix import _without_compile, match_keys, unwrap_model
+from .._core.text import article, preview
+from .._core.tree import map_tensors
+from .prefix import _without_compile, canonical_key, match_keys, unwrap_model
 
 __all__ = [
     "optimizer_to",
@@ -77,19 +79,7 @@ def _moved(value: Any, dest: torch.device) -> Any:
     Recurses into lists, tuples and dicts like torch's own ``load_state_dict`` (LBFGS keeps its
     history as lists of tensors).
     """
-    if isinstance(value, torch.Tensor):
-        return value if value.device == dest else value.to(dest)
-    if isinstance(value, (list, tuple)):
-        items = [_moved(v, dest) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return type(value)(items) if isinstance(value, list) else tuple(items)
-    if isinstance(value, dict):
-        moved = {k: _moved(v, dest) for k, v in value.items()}
-        if all(moved[k] is v for k, v in value.items()):
-            return value
-        return type(value)(moved) if type(value) is not dict else moved
-    return value
+    return map_tensors(value, lambda t: t if t.device == dest else t.to(dest), share_unchanged=True)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -120,18 +110,11 @@ def canonical_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module
     for i, group in enumerate(sd["param_groups"]):
         group = dict(group)
         if names is not None:
-            group["param_names"] = [_canonical_name(n) for n in names[i]]
+            group["param_names"] = [canonical_key(n) for n in names[i]]
         elif "param_names" in group:
-            group["param_names"] = [_canonical_name(n) for n in group["param_names"]]
+            group["param_names"] = [canonical_key(n) for n in group["param_names"]]
         groups.append(group)
     return {"state": sd["state"], "param_groups": groups}
-
-
-def _canonical_name(name: str) -> str:
-    parts = [p for p in name.split(".") if p != "_orig_mod"]
-    while len(parts) > 1 and parts[0] == "module":
-        parts.pop(0)
-    return ".".join(parts)
 
 
 def _fail(msg: str) -> OptimizerStateMismatchError:
@@ -166,7 +149,7 @@ def prepare_optimizer_state(
         extra, absent = saved_keys - live_keys - _SCHEDULER_KEYS, live_keys - saved_keys
         if extra and absent:
             raise _fail(
-                f"{source}: saved optimizer state is not from a {kind}: group {i} has hyper-parameters "
+                f"{source}: saved optimizer state is not from {article(kind)}: group {i} has hyper-parameters "
                 f"{sorted(extra)} that {kind} does not use and lacks {sorted(absent)}; "
                 "build the same optimizer class as the run that saved it"
             )
@@ -200,14 +183,13 @@ def _match_by_name(saved_groups: list[Any], live: list[list[str]] | None, source
     orders = []
     for i, (names, sgroup) in enumerate(zip(live, saved_groups)):
         saved_names = list(sgroup["param_names"])
-        pairs = match_keys(saved_names, {_canonical_name(n): n for n in names})
+        pairs = match_keys(saved_names, {canonical_key(n): n for n in names})
         if len(pairs) != len(saved_names) or len(set(pairs.values())) != len(names):
             missing = sorted(set(names) - set(pairs.values()))
             unexpected = sorted(set(saved_names) - set(pairs))
             raise _fail(
                 f"{source}: optimizer group {i} holds different parameters: not in checkpoint "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, only in checkpoint "
-                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                f"({preview(missing, count=True)}), only in checkpoint ({preview(unexpected, count=True)}); "
                 "the model's parameters changed since the checkpoint was written"
             )
         position = {pairs[n]: j for j, n in enumerate(saved_names)}
@@ -234,7 +216,7 @@ def _check_state_shapes(
                     f"state[{name}][{key!r}] has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}"
                 )
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = preview(problems, sep="; ", quote=False)
         raise _fail(
             f"{source}: optimizer state does not fit the parameters it would be paired with: {shown}; "
             "the parameters were reordered or reshaped since the checkpoint was written "

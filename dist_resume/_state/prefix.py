@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
+from .._core.text import preview
 from .._core.torch_compat import compiled_original
 
 __all__ = [
@@ -145,7 +146,12 @@ def wrapper_prefix(model: nn.Module) -> str:
 def canonical_key(key: str) -> str:
     """``key`` without ``_orig_mod.`` anywhere and without leading ``module.`` parts.
 
-    >>> dist_resume.canonical_key("_orig_mod.module.net._orig_mod.fc.weight")
+    Local. The one canonical form of a key or optimizer ``param_names`` entry: two keys name the
+    same tensor when their canonical forms are equal (the last part is never dropped).
+
+    Example::
+
+        >>> dist_resume.canonical_key("_orig_mod.module.net._orig_mod.fc.weight")
     'net.fc.weight'
     """
     parts = [p for p in key.split(".") if p != "_orig_mod"]
@@ -214,12 +220,6 @@ def _leading_module_count(key: str) -> int:
     while key.startswith(DDP_PREFIX, i * len(DDP_PREFIX)):
         i += 1
     return i
-
-
-def _preview(items: list[str], n: int = 5) -> str:
-    shown = ", ".join(repr(x) for x in items[:n])
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return f"{len(items)}: {shown}{more}"
 
 
 def prefix_style(keys: Iterable[str]) -> str:
@@ -300,11 +300,11 @@ def _mismatch_message(
         f" (key prefix in checkpoint: {prefix_style(saved)}; in model: {wrapper_prefix(model) or 'none'})"
     ]
     if missing:
-        lines.append(f"  missing from checkpoint ({_preview(missing)})")
+        lines.append(f"  missing from checkpoint ({preview(missing, count=True)})")
     if unexpected:
-        lines.append(f"  unexpected in checkpoint ({_preview(unexpected)})")
+        lines.append(f"  unexpected in checkpoint ({preview(unexpected, count=True)})")
     if mismatched:
-        lines.append(f"  shape mismatch ({_preview(mismatched)})")
+        lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
     hint = "check that the checkpoint was saved from the same architecture and configuration"
     if strict and (missing or unexpected) and not mismatched:
         hint += "; pass strict=False to load only the keys that fit"

@@ -54,9 +54,9 @@ _HINTS: tuple[tuple[type[BaseException], str], ...] = (
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ._inspect import inspect_checkpoint, render_inspect
+    from ._inspect import describe_checkpoint, render_inspect
 
-    report = inspect_checkpoint(args.checkpoint)
+    report = describe_checkpoint(args.checkpoint)
     if args.json:
         print_json(report)
     elif not args.quiet:

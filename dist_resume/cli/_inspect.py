@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import zipfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .._core.errors import NotACheckpointError
+from .._core.text import preview
+from .._core.tree import iter_tensors
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, StorageInfo, read_archive
 from .._format.layout import Key, Layout, split_checkpoint
@@ -18,27 +20,17 @@ from .._state.optim import _FACTORED_KEYS, _GROUP_BOOKKEEPING, step_on_param_dev
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, dtype_name, human_bytes, jsonable
 
-__all__ = ["inspect_checkpoint", "render_inspect", "optimizer_kind"]
+__all__ = ["describe_checkpoint", "render_inspect", "optimizer_kind"]
 
 SCHEMA = f"{SCHEMA_PREFIX}/inspect/1"
 _NOT_HYPERPARAMETERS = _GROUP_BOOKKEEPING | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
-
-
-def _tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (Mapping, list, tuple, set, frozenset)) and id(obj) not in seen:
-        seen.add(id(obj))
-        for item in obj.values() if isinstance(obj, Mapping) else obj:
-            yield from _tensors(item, seen)
 
 
 def _summary(contents: ArchiveContents, obj: Any) -> dict[str, Any]:
     """Tensor count and bytes (each storage counted once), per dtype."""
     count: Counter[str] = Counter()
     storages: dict[str, StorageInfo] = {}
-    for t in _tensors(obj):
+    for t in iter_tensors(obj):
         count[dtype_name(t.dtype)] += 1
         info = contents.storage_of(t)
         if info is not None:
@@ -156,11 +148,9 @@ def _shape_warnings(
             elif want is None and shape not in all_shapes:
                 problems.append(f"state[{name or pid!r}][{key!r}] is {shape}, which no model tensor has")
     if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         warnings.append(
             "optimizer state does not fit the model's parameters: "
-            + "; ".join(problems[:3])
-            + more
+            + preview(problems, 3, sep="; ", quote=False)
             + " (it would be paired with the wrong parameters or fail at the first step)"
         )
 
@@ -192,7 +182,7 @@ def _device_tags(contents: ArchiveContents) -> dict[str, dict[str, int]]:
     return tags
 
 
-def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
+def describe_checkpoint(path: PathLike) -> dict[str, Any]:
     """The ``inspect --json`` report for ``path``. Local; reads the zip directory and data.pkl only.
 
     A file in no layout dist_resume knows is still described (tensors, device tags), with
@@ -262,7 +252,7 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
 
 
 def render_inspect(report: dict[str, Any]) -> str:
-    """The human-readable form of an :func:`inspect_checkpoint` report."""
+    """The human-readable form of a :func:`describe_checkpoint` report."""
     model, opt, meta = report["model"], report["optimizer"], report["meta"]
     lines = [
         f"checkpoint   {report['path']}  ({human_bytes(report['file_bytes'])}, "

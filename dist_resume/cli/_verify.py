@@ -7,6 +7,7 @@ from typing import Any, Final
 
 import torch
 
+from .._core.text import preview
 from .._core.types import PathLike
 from .._format.layout import CheckpointParts, split_checkpoint
 from .._format.load import load_checkpoint
@@ -199,7 +200,6 @@ def render_verify(report: dict[str, Any], limit: int = 20) -> str:
         return f"equal: {head}"
     diffs = report["differences"]
     lines = [f"different: {len(diffs)} difference(s); {head}"]
-    lines += [f"  {d['part']} {d['key']}: {d['problem']}" for d in diffs[:limit]]
-    if len(diffs) > limit:
-        lines.append(f"  ... and {len(diffs) - limit} more (--json lists all)")
+    shown = preview((f"{d['part']} {d['key']}: {d['problem']}" for d in diffs), limit, sep="\n  ", quote=False)
+    lines.append(f"  {shown}" + (" (--json lists all)" if len(diffs) > limit else ""))
     return "\n".join(lines)
