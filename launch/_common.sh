@@ -11,6 +11,13 @@ default_nproc() {
     if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
 }
 
+# A quiet start-up. torchrun prints a banner whenever it sets OMP_NUM_THREADS itself (to 1, for more than one
+# process per node), so set the same value first; export OMP_NUM_THREADS to choose another. torch warns
+# "Failed to initialize NumPy" when it is imported without numpy, in the torchrun agent as well as in every
+# worker; dist_resume needs no numpy, so the demo stays torch-only and ignores just that warning.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Failed to initialize NumPy:UserWarning"
+
 # TORCHRUN (default: torchrun) and TORCHRUN_ARGS (extra flags) as arrays; the training script.
 read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
 read -r -a extra <<<"${TORCHRUN_ARGS:-}"

@@ -10,7 +10,7 @@
 # rendezvous (NNODES may be MIN:MAX: nodes can leave and join; each change restarts the group,
 # and the new world size finishes the interrupted epoch with every sample seen once).
 # Optional: MAX_RESTARTS (default 3), NPROC_PER_NODE, MASTER_PORT (default 29500), RDZV_ID,
-# TORCHRUN, TORCHRUN_ARGS, TRAIN_SCRIPT. Arguments after the script go to train.py.
+# TORCHRUN, TORCHRUN_ARGS, TRAIN_SCRIPT, OMP_NUM_THREADS (default 1). Arguments after the script go to train.py.
 set -euo pipefail
 
 # shellcheck source=launch/_common.sh

@@ -10,7 +10,7 @@
 # Optional: NPROC_PER_NODE (default: visible GPUs, else 2), RDZV_ID (job id shared by all nodes,
 # default: $SLURM_JOB_ID or "dist_resume"), MAX_RESTARTS (default 0), TORCHRUN (default: torchrun),
 # TORCHRUN_ARGS (extra torchrun flags, e.g. "--rdzv-conf=is_host=false --local-addr=127.0.0.1"),
-# TRAIN_SCRIPT. The c10d rendezvous assigns node ranks itself; NODE_RANK is passed for the record.
+# TRAIN_SCRIPT, OMP_NUM_THREADS (default 1). The c10d rendezvous assigns node ranks itself; NODE_RANK is passed for the record.
 # The node whose address is MASTER_ADDR hosts the rendezvous store; global ranks are
 # node-major and every process picks its GPU by LOCAL_RANK.
 set -euo pipefail

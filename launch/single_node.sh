@@ -5,7 +5,8 @@
 #   NPROC_PER_NODE=4 bash launch/single_node.sh --steps 1000 --amp
 #
 # Environment: NPROC_PER_NODE (default: visible GPUs, else 2), TORCHRUN (default: torchrun),
-# TORCHRUN_ARGS (extra torchrun flags), TRAIN_SCRIPT (default: train.py next to this file).
+# TORCHRUN_ARGS (extra torchrun flags), TRAIN_SCRIPT (default: train.py next to this file), OMP_NUM_THREADS
+# (default 1). See _common.sh for what keeps the start-up quiet.
 # Every other argument goes to train.py (see `python launch/train.py --help`).
 set -euo pipefail
 

@@ -10,6 +10,12 @@ Run it again (or let torchrun restart it) and it continues from the newest check
 ``--ckpt-dir`` (``--resume auto``) with the same sampler position and RNG streams, so an
 interrupted run ends bitwise equal to an uninterrupted one at the same world size. A different
 world size finishes the interrupted epoch with every sample seen once.
+
+``step`` counts optimizer steps completed: the checkpoint of step 60 holds the state after 60
+steps, and a resumed run continues at ``result.step`` (its next step is number 61).
+
+Output: this script's own lines (logger ``train``) and the library's (logger ``dist_resume``,
+``--log-level``, default INFO), from rank 0; other ranks print warnings and errors only.
 """
 
 from __future__ import annotations
@@ -21,15 +27,20 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+# torch warns "Failed to initialize NumPy" on import when numpy is not installed. Neither this script
+# nor dist_resume needs numpy (the install stays torch-only), so that one warning is noise here.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+import torch  # noqa: E402 (after the warning filter)
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 try:
     import dist_resume as dr
@@ -79,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.use_deterministic_algorithms, so reruns are bitwise equal on GPUs too",
     )
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="INFO",
+        help="level of the library's logger, logging.getLogger('dist_resume'): saves, rotations, what resume restored",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -156,6 +173,19 @@ def resume_run(args: argparse.Namespace, **objects: Any) -> dr.ResumeResult | No
         return None  # an empty --ckpt-dir: a new run
 
 
+def setup_logging(rank: int, library_level: str) -> None:
+    """Rank 0 prints INFO and above, the other ranks WARNING and above; the library logs at ``library_level``.
+
+    dist_resume logs through ``logging.getLogger("dist_resume")`` and, like any library, configures
+    no handler: without a call like this one its INFO lines (saved, rotated, resumed) are not shown.
+    """
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(logging.NOTSET if rank == 0 else logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("dist_resume").setLevel(library_level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.deterministic:
@@ -165,11 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dr.init_distributed(
         backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout)
     )
-    logging.basicConfig(
-        level=logging.INFO if info.rank == 0 else logging.WARNING,
-        stream=sys.stdout,
-        format=f"[rank {info.rank}] %(name)s: %(message)s",
-    )
+    setup_logging(info.rank, args.log_level)
     try:
         train(args, info, device)
     finally:
@@ -211,10 +237,10 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)
     res = resume_run(args, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
     if res is not None:
-        step = res.step or 0
+        step = res.step or 0  # optimizer steps completed: the loop continues with step + 1
+        # dist_resume has logged "resumed from <file> (... restored ...)" (INFO); say where training goes on
         log.info(
-            "resumed from %s: step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
-            res.path,
+            "continuing at step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
             step,
             sampler.epoch,
             sampler.consumed,
@@ -306,7 +332,18 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
                 break
     if saved_at != step:
         save()  # --epochs ended the run between checkpoints
-    log.info("done: step %d, epoch %d, sample %d of %d", step, sampler.epoch, sampler.consumed, len(dataset))
+    if args.stop_after is not None and step == args.stop_after < args.steps:
+        log.info(
+            "stopping at step %d as if preempted (--stop-after %d): epoch %d, sample %d of %d; "
+            "run the same command without --stop-after to resume",
+            step,
+            args.stop_after,
+            sampler.epoch,
+            sampler.consumed,
+            len(dataset),
+        )
+    else:
+        log.info("done: step %d, epoch %d, sample %d of %d", step, sampler.epoch, sampler.consumed, len(dataset))
     if args.dump_final is not None and rank == 0:
         torch.save(
             {

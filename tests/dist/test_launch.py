@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
 import sys
 import uuid
 from datetime import timedelta
@@ -29,14 +30,27 @@ pytestmark = pytest.mark.dist
 REPO = harness.REPO_ROOT
 TRAIN = str(REPO / "launch" / "train.py")
 # 256 samples, batch 16: an epoch is 8 steps on 2 ranks, 16 on 1, 4 on 4
-COMMON = ["--steps", "20", "--save-every", "8", "--batch-size", "16", "--num-samples", "256",
-          "--log-every", "100", "--timeout", "60"]
+COMMON = [
+    "--steps",
+    "20",
+    "--save-every",
+    "8",
+    "--batch-size",
+    "16",
+    "--num-samples",
+    "256",
+    "--log-every",
+    "100",
+    "--timeout",
+    "60",
+]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"  # what the scripts run instead of `torchrun`
 LAUNCH_TIMEOUT = 100.0
 
 
-def _launch(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
-            timeout: float = LAUNCH_TIMEOUT) -> CompletedProcess[str]:
+def _launch(
+    cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT
+) -> CompletedProcess[str]:
     """One command (a launch script or a single-process run) with the harness's kill-on-timeout."""
     return harness._launch([cmd], cwd, {"TORCHRUN": TORCHRUN, **(env or {})}, timeout)[0]
 
@@ -49,8 +63,10 @@ def _ok(res: CompletedProcess[str]) -> str:
 
 def _records(folder: Path) -> dict[int, list[dict[str, Any]]]:
     """rank -> the JSON lines train.py --dump-losses wrote, in order."""
-    return {int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()]
-            for f in sorted(folder.glob("rank*.jsonl"))}
+    return {
+        int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in sorted(folder.glob("rank*.jsonl"))
+    }
 
 
 def _losses(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -94,8 +110,14 @@ def _per_rank_state_worker(rank: int, world_size: int, path: str, skew: bool) ->
     torch.rand(8)
     fresh = dist_resume.ResumableDistributedSampler(64, seed=1)
     res = dist_resume.resume(path, model=model, sampler=fresh, rng=True)
-    return {"restored": res.restored, "rand": torch.rand(4), "expected": expected, "consumed": fresh.consumed,
-            "next": next(iter(fresh)), "want_next": next(it)}
+    return {
+        "restored": res.restored,
+        "rand": torch.rand(4),
+        "expected": expected,
+        "consumed": fresh.consumed,
+        "next": next(iter(fresh)),
+        "want_next": next(it),
+    }
 
 
 def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_path):
@@ -117,21 +139,51 @@ def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_pat
 @pytest.mark.timeout(480)
 def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     # reference: launch/single_node.sh, 20 uninterrupted steps on 2 ranks
-    ref = _launch(["bash", str(REPO / "launch/single_node.sh"), *COMMON, "--ckpt-dir", "ref",
-                   "--dump-final", "ref.pt", "--dump-losses", "ref_losses"], tmp_path, {"NPROC_PER_NODE": "2"})
-    assert "starting at step 0 with 2 rank(s)" in _ok(ref)
+    ref = _launch(
+        [
+            "bash",
+            str(REPO / "launch/single_node.sh"),
+            *COMMON,
+            "--ckpt-dir",
+            "ref",
+            "--dump-final",
+            "ref.pt",
+            "--dump-losses",
+            "ref_losses",
+        ],
+        tmp_path,
+        {"NPROC_PER_NODE": "2"},
+    )
+    out = _ok(ref)
+    assert "starting at step 0 with 2 rank(s)" in out
+    # the README's demo command is quiet: no torchrun OMP_NUM_THREADS banner, no numpy warning from any process
+    assert "OMP_NUM_THREADS" not in out and "NumPy" not in out and "UserWarning" not in out, out[-3000:]
     reference = _records(tmp_path / "ref_losses")
     assert sorted(reference) == [0, 1] and [r["step"] for r in reference[1]] == list(range(1, 21))
 
     # stop at step 13 (mid-epoch 1), then --resume auto
-    first = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--stop-after", "13", "--dump-losses", "b_losses"],
-                         nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
-    assert "done: step 13, epoch 1, sample 160 of 256" in _ok(first)
-    second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--resume", "auto", "--dump-final", "b.pt",
-                           "--dump-losses", "b_losses"], nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
+    first = run_torchrun(
+        [TRAIN, *COMMON, "--ckpt-dir", "b", "--stop-after", "13", "--dump-losses", "b_losses"],
+        nproc=2,
+        cwd=tmp_path,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    out = _ok(first)
+    assert "stopping at step 13 as if preempted (--stop-after 13): epoch 1, sample 160 of 256" in out
+    assert "done:" not in out
+    second = run_torchrun(
+        [TRAIN, *COMMON, "--ckpt-dir", "b", "--resume", "auto", "--dump-final", "b.pt", "--dump-losses", "b_losses"],
+        nproc=2,
+        cwd=tmp_path,
+        timeout=LAUNCH_TIMEOUT,
+    )
     out = _ok(second)
-    assert "resumed from b/ckpt_00000013.pt: step 13, epoch 1, sample 160 of 256" in out
-    assert "restored model, scaler, optimizer, scheduler, sampler, rng" in out
+    assert (
+        "resumed from b/ckpt_00000013.pt (dist_resume layout, step 13, epoch 1; "
+        "restored model, scaler, optimizer, scheduler, sampler, rng)"
+    ) in out
+    assert out.count("resumed from") == 1, out[-3000:]  # said once, by the library on rank 0
+    assert "continuing at step 13, epoch 1, sample 160 of 256" in out
     _assert_bitwise_equal(tmp_path / "b.pt", tmp_path / "ref.pt")
     resumed = _records(tmp_path / "b_losses")
     for rank in (0, 1):
@@ -141,13 +193,31 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
 
     # launch/elastic.sh: rank 1 SIGKILLs itself after step 11 on the first attempt; torchrun restarts the
     # group, which resumes from step 8 (the end of epoch 0) and ends bitwise equal
-    elastic = _launch(["bash", str(REPO / "launch/elastic.sh"), *COMMON, "--ckpt-dir", "e", "--kill-at-step", "11",
-                       "--kill-rank", "1", "--dump-final", "e.pt", "--dump-losses", "e_losses"], tmp_path,
-                      {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "2"}, timeout=LAUNCH_TIMEOUT + 60)
+    elastic = _launch(
+        [
+            "bash",
+            str(REPO / "launch/elastic.sh"),
+            *COMMON,
+            "--ckpt-dir",
+            "e",
+            "--kill-at-step",
+            "11",
+            "--kill-rank",
+            "1",
+            "--dump-final",
+            "e.pt",
+            "--dump-losses",
+            "e_losses",
+        ],
+        tmp_path,
+        {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "2"},
+        timeout=LAUNCH_TIMEOUT + 60,
+    )
     out = _ok(elastic)
     assert "rank 1: SIGKILL at step 11" in out and "exitcode: -9" in out
     # saved after the last batch of epoch 0: the sampler moves on to epoch 1 when iterated
-    assert "resumed from e/ckpt_00000008.pt: step 8, epoch 0, sample 256 of 256" in out
+    assert "resumed from e/ckpt_00000008.pt (" in out
+    assert "continuing at step 8, epoch 0, sample 256 of 256" in out
     assert "attempt 1)" in out
     _assert_bitwise_equal(tmp_path / "e.pt", tmp_path / "ref.pt")
     records = _records(tmp_path / "e_losses")
@@ -168,29 +238,42 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
     n = 256
     single = [sys.executable, TRAIN, *COMMON]
     # 2 -> 1: a 2-rank checkpoint at step 5 (160 of 256 samples of epoch 0) resumed in one process
-    first = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "a", "--stop-after", "5", "--dump-losses", "a1"],
-                         nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT)
+    first = run_torchrun(
+        [TRAIN, *COMMON, "--ckpt-dir", "a", "--stop-after", "5", "--dump-losses", "a1"],
+        nproc=2,
+        cwd=tmp_path,
+        timeout=LAUNCH_TIMEOUT,
+    )
     assert "sample 160 of 256" in _ok(first)
     out = _ok(_launch([*single, "--ckpt-dir", "a", "--dump-losses", "a2"], tmp_path))
-    assert "resumed from a/ckpt_00000005.pt: step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
+    assert "resumed from a/ckpt_00000005.pt (" in out
+    assert "continuing at step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
     assert "holds RNG state for 2 rank(s) but the job has 1" in out  # the stated policy, logged
     assert "done: step 20" in out
     before, after = _records(tmp_path / "a1"), _records(tmp_path / "a2")
     assert [r["world_size"] for r in after[0]] == [1] * 15
-    _seen_once([i for rank in (0, 1) for r in before[rank] for i in r["indices"]]
-               + [i for r in after[0] if r["epoch"] == 0 for i in r["indices"]], n)
+    _seen_once(
+        [i for rank in (0, 1) for r in before[rank] for i in r["indices"]]
+        + [i for r in after[0] if r["epoch"] == 0 for i in r["indices"]],
+        n,
+    )
     assert {r["epoch"] for r in after[0]} == {0, 1}, "training continued into the next epoch"
 
     # 1 -> 2: a single-process checkpoint at step 5 (80 samples) resumed by 2 ranks
     _ok(_launch([*single, "--ckpt-dir", "b", "--stop-after", "5", "--dump-losses", "b1"], tmp_path))
-    second = run_torchrun([TRAIN, *COMMON, "--ckpt-dir", "b", "--dump-losses", "b2"], nproc=2, cwd=tmp_path,
-                          timeout=LAUNCH_TIMEOUT)
+    second = run_torchrun(
+        [TRAIN, *COMMON, "--ckpt-dir", "b", "--dump-losses", "b2"], nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT
+    )
     out = _ok(second)
-    assert "resumed from b/ckpt_00000005.pt: step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
+    assert "resumed from b/ckpt_00000005.pt (" in out
+    assert "continuing at step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
     assert "new streams on rank 1, derived from the saved seed 0, the rank and step 5" in out
     before, after = _records(tmp_path / "b1"), _records(tmp_path / "b2")
-    _seen_once([i for r in before[0] for i in r["indices"]]
-               + [i for rank in (0, 1) for r in after[rank] if r["epoch"] == 0 for i in r["indices"]], n)
+    _seen_once(
+        [i for r in before[0] for i in r["indices"]]
+        + [i for rank in (0, 1) for r in after[rank] if r["epoch"] == 0 for i in r["indices"]],
+        n,
+    )
     assert all(r["loss"] == r["loss"] for rank in (0, 1) for r in after[rank])  # no NaN
     assert [r["step"] for r in after[1]][-1] == 20
 
@@ -198,21 +281,52 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
 @pytest.mark.timeout(300)
 def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp_path):
     n = 256
-    _ok(_launch([sys.executable, TRAIN, *COMMON, "--ckpt-dir", "ck", "--stop-after", "3", "--dump-losses", "single"],
-                tmp_path))  # 48 samples of epoch 0
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
-                          timeout=timedelta(seconds=LAUNCH_TIMEOUT))
-    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RDZV_ID": uuid.uuid4().hex,
-           "NPROC_PER_NODE": "2", "TORCHRUN": TORCHRUN,
-           "TORCHRUN_ARGS": "--rdzv-conf=is_host=false --local-addr=127.0.0.1"}
+    _ok(
+        _launch(
+            [sys.executable, TRAIN, *COMMON, "--ckpt-dir", "ck", "--stop-after", "3", "--dump-losses", "single"],
+            tmp_path,
+        )
+    )  # 48 samples of epoch 0
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=LAUNCH_TIMEOUT),
+    )
+    env = {
+        "NNODES": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "RDZV_ID": uuid.uuid4().hex,
+        "NPROC_PER_NODE": "2",
+        "TORCHRUN": TORCHRUN,
+        "TORCHRUN_ARGS": "--rdzv-conf=is_host=false --local-addr=127.0.0.1",
+    }
     try:  # the store outlives both agents
-        cmds = [["env", f"NODE_RANK={node}", "bash", str(REPO / "launch/multi_node.sh"), *COMMON, "--steps", "10",
-                 "--ckpt-dir", "ck", "--dump-losses", "multi"] for node in (0, 1)]
+        cmds = [
+            [
+                "env",
+                f"NODE_RANK={node}",
+                "bash",
+                str(REPO / "launch/multi_node.sh"),
+                *COMMON,
+                "--steps",
+                "10",
+                "--ckpt-dir",
+                "ck",
+                "--dump-losses",
+                "multi",
+            ]
+            for node in (0, 1)
+        ]
         nodes = harness._launch(cmds, tmp_path, env, LAUNCH_TIMEOUT + 40)
     finally:
         del store
     out = "".join(_ok(node) for node in nodes)
-    assert "resumed from ck/ckpt_00000003.pt: step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
+    assert "resumed from ck/ckpt_00000003.pt (" in out
+    assert "continuing at step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
     records = _records(tmp_path / "multi")
     assert sorted(records) == [0, 1, 2, 3]
     placement = {(r["rank"], r["local_rank"], r["node_rank"], r["device"]) for rs in records.values() for r in rs}
@@ -220,6 +334,32 @@ def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp
     for rank, local_rank, node_rank, device in placement:  # two processes per node, GPU index = LOCAL_RANK
         assert local_rank == rank - 2 * node_rank and local_rank in (0, 1) and device == "cpu"
     assert {r["world_size"] for rs in records.values() for r in rs} == {4}
-    _seen_once([i for r in _records(tmp_path / "single")[0] for i in r["indices"]]
-               + [i for rs in records.values() for r in rs if r["epoch"] == 0 for i in r["indices"]], n)
+    _seen_once(
+        [i for r in _records(tmp_path / "single")[0] for i in r["indices"]]
+        + [i for rs in records.values() for r in rs if r["epoch"] == 0 for i in r["indices"]],
+        n,
+    )
     assert [r["step"] for r in records[3]][-1] == 10
+
+
+def test_common_sh_sets_omp_threads_and_hides_only_the_numpy_warning(tmp_path):
+    # torchrun prints its banner only when OMP_NUM_THREADS is unset; harness runs always set it, so check here
+    script = (
+        f"unset OMP_NUM_THREADS; export PYTHONWARNINGS=default; source {REPO / 'launch/_common.sh'}; "
+        'echo "$OMP_NUM_THREADS"; echo "$PYTHONWARNINGS"; '
+        f'{sys.executable} -c "import warnings; '
+        "warnings.warn('Failed to initialize NumPy: No module named numpy', UserWarning); "
+        "warnings.warn('another warning', UserWarning)\""
+    )
+    res = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["1", "default,ignore:Failed to initialize NumPy:UserWarning"]
+    assert "NumPy" not in res.stderr and "another warning" in res.stderr  # only that one warning is hidden
+    res = subprocess.run(
+        ["bash", "-c", f'export OMP_NUM_THREADS=3; source {REPO / "launch/_common.sh"}; echo "$OMP_NUM_THREADS"'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.stdout.strip() == "3"  # a user's choice is kept
