@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from .._core.rank import global_rank
 from .._core.tree import iter_tensors, map_tensors
-from .._exact.rng import param_device, rank_world, restore_rank_rng
+from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._format.layout import CheckpointParts
 from .._state.optim import optimizer_to, prepare_optimizer_state
@@ -163,7 +164,7 @@ def plan_restore(
     if has_sampler:
         check_sampler_state(sampler, parts.sampler, source)
     if rng:
-        check_rng_states(parts.rng, rank_world()[0], source)
+        check_rng_states(parts.rng, global_rank(), source)
     wanted = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler}
     done = {
         "model": True,
