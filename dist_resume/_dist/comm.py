@@ -120,7 +120,10 @@ class RelayedError:
         if isinstance(original, DistResumeError):
             err = original
         else:
-            cls = getattr(_errors, self.class_name, None) if self.type_name.startswith(_errors.__name__) else None
+            # exported classes show the public path (dist_resume.X); both name the class in _core.errors
+            module = self.type_name.rpartition(".")[0]
+            ours = module == "dist_resume" or module.startswith("dist_resume.")
+            cls = getattr(_errors, self.class_name, None) if ours else None
             if isinstance(cls, type) and issubclass(cls, DistResumeError):
                 err = rebuild_error(cls, self.message, self.attributes)
             else:

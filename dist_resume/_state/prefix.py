@@ -152,7 +152,7 @@ def canonical_key(key: str) -> str:
     Example::
 
         >>> dist_resume.canonical_key("_orig_mod.module.net._orig_mod.fc.weight")
-    'net.fc.weight'
+        'net.fc.weight'
     """
     parts = [p for p in key.split(".") if p != "_orig_mod"]
     i = 0
