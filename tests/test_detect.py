@@ -307,3 +307,22 @@ def test_mingpt_snapshot_resumes_model_and_optimizer(trained, tmp_path):
     assert result.restored == ("model", "optimizer") and result.epoch == 2
     saved = opt.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], saved)
+
+
+def test_a_conventional_name_holding_several_parts_is_no_convention(trained):
+    model, opt, _ = trained
+    obj = {"model": model.state_dict(), "optimizer": {"gen": opt.state_dict(), "disc": opt.state_dict()}}
+    with pytest.raises(dr.NotACheckpointError, match=re.escape("'optimizer.gen', 'optimizer.disc'")):
+        split_checkpoint(obj)
+    parts = split_checkpoint(obj, part_keys={"optimizer": "optimizer.disc"})
+    assert parts.optimizer is obj["optimizer"]["disc"] and parts.extra == {
+        "optimizer": {"gen": obj["optimizer"]["gen"]}
+    }
+
+
+def test_values_that_are_not_parts_stay_in_extra(trained):
+    obj = {"model.pt": trained[0].state_dict(), "ema": 0.999, "scaler": None, "step": "7", "args": {"epochs": 90}}
+    parts = split_checkpoint(obj)
+    assert parts.model is obj["model.pt"] and parts.keys == {"model": "model.pt"}  # a dotted top-level key
+    assert parts.ema is None and parts.scaler is None and parts.step is None and parts.epoch is None
+    assert parts.extra == {k: v for k, v in obj.items() if k != "model.pt"}

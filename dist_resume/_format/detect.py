@@ -17,9 +17,9 @@ Epoch and step are plain numbers under the names in :data:`EPOCH_NAMES` / :data:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -114,14 +114,21 @@ def _kind(value: Any) -> str | None:
     return None
 
 
-def _entries(obj: Mapping[str, Any]) -> Iterator[tuple[str, str | None, Any]]:
-    """``(path, container, value)`` for every top-level entry and every entry of a plain dict one level down."""
-    for key, value in obj.items():
-        yield str(key), None, value
-    for key, value in obj.items():
-        if isinstance(value, Mapping) and _kind(value) is None:
-            for sub, inner in value.items():
-                yield f"{key}.{sub}", str(key), inner
+class _Entry(NamedTuple):
+    path: str  # "key", or "outer.inner" one level down
+    container: str | None  # "outer" one level down
+    name: str  # the key itself
+    value: Any
+    kind: str | None
+
+
+def _entries(obj: Mapping[str, Any]) -> list[_Entry]:
+    """Every top-level entry, then every entry of a plain dict one level down (not of a part)."""
+    out = [_Entry(str(k), None, str(k), v, _kind(v)) for k, v in obj.items()]
+    for top in list(out):
+        if isinstance(top.value, Mapping) and top.kind is None:
+            out += [_Entry(f"{top.path}.{k}", top.path, str(k), v, _kind(v)) for k, v in top.value.items()]
+    return out
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,7 @@ def resolve_key(obj: Mapping[str, Any], path: str, part: str, source: str) -> An
         return obj[outer][inner]
     raise NotACheckpointError(
         f"part_keys names {path!r} for the {part}, but {source} has no such key; its keys are "
-        f"{preview((p for p, _, _ in _entries(obj)), 12)} (use 'outer.inner' for a key one level down)"
+        f"{preview((e.path for e in _entries(obj)), 12)} (use 'outer.inner' for a key one level down)"
     )
 
 
@@ -247,13 +254,13 @@ def detect_parts(
     """
     chosen = check_part_keys(part_keys)
     values = overrides(obj, chosen, source)
-    entries = [(p, c, v, _kind(v)) for p, c, v in _entries(obj)]
+    entries = _entries(obj)
     taken = set(chosen.values())
     for part in ("ema", "model", "optimizer", "scheduler", "scaler", "sampler", "rng"):
         if part in chosen:
             continue
-        free = [(p, c, v, k) for p, c, v, k in entries if p not in taken]
-        cands = {p: v for p, _, v, k in free if _candidate(part, p, v, k)}
+        free = [e for e in entries if e.path not in taken]
+        cands = {e.path: e.value for e in free if _candidate(part, e)}
         conv = _conventional(part, free)
         if part == "model":
             path = _pick_model(cands, conv, model_keys, source)
@@ -263,72 +270,57 @@ def detect_parts(
             raise _ambiguous(part, list(cands), source, model_hint=False)
         else:
             path = next(iter(cands)) if len(cands) == 1 else None
-        if path is None:
-            continue
-        chosen[part], value = path, _value(obj, path)
-        values[part] = [value] if part == "rng" and isinstance(value, Mapping) else _one(value)
-        taken.add(path)
-    home = chosen.get("model", "").rpartition(".")[0]
+        if path is not None:
+            value = next(e.value for e in free if e.path == path)
+            values[part] = [value] if part == "rng" and isinstance(value, Mapping) else _one(value)
+            chosen[part] = path
+            taken.add(path)
+    model = next((e for e in entries if e.path == chosen.get("model")), None)
+    homes = (None, model.container) if model is not None and model.container else (None,)
     for part, names in (("epoch", EPOCH_NAMES), ("step", STEP_NAMES)):
-        for container in (None, home) if home else (None,):
-            if part in chosen:
-                break
+        for home in homes:
             found = [
-                (names.index(_leaf(p).lower()), p, number)
-                for p, c, v, _ in entries
-                if c == container and _leaf(p).lower() in names and (number := as_int(v)) is not None
+                (names.index(e.name.lower()), e.path, number)
+                for e in entries
+                if e.container == home and e.name.lower() in names and (number := as_int(e.value)) is not None
             ]
-            if found:
+            if found and part not in chosen:
                 _, chosen[part], values[part] = min(found)
     return Detected(values, chosen, _rest(obj, taken))
 
 
-def _leaf(path: str) -> str:
-    return path.rpartition(".")[2]
-
-
-def _candidate(part: str, path: str, value: Any, kind: str | None) -> bool:
+def _candidate(part: str, entry: _Entry) -> bool:
     """Whether an entry's content makes it a candidate for ``part``."""
     if part == "model":  # EMA names are never the model; an AveragedModel's state is, under a model name
-        if not is_state_dict(value) or kind == "rng" or _leaf(path) in _CONVENTIONAL["ema"]:
+        if not is_state_dict(entry.value) or entry.kind == "rng" or entry.name in _CONVENTIONAL["ema"]:
             return False
-        return kind == "model" or _leaf(path) in _CONVENTIONAL["model"]
+        return entry.kind == "model" or entry.name in _CONVENTIONAL["model"]
     if part == "ema":
-        return kind == "ema" and _leaf(path) not in _CONVENTIONAL["model"]
-    if part == "rng":  # only the per-rank form this toolkit restores (one rank_state_dict() or a list of them)
-        one = value if isinstance(value, (list, tuple)) else [value]
-        return kind == "rng" and all(isinstance(v, Mapping) and {"python", "torch"} <= set(v) for v in one)
-    return kind == part
+        return entry.kind == "ema" and entry.name not in _CONVENTIONAL["model"]
+    if part == "rng":  # only the per-rank form this toolkit restores (one rng_state_dict() or a list of them)
+        states = entry.value if isinstance(entry.value, (list, tuple)) else [entry.value]
+        return entry.kind == "rng" and all(isinstance(v, Mapping) and {"python", "torch"} <= set(v) for v in states)
+    return entry.kind == part
 
 
-def _conventional(part: str, free: list[tuple[str, str | None, Any, str | None]]) -> str | None:
+def _conventional(part: str, free: list[_Entry]) -> str | None:
     """The entry under a conventional name for ``part`` holding the right kind of value (shallowest, by priority).
 
     The same name in two containers is no convention: content decides (and finds them ambiguous).
     """
     names = _CONVENTIONAL.get(part, ())
-    holders = {c for _, c, _, k in free if c is not None and k == part}
+    holders = {e.container for e in free if e.kind == part}  # "optimizer": {"g": ..., "d": ...} holds two
+    kinds = {part, None, "model"} if part == "ema" else {part, None}
     found = []
-    for path, _, value, kind in free:
-        if _leaf(path) not in names or path in holders:
+    for e in free:
+        if e.name not in names or e.path in holders:
             continue
-        if part == "model":
-            ok = _candidate(part, path, value, kind)
-        else:
-            ok = isinstance(_one(value), Mapping) and kind in (part, None, "model" if part == "ema" else part)
-        if ok:
-            found.append(((path.count("."), names.index(_leaf(path))), path))
+        if _candidate(part, e) if part == "model" else isinstance(_one(e.value), Mapping) and e.kind in kinds:
+            found.append(((e.container is not None, names.index(e.name)), e.path))
     found.sort()
     if not found or (len(found) > 1 and found[0][0] == found[1][0]):
         return None
     return found[0][1]
-
-
-def _value(obj: Mapping[str, Any], path: str) -> Any:
-    if path in obj:
-        return obj[path]
-    outer, _, inner = path.partition(".")
-    return obj[outer][inner]
 
 
 def _rest(obj: Mapping[str, Any], taken: set[str]) -> dict[str, Any] | None:
