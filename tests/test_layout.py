@@ -60,7 +60,8 @@ def test_bare_state_dict(model_sd, prefix):
     "layout, model_key, opt_key, extra",
     [
         (dr.Layout.MODEL_OPTIMIZER, "model", "optimizer", {"epoch": 4, "step": 40}),
-        (dr.Layout.STATE_DICT, "state_dict", "optimizer_states", {"epoch": 4, "global_step": 40}),  # Lightning
+        (dr.Layout.LIGHTNING, "state_dict", "optimizer_states", {"epoch": 4, "global_step": 40}),
+        (dr.Layout.STATE_DICT, "state_dict", "optimizer", {"epoch": 4, "iter": 40}),  # pytorch/examples imagenet
         (dr.Layout.MODEL_STATE_DICT, "model_state_dict", "optimizer_state_dict", {"epoch": 4, "iteration": 40}),
     ],
 )
@@ -94,11 +95,21 @@ def test_non_integer_counters_are_ignored(model_sd, bad):
     assert split_checkpoint({"model": model_sd, "step": bad}).step is None
 
 
-def test_model_entry_must_be_a_state_dict(model_sd):
+def test_no_model_entry_is_an_error(opt_sd):
     with pytest.raises(dr.NotACheckpointError) as info:
-        split_checkpoint({"net": model_sd, "opt": {}}, "checkpoint 'x.pt'")
+        split_checkpoint({"net": {"w": [1.0]}, "opt": opt_sd, "epoch": 2}, "checkpoint 'x.pt'")
     msg = str(info.value)
-    assert "checkpoint 'x.pt'" in msg and "'net', 'opt'" in msg and "'model_state_dict'" in msg
+    assert "checkpoint 'x.pt'" in msg and "'net', 'opt', 'epoch'" in msg and "'model_state_dict'" in msg
+    assert "part_keys={'model': '<key>'}" in msg
+
+
+def test_parts_say_which_key_they_came_from(model_sd, opt_sd):
+    parts = split_checkpoint({"model": model_sd, "optimizer": opt_sd, "epoch": 2})
+    assert parts.keys == {"model": "model", "optimizer": "optimizer", "epoch": "epoch"}
+    assert parts.describe_keys() == "model <- 'model', optimizer <- 'optimizer', epoch <- 'epoch'"
+    toolkit = {Key.FORMAT: FORMAT_NAME, Key.MODEL: model_sd, Key.OPTIMIZER: opt_sd, Key.META: {}}
+    assert split_checkpoint(toolkit).keys == {"model": "model", "optimizer": "optimizer"}
+    assert split_checkpoint(model_sd).keys == {}
 
 
 @pytest.mark.parametrize("obj", [[1, 2], torch.ones(2), 3, None])

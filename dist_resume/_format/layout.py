@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-import torch
-
 from .._core.errors import NotACheckpointError
+from .._core.text import article, preview
+from .detect import as_int, detect_parts, is_state_dict, overrides
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Key", "Layout", "CheckpointParts", "split_checkpoint", "is_state_dict"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Key",
+    "Layout",
+    "CheckpointParts",
+    "split_checkpoint",
+    "is_state_dict",
+    "describe_keys",
+]
 
 FORMAT_NAME: Final = "dist_resume"
 FORMAT_VERSION: Final = 1
@@ -30,6 +39,7 @@ class Key:
     EXTRA: Final = "extra"
     RNG: Final = "rng"
     SAMPLER: Final = "sampler"
+    EMA: Final = "ema"
 
 
 class Layout(enum.Enum):
@@ -40,6 +50,8 @@ class Layout(enum.Enum):
     MODEL_OPTIMIZER = "model+optimizer"
     STATE_DICT = "state_dict"
     MODEL_STATE_DICT = "model_state_dict"
+    LIGHTNING = "lightning"
+    DETECTED = "detected"
 
 
 @dataclass(frozen=True)
@@ -57,120 +69,113 @@ class CheckpointParts:
     extra: Any = None
     rng: Any = None
     sampler: Any = None
+    ema: Any = None
+    keys: Mapping[str, str] = field(default_factory=dict)  # part -> the key it came from ("state.model")
+
+    def describe_keys(self) -> str:
+        """Which key each part came from: ``model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'``."""
+        return describe_keys(self.keys)
 
 
-# foreign layouts: (layout, model key, optimizer keys, scheduler keys, scaler keys)
-_FOREIGN: Final = (
-    (
-        Layout.MODEL_STATE_DICT,
-        "model_state_dict",
-        ("optimizer_state_dict", "optimizer"),
-        ("scheduler_state_dict", "lr_scheduler_state_dict", "scheduler"),
-        ("scaler_state_dict", "scaler"),
-    ),
-    (Layout.MODEL_OPTIMIZER, "model", ("optimizer", "optim"), ("scheduler", "lr_scheduler"), ("scaler", "grad_scaler")),
-    (
-        Layout.STATE_DICT,
-        "state_dict",
-        ("optimizer", "optimizer_state_dict", "optimizer_states"),
-        ("scheduler", "lr_scheduler", "lr_schedulers"),
-        ("scaler", "grad_scaler"),
-    ),
-)
-_STEP_KEYS: Final = ("step", "global_step", "iteration", "iter_num")
+_CONVENTIONAL_MODEL: Final = {
+    "model_state_dict": Layout.MODEL_STATE_DICT,
+    "model": Layout.MODEL_OPTIMIZER,
+    "state_dict": Layout.STATE_DICT,
+}
+_LIGHTNING_MARKS: Final = ("pytorch-lightning_version", "optimizer_states", "lr_schedulers", "global_step")
 
 
-def is_state_dict(obj: Any) -> bool:
-    """True for a mapping of string keys to tensors (``_extra_state`` entries may hold anything)."""
-    if not isinstance(obj, Mapping) or not obj:
-        return False
-    has_tensor = False
-    for key, value in obj.items():
-        if not isinstance(key, str):
-            return False
-        if isinstance(value, torch.Tensor):
-            has_tensor = True
-        elif not key.endswith("_extra_state"):
-            return False
-    return has_tensor
+def describe_keys(keys: Mapping[str, str]) -> str:
+    """Which key each part came from: ``model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'``."""
+    return ", ".join(f"{part} <- {key!r}" for part, key in keys.items())
 
 
-def _first(obj: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
-    for key in keys:
-        if key in obj:
-            value = obj[key]
-            if isinstance(value, (list, tuple)) and len(value) == 1:  # Lightning: one entry per optimizer
-                value = value[0]
-            return key, value
-    return None, None
+def _is_lightning(obj: Mapping[str, Any]) -> bool:
+    return is_state_dict(obj.get("state_dict")) and any(k in obj for k in _LIGHTNING_MARKS)
 
 
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, torch.Tensor) and value.is_meta:  # read without data (dist-resume inspect)
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)) and float(value).is_integer():
-        return int(value)
-    return None
+def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] | None) -> CheckpointParts:
+    meta = dict(obj.get(Key.META) or {})
+    if not isinstance(obj.get(Key.MODEL), Mapping):
+        raise NotACheckpointError(f"{source} is marked as a dist_resume checkpoint but has no model state")
+    parts = CheckpointParts(
+        Layout.TOOLKIT,
+        obj[Key.MODEL],
+        obj.get(Key.OPTIMIZER),
+        obj.get(Key.SCHEDULER),
+        obj.get(Key.SCALER),
+        as_int(meta.get("step")),
+        as_int(meta.get("epoch")),
+        meta,
+        obj.get(Key.EXTRA),
+        obj.get(Key.RNG),
+        obj.get(Key.SAMPLER),
+        obj.get(Key.EMA),
+        {part: part for part in (Key.MODEL, Key.OPTIMIZER, Key.SCHEDULER, Key.SCALER, Key.EMA) if part in obj},
+    )
+    if not part_keys:
+        return parts
+    return replace(parts, **overrides(obj, part_keys, source), keys={**parts.keys, **part_keys})
 
 
-def split_checkpoint(obj: Any, source: str = "checkpoint") -> CheckpointParts:
-    """Recognise the layout of a loaded checkpoint and split it into its parts.
+def split_checkpoint(
+    obj: Any,
+    source: str = "checkpoint",
+    *,
+    model_keys: Collection[str] | None = None,
+    part_keys: Mapping[str, str] | None = None,
+) -> CheckpointParts:
+    """Recognise the layout of a loaded checkpoint and split it into its parts. Local.
 
-    Raises :class:`NotACheckpointError` naming the top-level keys when no layout fits.
+    This toolkit's files and a bare state dict are read as such; any other dict is searched by
+    name and content (see :mod:`dist_resume._format.detect`): ``model_keys`` (the live model's
+    state dict keys) pick the entry that fits the model when several could; ``part_keys`` (e.g.
+    ``{"model": "MODEL_STATE"}``, ``"state.model"`` one level down) overrides detection for the
+    parts it names. Works on tensors read without data (meta).
+
+    Raises :class:`NotACheckpointError` naming the keys when no model is found, when two entries
+    could each be the same part, or when a key in ``part_keys`` is absent.
+
+    Example::
+
+        >>> parts = split_checkpoint({"MODEL_STATE": {"fc.weight": torch.ones(1)}, "EPOCHS_RUN": 3})
+        >>> parts.layout.value, parts.epoch, parts.describe_keys()
+        ('detected', 3, "model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'")
     """
     if isinstance(obj, Mapping) and obj.get(Key.FORMAT) == FORMAT_NAME:
-        meta = dict(obj.get(Key.META) or {})
-        if not isinstance(obj.get(Key.MODEL), Mapping):
-            raise NotACheckpointError(f"{source} is marked as a dist_resume checkpoint but has no model state")
-        return CheckpointParts(
-            Layout.TOOLKIT,
-            obj[Key.MODEL],
-            obj.get(Key.OPTIMIZER),
-            obj.get(Key.SCHEDULER),
-            obj.get(Key.SCALER),
-            _as_int(meta.get("step")),
-            _as_int(meta.get("epoch")),
-            meta,
-            obj.get(Key.EXTRA),
-            obj.get(Key.RNG),
-            obj.get(Key.SAMPLER),
-        )
-    if is_state_dict(obj):
+        return _toolkit(obj, source, part_keys)
+    if is_state_dict(obj) and not part_keys:
         return CheckpointParts(Layout.BARE, obj)
-    if isinstance(obj, Mapping):
-        for layout, model_key, opt_keys, sched_keys, scaler_keys in _FOREIGN:
-            if model_key in obj and is_state_dict(obj[model_key]):
-                used = {model_key}
-                parts: list[Any] = []
-                for keys in (opt_keys, sched_keys, scaler_keys):
-                    key, value = _first(obj, keys)
-                    parts.append(value)
-                    if key is not None:
-                        used.add(key)
-                _, step = _first(obj, _STEP_KEYS)
-                extra = {k: v for k, v in obj.items() if k not in used}
-                optimizer, scheduler, scaler = parts
-                return CheckpointParts(
-                    layout,
-                    obj[model_key],
-                    optimizer,
-                    scheduler,
-                    scaler,
-                    step=_as_int(step),
-                    epoch=_as_int(obj.get("epoch")),
-                    extra=extra or None,
-                )
-        shown = ", ".join(repr(k) for k in list(obj)[:8])
+    if not isinstance(obj, Mapping):
         raise NotACheckpointError(
-            f"{source} has no model state dict in a layout dist_resume knows (top-level keys: {shown}); "
-            "expected a state dict, or a dict with 'model', 'state_dict' or 'model_state_dict'; "
-            "pass the model's state dict yourself (adapt_state_dict + load_state_dict)"
+            f"{source} holds {article(type(obj).__name__)}, not a state dict or a dict of them; "
+            "save model.state_dict() (or a dict holding it) rather than the module itself"
         )
-    raise NotACheckpointError(
-        f"{source} holds a {type(obj).__name__}, not a state dict or a dict of them; "
-        "save model.state_dict() (or a dict holding it) rather than the module itself"
+    found = detect_parts(obj, source, model_keys=model_keys, part_keys=part_keys)
+    model_key = found.keys.get("model")
+    if model_key is None:
+        raise NotACheckpointError(
+            f"{source} has no model state dict (a mapping of names to tensors) among its keys "
+            f"({preview(map(str, obj), 8)}); dist_resume looks for 'model', 'state_dict', 'model_state_dict' "
+            "or any entry holding tensors (one level down too); name it with part_keys={'model': '<key>'}, "
+            "or pass the model's state dict yourself (adapt_state_dict + load_state_dict)"
+        )
+    if model_key == "state_dict" and _is_lightning(obj):
+        layout = Layout.LIGHTNING
+    else:
+        layout = _CONVENTIONAL_MODEL.get(model_key, Layout.DETECTED)
+    v = found.values
+    return CheckpointParts(
+        layout,
+        v["model"],
+        v.get("optimizer"),
+        v.get("scheduler"),
+        v.get("scaler"),
+        step=v.get("step"),
+        epoch=v.get("epoch"),
+        extra=found.extra,
+        rng=v.get("rng"),
+        sampler=v.get("sampler"),
+        ema=v.get("ema"),
+        keys=found.keys,
     )
