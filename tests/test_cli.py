@@ -159,7 +159,7 @@ def test_each_foreign_layout(tmp_path: Path, run: Run, layout: str) -> None:
     code, out, _ = run("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "single", "--json")
     summary = json.loads(out)
     assert code == 0
-    assert summary["layout"] == ("bare state dict" if layout == "bare" else layout)
+    assert summary["layout"] == {"bare": "bare state dict", "state_dict": "lightning"}.get(layout, layout)
     assert summary["prefix_after"] == "none"
     loaded = torch.load(tmp_path / "b.pt", weights_only=True)
     Net().load_state_dict(loaded[model_key] if model_key else loaded)
@@ -437,7 +437,7 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_cleans_up(tmp_path: Pa
 
 
 def test_inspect_describes_a_file_in_no_known_layout(tmp_path: Path, run: Run) -> None:
-    torch.save({"ema": {"w": torch.ones(2)}, "net": {"w": torch.ones(2, dtype=torch.float64)}}, tmp_path / "a.pt")
+    torch.save({"ema": [torch.ones(2)], "net": {"w": torch.ones(2, dtype=torch.float64), "n": 1}}, tmp_path / "a.pt")
     code, out, _ = run("inspect", tmp_path / "a.pt", "--json")
     report = json.loads(out)
     assert code == 0 and report["layout"] is None and report["model"] is None

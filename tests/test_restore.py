@@ -371,7 +371,7 @@ def _bad_files(tmp_path, good):
     truncated.write_bytes(good.read_bytes()[:-100])
     cases["truncated"] = (truncated, dr.CheckpointCorruptError)
     obj = _payload(good)
-    put("foreign_unknown", {"weights": obj[Key.MODEL]}, dr.NotACheckpointError)
+    put("foreign_unknown", {"weights": obj[Key.MODEL], "best": dict(obj[Key.MODEL])}, dr.NotACheckpointError)
     return cases
 
 

@@ -102,5 +102,6 @@ def test_torchvision_timm_style_file_keeps_args_and_ema(torchvision_timm_file: S
     assert_same(parts.scheduler, torchvision_timm_file.scheduler, "scheduler")
     assert parts.epoch == 1 and len(parts.optimizer["param_groups"]) == 2
     assert parts.extra["args"] == torchvision_timm_file.extra["args"]
-    assert_same(parts.extra["model_ema"], torchvision_timm_file.extra["ema"], "model_ema")
-    assert "n_averaged" in parts.extra["model_ema"] and "state_dict_ema" in parts.extra
+    # the detector takes the first conventional EMA name (torchvision's model_ema); timm's copy stays in extra
+    assert_same(dict(parts.ema), torchvision_timm_file.extra["ema"], "model_ema")
+    assert "n_averaged" in parts.ema and "state_dict_ema" in parts.extra and parts.keys["ema"] == "model_ema"
