@@ -183,8 +183,8 @@ _RLIMIT_CHILD = textwrap.dedent("""
 
 
 def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Path) -> None:
-    mgr = CheckpointManager(tmp_path, keep_last=1)
-    good = mgr.save(1, model=nn.Linear(4, 4))
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:  # released: the child saves into the same folder
+        good = mgr.save(1, model=nn.Linear(4, 4))
     before = good.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
@@ -195,5 +195,5 @@ def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Pa
     assert kind == "CheckpointWriteError", out.stdout + out.stderr
     assert "EFBIG" in message and "ulimit -f" in message and str(tmp_path / checkpoint_name(2)) in message
     assert "previous checkpoint (if any) is untouched" in message
-    assert sorted(os.listdir(tmp_path)) == [good.name]  # no temp file, no partial ckpt_00000002.pt
+    assert sorted(os.listdir(tmp_path)) == [".dist_resume.lock", good.name]  # no temp file, no partial ckpt_2
     assert good.read_bytes() == before and mgr.latest() == good
