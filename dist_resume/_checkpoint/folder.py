@@ -176,13 +176,13 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for this manager's pending asynchronous save, then release the folder's write lock.
 
-        Collective under torch.distributed when an asynchronous save is pending (it waits like
-        :meth:`AsyncSave.wait`, and raises its error); otherwise local. Idempotent. A later
-        ``save`` takes the lock again.
+        Collective under torch.distributed when an asynchronous save is pending that nobody waited
+        for (it waits like :meth:`AsyncSave.wait`, and raises its error); otherwise local.
+        Idempotent. A later ``save`` takes the lock again.
         """
         pending, self._pending = self._pending, None
         try:
-            if pending is not None:
+            if pending is not None and not pending.waited:
                 pending.wait()
         finally:
             self._lock.release()
