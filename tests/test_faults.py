@@ -187,7 +187,7 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
     assert not failures, "\n".join(failures)
     assert phases["killed mid-write"] >= 1, f"no kill landed mid-write: {dict(phases)}"
     assert remaining == 0
-    assert left == [checkpoint_name(previous), checkpoint_name(1000)], left
+    assert left == [".dist_resume.lock", checkpoint_name(previous), checkpoint_name(1000)], left
 
 
 def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Path) -> None:
