@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -38,9 +39,9 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dist_resume", __name__])
 
 
-def _big(step: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """~50 MB of parameters equal to ``step`` and momentum buffers equal to ``step + 0.5``."""
-    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False, device="meta") for _ in range(3)))
+def _big(step: int, width: int = WIDTH) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """~50 MB of parameters (at WIDTH) equal to ``step`` and momentum buffers equal to ``step + 0.5``."""
+    model = nn.Sequential(*(nn.Linear(width, width, bias=False, device="meta") for _ in range(3)))
     model.to_empty(device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with torch.no_grad():
@@ -59,13 +60,37 @@ def _save_child(folder: str, step: int, conn: Connection) -> None:
     conn.send(("done", time.monotonic()))
 
 
-def _run_child(folder: Path, step: int, kill_after: float | None) -> float | None:
+ASYNC_WIDTH = 1024  # ~25 MB on disk: the async trials check the background thread, not the size
+
+
+def _save_async_child(folder: str, step: int, conn: Connection) -> None:
+    """Even steps: ``CheckpointManager.save_async``; odd steps: ``save_checkpoint_async`` into the folder."""
+    torch.set_num_threads(1)
+    model, opt = _big(step, ASYNC_WIDTH)
+    mgr = CheckpointManager(folder, keep_last=KEEP_LAST)
+    conn.send(("ready", time.monotonic()))
+    if step % 2 == 0:
+        handle = mgr.save_async(step, model=model, optimizer=opt)
+    else:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        handle = dr.save_checkpoint_async(Path(folder) / checkpoint_name(step), model=model, optimizer=opt, step=step)
+    with torch.no_grad():  # training goes on while the thread writes: the file must still hold ``step``
+        for p in model.parameters():
+            p.fill_(-7.0)
+    handle.wait()
+    conn.send(("done", time.monotonic()))
+    mgr.close()
+
+
+def _run_child(
+    folder: Path, step: int, kill_after: float | None, target: Callable[..., None] = _save_child
+) -> float | None:
     """Save ``step`` in a child; SIGKILL it ``kill_after`` seconds after it starts saving.
 
     Returns how long the save took when it finished, None when the kill interrupted it.
     """
     reader, writer = _CTX.Pipe(duplex=False)
-    proc = _CTX.Process(target=_save_child, args=(str(folder), step, writer), daemon=True)
+    proc = _CTX.Process(target=target, args=(str(folder), step, writer), daemon=True)
     proc.start()
     writer.close()
     try:
@@ -97,7 +122,7 @@ def _run_child(folder: Path, step: int, kill_after: float | None) -> float | Non
         reader.close()
 
 
-def _check_folder(folder: Path, previous: int, new: int) -> tuple[str, list[str]]:
+def _check_folder(folder: Path, previous: int, new: int, width: int = WIDTH) -> tuple[str, list[str]]:
     """Which checkpoint latest() returns ('new'/'previous'), and every broken promise found."""
     problems = []
     names = sorted(n for n in os.listdir(folder) if CHECKPOINT_NAME.match(n))
@@ -106,7 +131,7 @@ def _check_folder(folder: Path, previous: int, new: int) -> tuple[str, list[str]
         return "none", [f"latest() found no complete checkpoint among {names}"]
     if latest.name != names[-1]:  # the completion rule: a checkpoint name means a complete file
         problems.append(f"{names[-1]} carries a checkpoint name but is not complete (latest() skipped it)")
-    model, opt = _big(-1)
+    model, opt = _big(-1, width)
     step = dr.resume(latest, model=model, optimizer=opt, rng=False).step
     if step is None or step not in (previous, new):
         return "wrong step", problems + [f"latest() returned step {step}, expected {previous} or {new}"]
@@ -162,7 +187,44 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
     assert not failures, "\n".join(failures)
     assert phases["killed mid-write"] >= 1, f"no kill landed mid-write: {dict(phases)}"
     assert remaining == 0
-    assert left == [checkpoint_name(previous), checkpoint_name(1000)], left
+    assert left == [".dist_resume.lock", checkpoint_name(previous), checkpoint_name(1000)], left
+
+
+def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpts"
+    durations = [d for step in (1, 2) if (d := _run_child(folder, step, None, _save_async_child)) is not None]
+    rng = random.Random(20261202)
+    previous, failures = 2, []
+    outcomes: Counter[str] = Counter()
+    phases: Counter[str] = Counter()
+    for trial in range(TRIALS):
+        new = 3 + trial
+        # over [0, 2 x the first two saves' median]: kills land before, during and after the write
+        kill_after = statistics.median(durations[:2]) * 2 * (trial + rng.random()) / TRIALS
+        stale = {n for n in os.listdir(folder) if TEMP_NAME.match(n)}
+        took = _run_child(folder, new, kill_after, _save_async_child)
+        durations += [took] if took is not None else []
+        fresh = {n for n in os.listdir(folder) if TEMP_NAME.match(n)} - stale
+        phases[
+            "finished"
+            if took is not None
+            else "killed after the rename"
+            if (folder / checkpoint_name(new)).exists()
+            else "killed mid-write"
+            if fresh
+            else "killed before writing"
+        ] += 1
+        outcome, problems = _check_folder(folder, previous, new, ASYNC_WIDTH)
+        outcomes[outcome] += 1
+        failures += [f"trial {trial} (kill at {kill_after:.3f}s): {p}" for p in problems]
+        previous = new if outcome == "new" else previous
+    print(
+        f"\nasync fault injection: {TRIALS} SIGKILL trials of save_async / save_checkpoint_async "
+        f"(uninterrupted: median {statistics.median(durations):.2f}s); {len(failures)} failures; "
+        f"latest() returned {dict(outcomes)}; kills: {dict(phases)}"
+    )
+    assert not failures, "\n".join(failures)
+    assert phases["killed mid-write"] >= 1, f"no kill landed while the background thread wrote: {dict(phases)}"
 
 
 _RLIMIT_CHILD = textwrap.dedent("""
@@ -183,8 +245,8 @@ _RLIMIT_CHILD = textwrap.dedent("""
 
 
 def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Path) -> None:
-    mgr = CheckpointManager(tmp_path, keep_last=1)
-    good = mgr.save(1, model=nn.Linear(4, 4))
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:  # released: the child saves into the same folder
+        good = mgr.save(1, model=nn.Linear(4, 4))
     before = good.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
@@ -195,5 +257,5 @@ def test_file_size_limit_gives_a_clear_error_and_keeps_the_previous(tmp_path: Pa
     assert kind == "CheckpointWriteError", out.stdout + out.stderr
     assert "EFBIG" in message and "ulimit -f" in message and str(tmp_path / checkpoint_name(2)) in message
     assert "previous checkpoint (if any) is untouched" in message
-    assert sorted(os.listdir(tmp_path)) == [good.name]  # no temp file, no partial ckpt_00000002.pt
+    assert sorted(os.listdir(tmp_path)) == [".dist_resume.lock", good.name]  # no temp file, no partial ckpt_2
     assert good.read_bytes() == before and mgr.latest() == good

@@ -63,6 +63,11 @@ class AsyncSave:
         """True once the background write has finished (successfully or not). Local."""
         return self._thread is None or not self._thread.is_alive()
 
+    @property
+    def waited(self) -> bool:
+        """True once :meth:`wait` has returned or raised (its outcome was delivered). Local."""
+        return self._outcome is not None
+
     def _join(self) -> Path:
         if self._thread is not None:
             self._thread.join()

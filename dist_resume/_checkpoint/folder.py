@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Final
 
 import torch
@@ -24,6 +26,7 @@ from .._dist.comm import run_on_rank0
 from .._format.atomic import TEMP_NAME
 from .._format.integrity import CheckpointInfo, inspect_checkpoint
 from .async_save import AsyncSave, save_checkpoint_async, wait_pending
+from .lock import FolderLock
 from .save import save_checkpoint
 
 __all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "find_latest"]
@@ -111,8 +114,19 @@ class CheckpointManager:
 
     ``keep_last`` counts the checkpoint just written: 1 is crash-safe, because the old file is
     deleted only after the new one is durable; the default 2 also keeps a fallback for a
-    checkpoint damaged later (disk, copy). The folder belongs to the manager: one job saves
-    into it.
+    checkpoint damaged later (disk, copy).
+
+    One writer per folder: the first ``save``/``save_async`` takes an exclusive lock on the
+    folder (``fcntl.flock`` on ``<folder>/.dist_resume.lock``, on global rank 0, the rank that
+    writes) and holds it until :meth:`close` (or the end of a ``with`` block, or the manager being
+    garbage-collected). Another manager, in another job or in this process, that tries to save
+    into the folder meanwhile gets a :class:`CheckpointWriteError` naming the folder and the
+    holder (host, pid) before anything is written. The kernel drops the lock when its holder
+    dies, even by SIGKILL, so there is never a stale lock. A manager that only reads
+    (``latest()``, ``checkpoints()``, :func:`resume` from the folder) never takes it. Caveats: on
+    NFS ``flock`` may be local to one client (``local_lock`` mounts, old clients), so two hosts
+    could both hold it; and a process forked while the lock is held (e.g. a DataLoader worker of
+    rank 0 started with ``fork``) keeps it held until it exits too.
 
     Example::
 
@@ -125,6 +139,7 @@ class CheckpointManager:
         ['ckpt_00000200.pt', 'ckpt_00000300.pt']
         >>> dist_resume.resume("ckpts", model=model, optimizer=opt).step
         300
+        >>> mgr.close()  # or: with dist_resume.CheckpointManager("ckpts") as mgr: ...
     """
 
     def __init__(self, folder: PathLike, keep_last: int = 2) -> None:
@@ -136,9 +151,46 @@ class CheckpointManager:
             )
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self._lock = FolderLock(self.folder)
+        self._pending: AsyncSave | None = None
+        # the lock is released when the manager is garbage-collected, as on close()
+        self._finalizer = weakref.finalize(self, FolderLock.release, self._lock)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.folder)!r}, keep_last={self.keep_last})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:  # do not hide the error that ends the block behind a background save's error
+            try:
+                self.close()
+            except Exception as close_err:
+                logger.warning("closing %r after an error: %s", self, close_err)
+
+    def close(self) -> None:
+        """Wait for this manager's pending asynchronous save, then release the folder's write lock.
+
+        Collective under torch.distributed when an asynchronous save is pending that nobody waited
+        for (it waits like :meth:`AsyncSave.wait`, and raises its error); otherwise local.
+        Idempotent. A later ``save`` takes the lock again.
+        """
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None and not pending.waited:
+                pending.wait()
+        finally:
+            self._lock.release()
+
+    @property
+    def lock_path(self) -> Path:
+        """The lock file, ``<folder>/.dist_resume.lock`` (present once a manager has saved here)."""
+        return self._lock.path
 
     def checkpoints(self) -> list[Path]:
         """Every file named like a checkpoint, oldest step first. Local; checks names only."""
@@ -164,7 +216,7 @@ class CheckpointManager:
         """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
 
         Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
-        removes stale temporary files, writes and rotates, and every rank returns once the file is
+        takes the folder's write lock (first save only), removes stale temporary files, writes and rotates, and every rank returns once the file is
         durable (or raises rank 0's :class:`CheckpointWriteError`). Local in a single process.
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
@@ -207,7 +259,7 @@ class CheckpointManager:
         path = self.folder / checkpoint_name(_check_step(step))
         wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
         run_on_rank0(self._prepare)
-        return save_checkpoint_async(
+        self._pending = save_checkpoint_async(
             path,
             model=model,
             optimizer=optimizer,
@@ -220,6 +272,7 @@ class CheckpointManager:
             rng=rng,
             after_write=lambda written: self._rotate(written, step),
         )
+        return self._pending
 
     def _prepare(self) -> None:
         try:
@@ -230,6 +283,7 @@ class CheckpointManager:
                 f"cannot create or list the checkpoint folder {str(self.folder)!r}: "
                 f"{err.strerror or err}; check the path and its permissions"
             ) from err
+        self._lock.acquire()  # before anything is written or removed
         for name in names:
             found = TEMP_NAME.match(name)
             if found and CHECKPOINT_NAME.match(found.group("dest")):

@@ -64,7 +64,7 @@ def test_ranks_agree_or_all_raise(tmp_path: Path) -> None:
     assert r0["listing"] == r1["listing"] == ("ok", [checkpoint_name(2)])
     for res in results:  # rank 0's failure reaches every rank; nothing is written
         assert res["save_fails"][:2] == ("error", "CheckpointWriteError") and "weights_only" in res["save_fails"][2]
-    assert sorted(p.name for p in shared.iterdir()) == [checkpoint_name(2)]
+    assert sorted(p.name for p in shared.iterdir()) == [".dist_resume.lock", checkpoint_name(2)]  # rank 0 held the lock
     assert r0["shared"] == r1["shared"] == ("ok", str(shared / checkpoint_name(2)))
     assert r0["resume"] == r1["resume"] == ("ok", (2, True))
     for rank, res in enumerate(results):  # node-local copies of the same file: each rank uses its own

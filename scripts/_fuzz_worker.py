@@ -1,0 +1,168 @@
+"""A long-lived fuzz worker: runs one (file, read path) case at a time and reports how it ended."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import resource
+import sys
+import traceback
+import warnings
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+PATHS = (
+    "load_checkpoint",
+    "inspect_checkpoint",
+    "resume",
+    "convert_checkpoint",
+    "verify_archive",
+    "cli inspect",
+    "cli verify",
+    "cli convert",
+)
+FOLDER_PATHS = ("resume folder", "latest_checkpoint")
+AS_HEADROOM = 4 << 30  # address space a case may add before allocation fails (protects the machine)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _where(tb: Any) -> tuple[str, str]:
+    """(deepest frame, deepest frame inside dist_resume) as ``module:function:line``."""
+    frames = traceback.extract_tb(tb)
+    deepest = ours = ""
+    for frame in frames:
+        name = f"{_module(frame.filename)}:{frame.name}:{frame.lineno}"
+        deepest = name
+        if "/dist_resume/" in frame.filename:
+            ours = name
+    return deepest, ours
+
+
+def _module(filename: str) -> str:
+    parts = Path(filename).with_suffix("").parts
+    for root in ("dist_resume", "torch"):
+        if root in parts:
+            return ".".join(parts[len(parts) - 1 - parts[::-1].index(root) :])
+    return Path(filename).stem
+
+
+def _cli_escape(stderr: str) -> tuple[str, str, str, str]:
+    """(type, message, deepest frame, deepest dist_resume frame) from the traceback the CLI printed."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stderr)
+    deepest = ours = ""
+    for filename, lineno, func in frames:
+        name = f"{_module(filename)}:{func}:{lineno}"
+        deepest = name
+        if "/dist_resume/" in filename:
+            ours = name
+    kind = message = ""
+    skip = ("Traceback", "dist-resume", "During handling", "The above exception")
+    for ln in reversed(lines):
+        if not ln[:1].isspace() and not ln.startswith(skip) and re.match(r"^[A-Za-z_][\w.]*(:|$)", ln):
+            kind, _, message = ln.partition(": ")
+            break
+    return kind.strip() or "unknown", message.strip(), deepest, ours
+
+
+def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus: str) -> dict[str, Any]:
+    import torch
+
+    import dist_resume as dr
+    from dist_resume.cli import main as cli_main
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _fuzz_corpus import RESTORES, trained
+
+    def objects() -> dict[str, Any]:
+        model, opt, sched, scaler = trained()
+        every = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+        return {name: every[name] for name in RESTORES[corpus]}
+
+    out = scratch / "out.pt"
+    if path_kind == "load_checkpoint":
+        dr.load_checkpoint(target, map_location="cpu")
+    elif path_kind == "inspect_checkpoint":
+        dr.inspect_checkpoint(target)
+    elif path_kind in ("resume", "resume folder"):
+        dr.resume(target, map_location="cpu", **objects())
+    elif path_kind == "latest_checkpoint":
+        dr.latest_checkpoint(target)
+    elif path_kind == "convert_checkpoint":
+        dr.convert_checkpoint(target, out, dr.KeyForm.DDP, force=True)
+    elif path_kind == "verify_archive":
+        dr.verify_archive(target)
+    else:
+        argv = {
+            "cli inspect": ["inspect", str(target)],
+            "cli verify": ["verify", str(original), str(target)],
+            "cli convert": ["convert", str(target), str(out), "--to", "ddp", "--force"],
+        }[path_kind]
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = cli_main(argv)
+        if rc == 4:
+            kind, message, where, ours = _cli_escape(stderr.getvalue())
+            return {"outcome": "escape", "type": kind, "message": message, "where": where, "ours": ours, "rc": rc}
+        return {"outcome": "success" if rc in (0, 1) else "refused", "rc": rc}
+    del torch
+    return {"outcome": "success"}
+
+
+def worker_main(conn: Connection) -> None:
+    """Serve cases until the parent closes the pipe."""
+    import torch
+
+    import dist_resume as dr
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.getLogger("dist_resume").setLevel(logging.CRITICAL)
+    logging.getLogger("dist_resume").propagate = False
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (vm + AS_HEADROOM, resource.RLIM_INFINITY))
+    conn.send({"ready": os.getpid()})
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        scratch = Path(job["scratch"])
+        start_rss = _rss_kib()
+        before_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            result = run_case(job["path"], Path(job["target"]), Path(job["original"]), scratch, job["corpus"])
+        except dr.DistResumeError as err:
+            result = {"outcome": "refused", "type": type(err).__name__}
+        except MemoryError as err:
+            result = {"outcome": "memory", "type": "MemoryError", "message": str(err)[:300]}
+        except Exception as err:
+            deepest, ours = _where(err.__traceback__)
+            message = str(err).splitlines()[0][:300] if str(err) else ""
+            outcome = "memory" if "can't allocate memory" in message or "out of memory" in message else "escape"
+            result = {
+                "outcome": outcome,
+                "type": f"{type(err).__module__}.{type(err).__qualname__}".removeprefix("builtins."),
+                "message": message,
+                "where": deepest,
+                "ours": ours,
+                "traceback": "".join(traceback.format_exception(err)[-6:])[-2000:],
+            }
+        after_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result["peak_kib"] = max(0, after_peak - start_rss) if after_peak > before_peak else 0
+        result["raised_peak_kib"] = after_peak - before_peak
+        result["id"] = job["id"]
+        conn.send(result)
