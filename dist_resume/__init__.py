@@ -37,9 +37,10 @@ from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
 from ._format.integrity import CheckpointInfo, inspect_checkpoint
 from ._format.layout import Layout
 from ._format.load import load_checkpoint, rank_map_location
+from ._state.adapt import adapt_state_dict
 from ._state.devices import check_devices, device_report
 from ._state.optim import optimizer_to
-from ._state.prefix import adapt_state_dict, add_prefix, canonical_key, strip_prefix, unwrap_model
+from ._state.prefix import add_prefix, canonical_key, strip_prefix, unwrap_model
 
 __all__ = [
     "__version__",

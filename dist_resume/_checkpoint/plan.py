@@ -17,8 +17,9 @@ from .._core.tree import iter_tensors, map_tensors
 from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._format.layout import CheckpointParts
+from .._state.adapt import adapt_state_dict
 from .._state.optim import optimizer_to, prepare_optimizer_state
-from .._state.prefix import adapt_state_dict, match_keys, model_key_map
+from .._state.prefix import match_keys, model_key_map
 from .._state.validate import check_dtypes, check_rng_states, check_scaler, check_scheduler
 
 __all__ = ["RestorePlan", "plan_restore"]

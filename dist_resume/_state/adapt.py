@@ -1,0 +1,114 @@
+"""Fitting a checkpoint's model state to a live model: re-keying across wrappers, checks, and what to do."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import KeyMismatchError
+from .._core.text import preview
+from .prefix import match_keys, model_key_map, prefix_style, unwrap_model, wrapper_prefix
+from .subtree import select_prefix, suggest_key_prefix
+
+__all__ = ["adapt_state_dict"]
+
+
+def adapt_state_dict(
+    state_dict: Mapping[str, Any], model: nn.Module, *, strict: bool = True, key_prefix: str | None = None
+) -> OrderedDict[str, Any]:
+    """Re-key a checkpoint's model state to exactly ``model.state_dict()``'s key form.
+
+    Local; no tensor is copied. Works for any ``module.`` / ``_orig_mod.`` wrapping on either side:
+    plain, DDP, DataParallel, compiled, ``module.module.``, ``_orig_mod.module.``,
+    ``module._orig_mod.``. Raises :class:`KeyMismatchError` listing missing, unexpected and
+    shape-mismatched keys; with ``strict=False`` missing and unexpected keys are allowed (the
+    unexpected ones are dropped) but shape mismatches still raise. ``key_prefix`` (e.g. ``"model."``
+    for a LightningModule's ``self.model``) takes only the keys under it, without it, and ignores the
+    rest; when the keys do not fit and one such prefix would make them fit, the error names it.
+
+    Example::
+
+        >>> ddp_sd = {"module.weight": torch.zeros(2, 2), "module.bias": torch.zeros(2)}
+        >>> list(dist_resume.adapt_state_dict(ddp_sd, torch.nn.Linear(2, 2)))
+        ['weight', 'bias']
+    """
+    if key_prefix is not None:
+        state_dict = select_prefix(state_dict, key_prefix)
+    target_sd = model.state_dict(keep_vars=True)
+    targets = model_key_map(model, target_sd.keys())
+    pairs = match_keys(state_dict.keys(), targets)
+    matched_targets = set(pairs.values())
+    if len(matched_targets) < len(pairs):
+        first: dict[str, str] = {}
+        extra = []
+        for src, dst in pairs.items():
+            if dst in first:
+                extra.append(src)
+            first.setdefault(dst, src)
+        clashes = "; ".join(f"{first[pairs[k]]!r} and {k!r} -> {pairs[k]!r}" for k in extra[:5])
+        raise KeyMismatchError(
+            f"checkpoint keys are ambiguous ({len(extra)}): {clashes}; the state dict mixes wrapped and "
+            "unwrapped forms of the same entries, keep one form (strip_prefix) and load again",
+            unexpected=extra,
+        )
+    missing = [k for k in target_sd if k not in matched_targets]
+    unexpected = [k for k in state_dict if k not in pairs]
+    mismatched = []
+    for src, dst in pairs.items():
+        value, want = state_dict[src], target_sd[dst]
+        if isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor) and value.shape != want.shape:
+            mismatched.append(f"{dst}: checkpoint {tuple(value.shape)}, model {tuple(want.shape)}")
+    if mismatched or (strict and (missing or unexpected)):
+        raise KeyMismatchError(
+            _mismatch_message(state_dict.keys(), model, missing, unexpected, mismatched, strict),
+            missing=missing,
+            unexpected=unexpected,
+            mismatched=mismatched,
+        )
+    out: OrderedDict[str, Any] = OrderedDict((pairs[k], state_dict[k]) for k in state_dict if k in pairs)
+    _adapt_metadata(state_dict, pairs, out)
+    return out
+
+
+def _mismatch_message(
+    saved: Iterable[str],
+    model: nn.Module,
+    missing: list[str],
+    unexpected: list[str],
+    mismatched: list[str],
+    strict: bool,
+) -> str:
+    lines = [
+        f"checkpoint does not fit {type(unwrap_model(model)).__name__}"
+        f" (key prefix in checkpoint: {prefix_style(saved)}; in model: {wrapper_prefix(model) or 'none'})"
+    ]
+    if missing:
+        lines.append(f"  missing from checkpoint ({preview(missing, count=True)})")
+    if unexpected:
+        lines.append(f"  unexpected in checkpoint ({preview(unexpected, count=True)})")
+    if mismatched:
+        lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
+    hint = "check that the checkpoint was saved from the same architecture and configuration"
+    key_prefix = suggest_key_prefix(unexpected, model.state_dict().keys()) if unexpected and missing else None
+    if key_prefix is not None:  # strict=False would load nothing here: say what does fit
+        hint = (
+            f"the model's keys sit under {key_prefix!r} in the checkpoint (e.g. a LightningModule's "
+            f"attribute): pass key_prefix={key_prefix!r}"
+        )
+    elif strict and (missing or unexpected) and not mismatched:
+        hint += "; pass strict=False to load only the keys that fit"
+    lines.append(f"  what to do: {hint}")
+    return "\n".join(lines)
+
+
+def _adapt_metadata(state_dict: Mapping[str, Any], pairs: dict[str, str], out: OrderedDict[str, Any]) -> None:
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is None:
+        return
+    # module paths follow the key pairing: "a.b.weight" -> "module.a.b.weight" maps "a.b" -> "module.a.b"
+    paths = {src.rpartition(".")[0]: dst.rpartition(".")[0] for src, dst in pairs.items()}
+    out._metadata = OrderedDict((paths[n], v) for n, v in meta.items() if n in paths)  # type: ignore[attr-defined]
