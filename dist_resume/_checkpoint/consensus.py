@@ -14,10 +14,9 @@ from .._core.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    DistResumeError,
 )
 from .._core.types import PathLike
-from .._dist.comm import all_gather_objects, run_on_rank0
+from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._format.integrity import CheckpointInfo, archive_digest
 from .folder import find_latest
@@ -86,19 +85,21 @@ def _view(path: Path) -> RankView:
 
 def _agree(folder: Path) -> Path:
     rank = dist.get_rank()
-    try:
-        chosen: CheckpointInfo = run_on_rank0(lambda: _choose(folder))
-        mine = folder / chosen.path.name
-        view = RankView(ViewStatus.OK, str(mine), chosen.size, chosen.digest) if rank == 0 else _view(mine)
+    hint = (
+        "a rank died, is stuck, or did not call resume() with a checkpoint folder; check every rank's log for "
+        "the first error, then restart the job (the checkpoints in the folder are untouched)"
+    )
+    chosen: CheckpointInfo = run_on_rank0(
+        lambda: _choose(folder),
+        fallback=CheckpointConsensusError,
+        task=f"choose the checkpoint in {str(folder)!r}",
+        hint=hint,
+    )
+    mine = folder / chosen.path.name
+    view = RankView(ViewStatus.OK, str(mine), chosen.size, chosen.digest) if rank == 0 else _view(mine)
+    step = f"agreeing on the checkpoint rank 0 chose in {str(folder)!r} ({chosen.path.name})"
+    with collective_step(step, CheckpointConsensusError, hint):
         views: list[RankView] = all_gather_objects(view)
-    except DistResumeError:
-        raise
-    except RuntimeError as err:  # a rank died, hangs, or never called: the process-group timeout ends it
-        raise CheckpointConsensusError(
-            f"rank {rank}: agreeing with the other ranks on the checkpoint in {str(folder)!r} failed "
-            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}); a rank died, is stuck, or did "
-            "not call resume() with a checkpoint folder; check every rank's log, then restart the job"
-        ) from err
     differ = [r for r, v in enumerate(views) if not v.matches(chosen)]
     if differ:  # every rank holds every view: each one raises, with the same ranks
         shown = "; ".join(views[r].describe(r) for r in differ[:8])

@@ -16,7 +16,7 @@ from torch import nn
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
 from .._core.types import PathLike
-from .._dist.comm import run_on_rank0
+from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
 from .._format.atomic import atomic_write
@@ -119,7 +119,8 @@ def prepare_payload(
     world_size = dist.get_world_size() if is_distributed() else 1
     rank_states = None
     if rng or sampler is not None:
-        rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
+        with collective_step("gathering every rank's RNG and sampler state for the checkpoint", CheckpointWriteError):
+            rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
 
     def build() -> dict[str, Any]:
         rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)

@@ -20,11 +20,14 @@ from torch import _weights_only_unpickler as _wo
 from torch import nn
 
 __all__ = [
+    "CommFailure",
     "GARBLED_PICKLE",
     "LoadFailure",
     "RefusedGlobal",
     "WeightsOnlyUnpickler",
+    "classify_comm_error",
     "classify_load_error",
+    "comm_error_summary",
     "compiled_original",
     "decode_location",
     "discarding_sparse_checks",
@@ -112,6 +115,42 @@ def refused_global(err: BaseException) -> RefusedGlobal:
         return RefusedGlobal(blocked.group(1), blocked.group(2).rstrip("."))
     found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
     return RefusedGlobal(found.group(1) if found else None)
+
+
+class CommFailure(Enum):
+    """Why a torch.distributed collective raised, read from its text."""
+
+    PEER_GONE = "peer_gone"  # a peer process closed its connection: it died or exited
+    TIMEOUT = "timeout"  # nothing arrived within the process-group timeout: a peer is stuck or absent
+    OTHER = "other"
+
+
+# gloo's tcp transport (third_party/gloo/gloo/transport/tcp/pair.cc) reports a peer that died as
+# "Connection closed by peer [addr]" (EOF), "Read error ...: Connection reset by peer" (RST) or
+# "Write error ...: Broken pipe"; torch 2.4 - 2.13 raise it as a plain RuntimeError.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+# gloo: "Timed out waiting <n>ms for send/recv operation to complete" (unbound_buffer.cc);
+# c10d's store and DistStoreError: "Timeout" / "timed out"; nccl's watchdog aborts the process instead.
+_TIMED_OUT = ("timed out", "timeout")
+
+
+def classify_comm_error(err: BaseException) -> CommFailure:
+    """Classify an exception raised by a torch.distributed collective (gloo wording, torch 2.4 - 2.13)."""
+    text = str(err)
+    if any(marker in text for marker in _PEER_GONE):
+        return CommFailure.PEER_GONE
+    if any(marker in text.lower() for marker in _TIMED_OUT):
+        return CommFailure.TIMEOUT
+    return CommFailure.OTHER
+
+
+def comm_error_summary(err: BaseException) -> str:
+    """``Type: first line`` of a collective's error without gloo's source location prefix
+    ("[/path/pair.cc:553] ") and its advice suffix (". This is typically caused by ..."), torch 2.4 - 2.13."""
+    line = (str(err).splitlines() or [""])[0]
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+    line = line.split(". This is typically")[0]
+    return f"{type(err).__name__}: {line[:200]}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core.errors import CheckpointError, StateMismatchError
+from .._core.errors import CheckpointError, DistResumeError, StateMismatchError
 from .._core.tree import map_tensors
-from .comm import Outcome, all_gather_objects, comm_device, relabel, run_on_rank0
+from .comm import RESTART_HINT, Outcome, all_gather_objects, collective_step, comm_device, relabel, run_on_rank0
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "agree_across_ranks"]
 
@@ -62,11 +62,16 @@ def _send_tensors(
     bucket = torch.empty(
         min(bucket_bytes, max((f.numel() for f in flat), default=0)) or 1, dtype=torch.uint8, device=device
     )
+    total = -(-sum(f.numel() for f in flat) // bucket.numel())  # every bucket but the last is full
+    # receivers may be writing into the model's own tensors: a broken stream leaves them half-loaded
+    partly = "this rank's model and optimizer may hold part of the checkpoint; " if dests else ""
+    hint = f"{RESTART_HINT} and resume again ({partly}the checkpoint file itself is untouched)"
     pending: list[tuple[torch.Tensor, int, int]] = []  # (flat tensor, start, length) packed into the bucket
     used = 0
+    sent = 0
 
     def flush() -> None:
-        nonlocal used
+        nonlocal used, sent
         if not pending:
             return
         if rank0:
@@ -74,7 +79,10 @@ def _send_tensors(
             for src, start, length in pending:
                 bucket[offset : offset + length].copy_(src[start : start + length])
                 offset += length
-        dist.broadcast(bucket[:used], src=0)
+        sent += 1
+        verb = "sending" if rank0 else "receiving"
+        with collective_step(f"{verb} the broadcast checkpoint (bucket {sent} of {total})", CheckpointError, hint):
+            dist.broadcast(bucket[:used], src=0)
         if not rank0:
             offset = 0
             for dst, start, length in pending:
@@ -115,7 +123,9 @@ def broadcast_loaded(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     rank0 = dist.get_rank() == 0
     tensors: list[torch.Tensor] = []  # filled on rank 0 while the structure is split off
-    skeleton = run_on_rank0(lambda: _split(load(), tensors), fallback=CheckpointError)
+    skeleton = run_on_rank0(
+        lambda: _split(load(), tensors), fallback=CheckpointError, task="read the checkpoint and send its structure"
+    )
     slots = None if rank0 else _collect_slots(skeleton)
     dests: dict[int, torch.Tensor] = {}
     if prepare is not None:
@@ -145,7 +155,14 @@ def agree_across_ranks(error: BaseException | None) -> None:
     original for an exception that is no dist_resume error).
     """
     rank = dist.get_rank()
-    outcomes: list[Outcome] = all_gather_objects(Outcome() if error is None else Outcome.failed(rank, error))
+    mine = Outcome() if error is None else Outcome.failed(rank, error)
+    try:
+        with collective_step("agreeing that every rank can restore the broadcast checkpoint", CheckpointError):
+            outcomes: list[Outcome] = all_gather_objects(mine)
+    except DistResumeError:
+        if error is not None:
+            return  # this rank's own failure says more; its caller raises it
+        raise
     failed = [o.error for o in outcomes if o.error is not None]
     if not failed or error is not None:
         return

@@ -3,13 +3,17 @@
 torch's ``broadcast_object_list`` / ``all_gather_object`` / ``gather_object`` decode through
 ``tensor.numpy()`` and fail with "Numpy is not available" on a torch-only install; these pickle into
 a uint8 tensor and read it back with ``ctypes``, on the backend's device.
+
+A collective that fails because a peer died or timed out raises torch's ``RuntimeError``;
+:func:`collective_step` turns it into a dist_resume error that names the step this rank was in.
 """
 
 from __future__ import annotations
 
 import ctypes
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +22,16 @@ import torch.distributed as dist
 
 from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
+from .._core.log import logger
+from .._core.torch_compat import CommFailure, classify_comm_error, comm_error_summary
 from .env import is_distributed
 
 __all__ = [
     "comm_device",
     "broadcast_object",
     "all_gather_objects",
+    "RESTART_HINT",
+    "collective_step",
     "RelayedError",
     "Outcome",
     "relabel",
@@ -74,6 +82,39 @@ def all_gather_objects(obj: Any) -> list[Any]:
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(bufs, padded)
     return [_decode(buf, n) for buf, n in zip(bufs, counts)]
+
+
+RESTART_HINT = (
+    "a rank died, is stuck, or did not make the same call; check every rank's log for the first error, "
+    "then restart the job"
+)
+
+_CAUSES = {
+    CommFailure.PEER_GONE: "another rank's process is gone",
+    CommFailure.TIMEOUT: "no answer within the process-group timeout",
+    CommFailure.OTHER: "the collective failed",
+}
+
+
+@contextmanager
+def collective_step(step: str, error: type[DistResumeError], hint: str = RESTART_HINT) -> Iterator[None]:
+    """Local: a torch.distributed failure inside the block (a peer died, a timeout) raises ``error``
+    whose message names ``step`` ("receiving the broadcast checkpoint (bucket 3 of 7)") and ``hint``.
+
+    Wrap only collective calls: every ``RuntimeError`` inside counts as one (torch raises gloo's
+    failures as plain ``RuntimeError``; ``DistBackendError`` and ``DistNetworkError`` subclass it).
+    dist_resume errors and anything that is no ``RuntimeError`` pass through unchanged.
+    """
+    try:
+        yield
+    except DistResumeError:
+        raise
+    except RuntimeError as err:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        cause = _CAUSES[classify_comm_error(err)]
+        raise error(
+            f"rank {rank}: lost contact with the other ranks while {step}: {cause} ({comm_error_summary(err)}); {hint}"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -167,23 +208,38 @@ def relabel(err: DistResumeError, message: str) -> DistResumeError:
     return err
 
 
-def run_on_rank0(fn: Callable[[], Any], fallback: type[DistResumeError] = CheckpointWriteError) -> Any:
+def run_on_rank0(
+    fn: Callable[[], Any],
+    fallback: type[DistResumeError] = CheckpointWriteError,
+    *,
+    task: str = "write the checkpoint",
+    hint: str = RESTART_HINT,
+) -> Any:
     """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error.
 
     Collective under torch.distributed (one broadcast), so a failure on rank 0 never leaves the
     other ranks waiting in a barrier. Rank 0 raises its own exception; the others raise the same
     dist_resume error class with its attributes and ``rank == 0`` (``fallback`` for any other
-    exception, chained to it).
+    exception, chained to it). If rank 0 dies or the broadcast times out, the waiting ranks raise
+    ``fallback`` naming ``task`` ("while waiting for rank 0 to write the checkpoint") and ``hint``.
     """
     if not is_distributed():
         return fn()
-    outcome, failure = Outcome.run(fn, 0) if dist.get_rank() == 0 else (None, None)
-    outcome = broadcast_object(outcome, src=0)
+    rank0 = dist.get_rank() == 0
+    outcome, failure = Outcome.run(fn, 0) if rank0 else (None, None)
+    step = f"telling the other ranks whether rank 0 could {task}" if rank0 else f"waiting for rank 0 to {task}"
+    try:
+        with collective_step(step, fallback, hint):
+            received: Outcome = broadcast_object(outcome, src=0)
+    except DistResumeError as lost:
+        if failure is None:
+            raise
+        logger.warning("%s", lost)  # rank 0's own failure comes first
     if failure is not None:
         raise failure
-    if outcome.error is None:
-        return outcome.value
-    relayed: RelayedError = outcome.error
+    if received.error is None:
+        return received.value
+    relayed: RelayedError = received.error
     err = relayed.rebuild(fallback)
     same = type(err).__qualname__ == relayed.class_name
     raise relabel(err, f"{relayed.message} (reported by rank 0)" if same else f"rank 0 failed: {err}")

@@ -1,4 +1,4 @@
-"""Reading a torch zip checkpoint without loading tensor data, and checking the archive's integrity.
+"""Reading a torch zip checkpoint without loading tensor data (its records and their integrity: :mod:`.verify`).
 
 ``torch.save`` writes a zip archive: ``<name>/data.pkl`` (the pickled structure), one stored record
 ``<name>/data/<key>`` per storage (raw bytes, 64-byte aligned), plus ``version``, ``byteorder``,
@@ -12,23 +12,22 @@ strides, and no tensor byte is read.
 from __future__ import annotations
 
 import io
-import mmap
 import pickle
 import struct
 import zipfile
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from .._core import torch_compat
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.types import PathLike
-from .sniff import FileKind, check_file, file_kind, unsafe_error
+from .sniff import unsafe_error
+from .verify import LOCAL_HEADER as LOCAL_HEADER
+from .verify import LOCAL_SIGNATURE as LOCAL_SIGNATURE
+from .verify import ArchiveFinding, FindingKind, Record, read_records, verify_archive
 
 __all__ = [
     "Record",
@@ -40,23 +39,6 @@ __all__ = [
     "read_archive",
     "verify_archive",
 ]
-
-LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
-LOCAL_SIGNATURE: Final = 0x04034B50
-_CRC_CHUNK: Final = 16 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One member of the archive, as its central directory and local header describe it."""
-
-    name: str  # full name, e.g. "archive/data/0"
-    header_offset: int
-    data_offset: int
-    compress_size: int
-    file_size: int
-    crc: int
-    compress_type: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,83 +77,8 @@ class ArchiveContents:
         return self._by_cdata.get(torch_compat.storage_id(tensor.untyped_storage()))
 
 
-class FindingKind(Enum):
-    """What kind of integrity problem an :class:`ArchiveFinding` reports."""
-
-    UNREADABLE = "unreadable"  # the archive's structure cannot be read (truncated, damaged directory)
-    DUPLICATE_RECORD = "duplicate_record"
-    NO_VERSION = "no_version"  # the 'version' record torch.save always writes is absent
-    CRC_MISMATCH = "crc_mismatch"
-    UNDECOMPRESSABLE = "undecompressable"  # a compressed record that does not inflate or fails its CRC
-
-
-@dataclass(frozen=True, slots=True)
-class ArchiveFinding:
-    """One integrity problem: the record it concerns (None for the archive as a whole) and what is wrong."""
-
-    record: str | None
-    problem: str
-    kind: FindingKind
-
-    def __str__(self) -> str:
-        return f"{self.record}: {self.problem}" if self.record else self.problem
-
-
 def _name(path: Path) -> str:
     return repr(str(path))
-
-
-def read_records(path: PathLike) -> tuple[str, list[Record]]:
-    """The archive name and the records of a torch zip checkpoint, in file order. Reads no record data.
-
-    Raises :class:`CheckpointError` subclasses for a missing, empty, truncated, legacy or foreign file.
-    """
-    p = check_file(path)
-    if file_kind(p) is FileKind.LEGACY:
-        raise NotACheckpointError(
-            f"{_name(p)} uses torch's legacy (pre-1.6) format, which has no records to copy or inspect; "
-            "re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
-        )
-    size = p.stat().st_size
-    try:
-        with zipfile.ZipFile(p) as zf, open(p, "rb") as f:
-            infos = zf.infolist()
-            records = [_record(f, info, size) for info in infos]
-    except zipfile.BadZipFile as err:
-        raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} is damaged or truncated (zip: {err}); most likely a save that was "
-            "interrupted: resume from an earlier checkpoint"
-        ) from err
-    if not records:
-        raise NotACheckpointError(f"{_name(p)} is an empty zip archive, not a checkpoint written by torch.save")
-    archive_name, slash, _ = records[0].name.partition("/")
-    if not slash or any(not r.name.startswith(archive_name + "/") for r in records):
-        raise NotACheckpointError(
-            f"{_name(p)} is a zip archive but not one written by torch.save (records are not in one folder)"
-        )
-    names = {r.name for r in records}
-    if f"{archive_name}/data.pkl" not in names:
-        what = (
-            "a TorchScript archive (torch.jit.save); load it with torch.jit.load"
-            if f"{archive_name}/constants.pkl" in names
-            else "a zip archive without data.pkl"
-        )
-        raise NotACheckpointError(f"{_name(p)} is {what}, not a checkpoint written by torch.save")
-    return archive_name, records
-
-
-def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
-    f.seek(info.header_offset)
-    head = f.read(LOCAL_HEADER.size)
-    if len(head) < LOCAL_HEADER.size or LOCAL_HEADER.unpack(head)[0] != LOCAL_SIGNATURE:
-        raise zipfile.BadZipFile(f"no local header for {info.filename!r} at offset {info.header_offset}")
-    name_len, extra_len = LOCAL_HEADER.unpack(head)[9:11]
-    data_offset = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
-    if data_offset + info.compress_size > size:
-        raise zipfile.BadZipFile(f"record {info.filename!r} runs past the end of the file")
-    return Record(
-        info.filename, info.header_offset, data_offset, info.compress_size, info.file_size, info.CRC, info.compress_type
-    )
 
 
 class _Garbled(pickle.UnpicklingError):
@@ -253,93 +160,3 @@ def read_archive(path: PathLike) -> ArchiveContents:
             "load it with torch.load and re-save it instead"
         ) from err
     return contents
-
-
-def verify_archive(
-    path: PathLike, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
-) -> list[ArchiveFinding]:
-    """Check a torch zip checkpoint's structure and the CRC32 of every record. Local; reads the whole file.
-
-    ``torch.load`` never checks the CRCs, so a flipped bit loads silently; this finds it. Returns
-    the findings (empty when the archive is sound); with ``strict=True`` (default) any finding
-    raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
-    called with byte counts while checksumming.
-
-    Example::
-
-        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> verify_archive("ckpt.pt")
-        []
-    """
-    p = Path(path)
-    try:
-        archive_name, records = read_records(p)
-    except CheckpointCorruptError as err:
-        findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
-    else:
-        findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
-    if findings and strict:
-        shown = "; ".join(str(f) for f in findings[:3])
-        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
-        raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} failed its integrity check: {shown}{more}; the file was damaged after it "
-            "was written (disk, copy or transfer): resume from an earlier checkpoint or copy it again"
-        )
-    return findings
-
-
-def _structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:
-    findings = []
-    seen: set[str] = set()
-    for r in records:
-        if r.name in seen:
-            findings.append(ArchiveFinding(r.name, "appears twice in the archive", FindingKind.DUPLICATE_RECORD))
-        seen.add(r.name)
-    if f"{archive_name}/version" not in seen:
-        findings.append(ArchiveFinding(None, "the archive has no 'version' record", FindingKind.NO_VERSION))
-    return findings
-
-
-def _crc_findings(
-    path: Path, records: list[Record], progress: Callable[[int, int], None] | None
-) -> list[ArchiveFinding]:
-    findings = []
-    total, done = sum(r.compress_size for r in records), 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        data = memoryview(view)
-        try:
-            for r in records:
-                if r.compress_type != zipfile.ZIP_STORED:
-                    problem = _compressed_problem(path, r)
-                    if problem:
-                        findings.append(ArchiveFinding(r.name, problem, FindingKind.UNDECOMPRESSABLE))
-                    done += r.compress_size
-                    continue
-                crc = 0
-                for start in range(r.data_offset, r.data_offset + r.compress_size, _CRC_CHUNK):
-                    end = min(start + _CRC_CHUNK, r.data_offset + r.compress_size)
-                    crc = zlib.crc32(data[start:end], crc)
-                    if progress is not None:
-                        progress(done + end - r.data_offset, total)
-                done += r.compress_size
-                if crc != r.crc:
-                    findings.append(
-                        ArchiveFinding(
-                            r.name,
-                            f"CRC32 mismatch (recorded {r.crc:#010x}, data {crc:#010x}): its bytes changed",
-                            FindingKind.CRC_MISMATCH,
-                        )
-                    )
-        finally:
-            data.release()
-    return findings
-
-
-def _compressed_problem(path: Path, record: Record) -> str | None:
-    try:
-        with zipfile.ZipFile(path) as zf, zf.open(record.name) as member:
-            while member.read(_CRC_CHUNK):
-                pass
-    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
-        return f"cannot be decompressed or fails its CRC32 ({err})"
-    return None
