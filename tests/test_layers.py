@@ -1,0 +1,42 @@
+"""The layers contract in pyproject.toml holds, and it fails when a lower layer imports a higher one."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("importlinter", reason="import-linter is in the lint extra (pip install -e '.[lint]')")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run(
+        [sys.executable, "-c", code, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_package_keeps_its_layers():
+    result = _lint(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout
+
+
+def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
+    shutil.copytree(REPO / "dist_resume", tmp_path / "dist_resume", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    tree = tmp_path / "dist_resume" / "_core" / "tree.py"
+    tree.write_text(tree.read_text() + "\nfrom .._checkpoint import save as _upward  # noqa: E402,F401\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "BROKEN" in result.stdout and "dist_resume._core.tree -> dist_resume._checkpoint.save" in result.stdout
