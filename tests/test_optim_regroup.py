@@ -61,7 +61,10 @@ def _unchanged(model: nn.Module, opt: torch.optim.Optimizer):
         assert_same(model.state_dict(), weights)
         assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
         assert [[id(p) for p in g["params"]] for g in opt.param_groups] == ids
-        assert {id(p): dict(s) for p, s in opt.state.items()}.keys() == state.keys()
+        now = {id(p): dict(s) for p, s in opt.state.items()}
+        assert now.keys() == state.keys()
+        for key, entry in state.items():
+            assert_same(now[key], entry)
         assert all(not isinstance(k, (str, int)) for k in opt.state)  # no orphan keys were stored
 
     return check
@@ -327,3 +330,18 @@ def test_nothing_fits_by_name_is_refused_even_without_strict() -> None:
     live = torch.optim.Adam([{"params": [target.x.weight]}, {"params": [target.x.bias, *target.y.parameters()]}])
     with pytest.raises(dr.OptimizerStateMismatchError, match="no parameter"):
         prepare_optimizer_state(opt.state_dict(), live, target, strict=False)
+
+
+def test_a_refused_regroup_changes_nothing(tmp_path: Path) -> None:
+    model, opt = _trained(named=True, cls=torch.optim.AdamW)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][3]["exp_avg"] = torch.zeros(4)  # b.bias's state no longer fits b.bias
+    path = _save(tmp_path / "bad_shape.pt", model, saved)
+    target = TwinNet(seed=1)
+    live = torch.optim.AdamW(_decay_split(target), lr=5e-2)
+    train_steps(target, live, [(torch.randn(4, 3), torch.randn(4, 3))])  # live state exists already
+    unchanged = _unchanged(target, live)
+    for strict in (True, False):
+        with pytest.raises(dr.OptimizerStateMismatchError, match=r"state\[b\.bias\]\['exp_avg'\] has shape \(4,\)"):
+            dr.resume(path, model=target, optimizer=live, strict=strict)
+        unchanged()

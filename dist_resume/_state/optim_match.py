@@ -95,17 +95,20 @@ def regroup_by_name(
             f"{preview(flat_saved, count=True)}; live: {preview(flat_live, count=True)}); "
             "this optimizer state is from another model"
         )
-    differ = (
-        f"not in checkpoint ({preview(missing, count=True)}), only in checkpoint ({preview(unexpected, count=True)})"
+    differ = ", ".join(
+        f"{where} ({preview(which, count=True)})"
+        for where, which in (("not in checkpoint", missing), ("only in checkpoint", unexpected))
+        if which
     )
-    if strict and (missing or unexpected):
-        raise OptimizerStateMismatchError(
-            f"{source}: the optimizer holds different parameters than the file: {differ}; "
-            "the model's parameters changed since the checkpoint was written (pass strict=False to restore the "
-            "state of the parameters both have: new ones start fresh)"
-        )
     saved_sizes = [len(g["params"]) for g in saved_groups]
     live_sizes = [len(g) for g in live]
+    if strict and (missing or unexpected):
+        raise OptimizerStateMismatchError(
+            f"{source}: the optimizer holds different parameters than the file (parameter group sizes: saved "
+            f"{saved_sizes}, {kind} has {live_sizes}): {differ}; the model's parameters changed since the "
+            "checkpoint was written (pass strict=False to restore the state of the parameters both have; "
+            "new ones start fresh)"
+        )
     how = f"{describe_groups(saved_sizes)} params in the file, {describe_groups(live_sizes)} now"
     if saved_sizes == live_sizes and not (missing or unexpected):
         how += ", with parameters moved between groups"
