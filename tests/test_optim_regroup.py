@@ -19,7 +19,7 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._state.optim import prepare_optimizer_state, state_coverage
-from tests.models import TwinNet, assert_same, make_batches, train_steps
+from tests.models import TwinNet, assert_same, make_batches, single_rank_group, train_steps
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -345,3 +345,23 @@ def test_a_refused_regroup_changes_nothing(tmp_path: Path) -> None:
         with pytest.raises(dr.OptimizerStateMismatchError, match=r"state\[b\.bias\]\['exp_avg'\] has shape \(4,\)"):
             dr.resume(path, model=target, optimizer=live, strict=strict)
         unchanged()
+
+
+def test_regrouped_and_digit_string_state_through_broadcast_loading(tmp_path: Path) -> None:
+    """broadcast_from_rank0 plans on stand-ins and rebinds by tensor identity: the prepared state must keep it."""
+    model, opt = _trained(named=True, cls=torch.optim.AdamW)
+    expected = _by_name(model, opt)
+    dr.save_checkpoint(tmp_path / "named.pt", model=model, optimizer=opt)
+    plain, plain_opt = _trained()
+    plain_expected = _by_name(plain, plain_opt)
+    digits = _save(tmp_path / "digits.pt", plain, _digit_strings(plain_opt))
+    with single_rank_group(tmp_path):
+        target = TwinNet(seed=1)
+        live = torch.optim.AdamW(_decay_split(target), lr=5e-2)
+        dr.resume(tmp_path / "named.pt", model=target, optimizer=live, broadcast_from_rank0=True)
+        target2 = TwinNet(seed=1)
+        live2 = torch.optim.Adam(target2.parameters(), lr=1e-2)
+        dr.resume(digits, model=target2, optimizer=live2, broadcast_from_rank0=True)
+    _assert_state_by_name(target, live, expected)
+    assert [g["weight_decay"] for g in live.param_groups] == [0.05, 0.0]
+    _assert_state_by_name(target2, live2, plain_expected)
