@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._state.optim import canonical_optimizer_state, prepare_optimizer_state
+from dist_resume._state.optim import canonical_optimizer_state, prepare_optimizer_state, state_coverage
 from tests.models import TwinNet, TwinNetReordered, assert_same, make_batches, train_steps
 
 META = torch.device("meta")
@@ -365,3 +365,44 @@ def test_sparse_adam_integer_step():
     assert opt.state[emb.weight]["step"] == 1  # a Python int, not a tensor
     dr.optimizer_to(opt, META)
     assert opt.state[emb.weight]["step"] == 1 and opt.state[emb.weight]["exp_avg"].device == META
+
+
+# ---------------------------------------------------------------- keys, regrouping refusals, coverage
+
+
+def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
+    from dist_resume._format import dcp
+    from dist_resume._state import optim_keys
+
+    assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state
+    mixed = {"state": {0: {}, "1": {}}, "param_groups": [{"params": [0, 1]}]}
+    assert optim_keys.normalize_optimizer_state(mixed) is mixed  # not every key a digit string: left alone
+    assert optim_keys.unfit_state_keys(mixed) == []  # '1' could be read as 1 ...
+    with pytest.raises(dr.OptimizerStateMismatchError, match=r"1 optimizer state entry fits no parameter.*'1'"):
+        optim_keys.check_state_keys(mixed, "f.pt")  # ... but a half-normalised file is not guessed at
+
+
+def test_regrouped_live_optimizer_without_names_is_refused():
+    model, _, opt = _adam_checkpoint(named=True)
+    live = torch.optim.Adam([{"params": model.a.parameters()}, {"params": model.b.parameters()}])
+    unchanged = copy.deepcopy(live.state_dict())
+    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+        prepare_optimizer_state(opt.state_dict(), live)  # no model: the live parameters have no names
+    msg = str(info.value)
+    assert "1 parameter group(s), Adam has 2" in msg and "pass the model" in msg
+    assert live.state_dict() == unchanged
+    prepared = prepare_optimizer_state(opt.state_dict(), live, model)  # with the model they do
+    assert [g["params"] for g in prepared["param_groups"]] == [[0, 1], [2, 3]]
+
+
+def test_prepared_state_holds_only_what_is_applied():
+    model = TwinNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.a(torch.ones(1, 3)).sum().backward()  # only a.* get a gradient, so only they get state
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][3] = {}  # an empty entry applies nothing
+    prepared = prepare_optimizer_state(saved, torch.optim.SGD(TwinNet().parameters(), lr=0.1), TwinNet())
+    assert sorted(prepared["state"]) == [0, 1]
+    assert state_coverage(prepared) == (2, 4)
+    assert prepared["state"][0]["momentum_buffer"] is saved["state"][0]["momentum_buffer"]  # no copies

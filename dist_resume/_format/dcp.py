@@ -19,7 +19,6 @@ import io
 import itertools
 import pickle
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
+from .._state.optim_keys import normalize_optimizer_state
 from .foreign import FolderKind, foreign_layout
 from .layout import CheckpointParts, split_checkpoint
 from .load import rank_map_location
@@ -199,34 +199,6 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
             raise _unreadable(folder, err) from err
     return state
-
-
-def normalize_optimizer_state(osd: Any) -> Any:
-    """Optimizer state keyed as ``Optimizer.load_state_dict`` expects, or ``osd`` unchanged. Local.
-
-    Digit-string state keys become ints where the groups list those ints (and no key exists in
-    both forms); DSD's FQN form (groups list names) becomes positions with ``param_names``.
-    """
-    if not (isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping)):
-        return osd
-    groups = osd.get("param_groups")
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
-        return osd
-    params = [p for g in groups for p in g["params"]]
-    state = osd["state"]
-    if params and all(type(p) is int for p in params):
-        keys = list(state)
-        as_int = {k: int(k) for k in keys if isinstance(k, str) and k.isdigit()}
-        if not as_int or set(as_int.values()) & {k for k in keys if type(k) is int}:
-            return osd
-        return {**osd, "state": {as_int.get(k, k): v for k, v in state.items()}}
-    if params and all(isinstance(p, str) for p in params) and len(set(params)) == len(params):
-        position = {name: i for i, name in enumerate(params)}
-        new_groups = []
-        for g in groups:
-            new_groups.append({**g, "params": [position[n] for n in g["params"]], "param_names": list(g["params"])})
-        return {**osd, "state": {position.get(k, k): v for k, v in state.items()}, "param_groups": new_groups}
-    return osd
 
 
 def _to_device(map_location: MapLocation, folder: Path) -> torch.device:

@@ -9,9 +9,12 @@ import torch
 from torch import nn
 
 from .._core.errors import OptimizerStateMismatchError
-from .._core.text import article, preview
+from .._core.text import article
 from .._core.tree import map_tensors
-from .prefix import _without_compile, canonical_key, match_keys, unwrap_model
+from .optim_keys import check_state_keys, normalize_optimizer_state, state_coverage
+from .optim_match import _FACTORED_KEYS as _FACTORED_KEYS  # cli/_inspect reads it from here
+from .optim_match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
+from .prefix import _without_compile, canonical_key, unwrap_model
 
 __all__ = [
     "optimizer_to",
@@ -19,6 +22,8 @@ __all__ = [
     "param_names",
     "prepare_optimizer_state",
     "canonical_optimizer_state",
+    "normalize_optimizer_state",
+    "state_coverage",
 ]
 
 _GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names", "initial_lr"})
@@ -26,8 +31,6 @@ _GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names", "initial_lr"})
 _SCHEDULER_KEYS: Final = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "momentum", "betas"}
 )
-# state tensors whose shape legitimately differs from the parameter's
-_FACTORED_KEYS: Final = frozenset({"row_var", "col_var"})
 
 
 def step_on_param_device(group: Mapping[str, Any]) -> bool:
@@ -122,28 +125,72 @@ def _fail(msg: str) -> OptimizerStateMismatchError:
 
 
 def prepare_optimizer_state(
-    saved: Any, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, source: str = "checkpoint"
+    saved: Any,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None = None,
+    *,
+    source: str = "checkpoint",
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Validate saved optimizer state against ``optimizer`` and return a state dict ready to load.
 
-    Local; changes nothing. Checks group count and sizes, the optimizer kind (from the group
-    hyper-parameters), ``param_names`` after prefix normalisation (a reordered module is re-matched
-    by name) and every per-parameter state tensor's shape against the parameter it will belong to.
+    Local; changes nothing. State keyed by digit strings or by parameter names is re-keyed
+    (:func:`normalize_optimizer_state`); state that then fits no parameter of the saved groups is
+    refused. Checks the optimizer kind (from the group hyper-parameters), the group structure,
+    ``param_names`` after prefix normalisation (a reordered module is re-matched by name) and every
+    per-parameter state tensor's shape against the parameter it will belong to.
+
+    When the groups changed (count, sizes, or which parameter is in which) and both sides have
+    parameter names, each parameter's state is matched by name into its live group, the live
+    groups' hyper-parameters are kept, and a WARNING says so; ``strict=False`` then also lets live
+    parameters the file does not name start fresh and drops saved names the model lacks.
+
+    The result loads with ``optimizer.load_state_dict``; its ``state`` holds exactly the entries that
+    will be applied (:func:`state_coverage` counts them).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.AdamW(model.named_parameters())
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> split = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}])
+        >>> split.load_state_dict(prepare_optimizer_state(opt.state_dict(), split, model))
     """
     if not (
         isinstance(saved, Mapping)
         and isinstance(saved.get("state"), Mapping)
         and isinstance(saved.get("param_groups"), (list, tuple))
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in saved["param_groups"])
     ):
         raise _fail(f"{source}: the optimizer entry is not an optimizer state dict (no 'state'/'param_groups')")
+    saved = normalize_optimizer_state(saved)
+    check_state_keys(saved, source)
     groups, saved_groups = optimizer.param_groups, list(saved["param_groups"])
-    kind = type(optimizer).__name__
-    if len(groups) != len(saved_groups):
-        raise _fail(
-            f"{source}: saved optimizer has {len(saved_groups)} parameter group(s), {kind} has {len(groups)}; "
-            "build the optimizer with the same param groups as the run that saved it"
+    _check_kind(groups, saved_groups, type(optimizer).__name__, source)
+    names, live = saved_names(saved_groups), _live_names(optimizer, model)
+    sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved_groups]
+    orders: list[list[int]] | None = None
+    if sizes == saved_sizes:
+        identity = [list(range(n)) for n in sizes]
+        orders = identity if names is None or live is None else match_in_groups(names, live)
+    if orders is not None:
+        new_groups, live_by_saved_id = _in_groups(saved_groups, groups, orders)
+        state = {sid: entry for sid, entry in saved["state"].items() if entry}
+    elif names is None or live is None:
+        raise _fail(_refusal(saved_sizes, sizes, type(optimizer).__name__, source, names is None))
+    else:
+        new_groups, live_by_saved_id, state = regroup_by_name(
+            saved, names, optimizer, live, strict=strict, source=source
         )
-    for i, (group, sgroup) in enumerate(zip(groups, saved_groups)):
+    if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS keeps flat vectors under its first parameter
+        check_state_shapes(state, live_by_saved_id, param_names(model) if model is not None else {}, source)
+    return {"state": state, "param_groups": new_groups}
+
+
+def _check_kind(groups: list[dict[str, Any]], saved_groups: list[Any], kind: str, source: str) -> None:
+    """Refuse state from another optimizer class: hyper-parameters it does not use, and lacking its own."""
+    for i, sgroup in enumerate(saved_groups):
+        group = groups[min(i, len(groups) - 1)]
         live_keys = set(group) - _GROUP_BOOKKEEPING
         saved_keys = set(sgroup) - _GROUP_BOOKKEEPING
         extra, absent = saved_keys - live_keys - _SCHEDULER_KEYS, live_keys - saved_keys
@@ -153,13 +200,31 @@ def prepare_optimizer_state(
                 f"{sorted(extra)} that {kind} does not use and lacks {sorted(absent)}; "
                 "build the same optimizer class as the run that saved it"
             )
-    sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved_groups]
-    if sizes != saved_sizes:
-        raise _fail(
-            f"{source}: parameter group sizes differ: saved {saved_sizes}, {kind} has {sizes}; "
-            "the model or the param groups changed since the checkpoint was written"
+
+
+def _refusal(saved_sizes: list[int], sizes: list[int], kind: str, source: str, file_unnamed: bool) -> str:
+    if len(saved_sizes) != len(sizes):
+        found = f"saved optimizer has {len(saved_sizes)} parameter group(s), {kind} has {len(sizes)}"
+    else:
+        found = f"parameter group sizes differ: saved {saved_sizes}, {kind} has {sizes}"
+    if file_unnamed:
+        how = (
+            "the file stores no parameter names to match its state by, so build the optimizer with the same "
+            "param groups as the run that saved it (files saved with dist_resume, or from an optimizer built "
+            "from model.named_parameters(), store names and can be regrouped)"
         )
-    orders = _match_by_name(saved_groups, _live_names(optimizer, model), source)
+    else:
+        how = (
+            "the live optimizer's parameters have no names to match the file's by: pass the model, or build "
+            "the optimizer from model.named_parameters()"
+        )
+    return f"{source}: {found}; {how}"
+
+
+def _in_groups(
+    saved_groups: list[Any], groups: list[dict[str, Any]], orders: list[list[int]]
+) -> tuple[list[dict[str, Any]], dict[Any, torch.Tensor]]:
+    """Saved groups (their hyper-parameters, torch's rule) with ids in the live order; ``{saved id: parameter}``."""
     new_groups = []
     live_by_saved_id: dict[Any, torch.Tensor] = {}
     for group, sgroup, order in zip(groups, saved_groups, orders):
@@ -170,55 +235,4 @@ def prepare_optimizer_state(
             new_group["param_names"] = list(group["param_names"])
         new_groups.append(new_group)
         live_by_saved_id.update(zip(ids, group["params"]))
-    if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS keeps flat vectors under its first parameter
-        _check_state_shapes(saved["state"], live_by_saved_id, model, source)
-    return {"state": saved["state"], "param_groups": new_groups}
-
-
-def _match_by_name(saved_groups: list[Any], live: list[list[str]] | None, source: str) -> list[list[int]]:
-    """For each group: the positions in the saved group, in the order of the live group's parameters."""
-    identity = [list(range(len(g["params"]))) for g in saved_groups]
-    if live is None or not all("param_names" in g for g in saved_groups):
-        return identity
-    orders = []
-    for i, (names, sgroup) in enumerate(zip(live, saved_groups)):
-        saved_names = list(sgroup["param_names"])
-        pairs = match_keys(saved_names, {canonical_key(n): n for n in names})
-        if len(pairs) != len(saved_names) or len(set(pairs.values())) != len(names):
-            missing = sorted(set(names) - set(pairs.values()))
-            unexpected = sorted(set(saved_names) - set(pairs))
-            raise _fail(
-                f"{source}: optimizer group {i} holds different parameters: not in checkpoint "
-                f"({preview(missing, count=True)}), only in checkpoint ({preview(unexpected, count=True)}); "
-                "the model's parameters changed since the checkpoint was written"
-            )
-        position = {pairs[n]: j for j, n in enumerate(saved_names)}
-        orders.append([position[n] for n in names])
-    return orders
-
-
-def _check_state_shapes(
-    state: Mapping[Any, Any], live_by_saved_id: dict[Any, torch.Tensor], model: nn.Module | None, source: str
-) -> None:
-    names = param_names(model) if model is not None else {}
-    problems = []
-    for sid, param in live_by_saved_id.items():
-        for key, value in (state.get(sid) or {}).items():
-            if (
-                isinstance(value, torch.Tensor)
-                and key != "step"
-                and value.dim() > 0
-                and key not in _FACTORED_KEYS
-                and value.shape != param.shape
-            ):
-                name = names.get(id(param), f"parameter #{sid}")
-                problems.append(
-                    f"state[{name}][{key!r}] has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}"
-                )
-    if problems:
-        shown = preview(problems, sep="; ", quote=False)
-        raise _fail(
-            f"{source}: optimizer state does not fit the parameters it would be paired with: {shown}; "
-            "the parameters were reordered or reshaped since the checkpoint was written "
-            "(build the optimizer from model.named_parameters() so state is matched by name)"
-        )
+    return new_groups, live_by_saved_id

@@ -1,0 +1,101 @@
+"""How saved optimizer state is keyed: re-keying the forms other tools write, refusing state that fits no parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .._core.errors import OptimizerStateMismatchError
+from .._core.text import preview
+
+__all__ = ["normalize_optimizer_state", "unfit_state_keys", "check_state_keys", "state_coverage"]
+
+
+def _group_ids(osd: Mapping[str, Any]) -> list[Any]:
+    return [p for g in osd["param_groups"] for p in g["params"]]
+
+
+def normalize_optimizer_state(osd: Any) -> Any:
+    """Optimizer state keyed as ``Optimizer.load_state_dict`` expects, or ``osd`` unchanged. Local.
+
+    Digit-string state keys (what torch's ``dcp_to_torch_save`` writes, FACTS 21) become ints when
+    that is unambiguous: every state key is a digit string and every one names an int id of the
+    groups. DSD's FQN form (state keys and the groups' ``params`` are parameter names) becomes
+    positions, with the names kept as ``param_names``. Anything else is returned as it is (the
+    caller refuses state that fits no parameter: :func:`check_state_keys`).
+
+    Example::
+
+        >>> normalize_optimizer_state({"state": {"0": {}}, "param_groups": [{"params": [0]}]})["state"]
+        {0: {}}
+    """
+    if not (isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping)):
+        return osd
+    groups = osd.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
+        return osd
+    params = _group_ids(osd)
+    state = osd["state"]
+    if params and all(type(p) is int for p in params):
+        ids = set(params)
+        if not state or not all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in state):
+            return osd
+        return {**osd, "state": {int(k): v for k, v in state.items()}}
+    if params and all(isinstance(p, str) for p in params) and len(set(params)) == len(params):
+        position = {name: i for i, name in enumerate(params)}
+        new_groups = []
+        for g in groups:
+            new_groups.append({**g, "params": [position[n] for n in g["params"]], "param_names": list(g["params"])})
+        return {**osd, "state": {position.get(k, k): v for k, v in state.items()}, "param_groups": new_groups}
+    return osd
+
+
+def unfit_state_keys(osd: Mapping[str, Any]) -> list[Any]:
+    """The keys of ``osd["state"]`` that name no parameter of ``osd["param_groups"]``. Local.
+
+    A digit string whose int is a group id (and not a state key itself) fits: normalising makes it
+    one. ``inspect`` warns about these; :func:`check_state_keys` refuses them.
+    """
+    ids = set(_group_ids(osd))
+    state = osd["state"]
+
+    def fits(key: Any) -> bool:
+        if key in ids:
+            return True
+        return isinstance(key, str) and key.isdigit() and int(key) in ids and int(key) not in state
+
+    return [k for k in state if not fits(k)]
+
+
+def check_state_keys(osd: Mapping[str, Any], source: str) -> None:
+    """Raise :class:`OptimizerStateMismatchError` unless every state entry belongs to a parameter of the groups.
+
+    Local. Torch's ``load_state_dict`` would keep such entries under their own keys where no step
+    reads them, and report nothing: a silent half-restore.
+    """
+    ids = set(_group_ids(osd))
+    bad = unfit_state_keys(osd) or [k for k in osd["state"] if k not in ids]
+    if not bad:
+        return
+    entries = "entry fits" if len(bad) == 1 else "entries fit"
+    digits = " (digit-string keys are read as ints only when all of them are and each names a group id)"
+    raise OptimizerStateMismatchError(
+        f"{source}: {len(bad)} optimizer state {entries} no parameter of the saved param_groups: "
+        f"{preview(bad)}; the groups list {preview(_group_ids(osd))}"
+        f"{digits if any(isinstance(k, str) and k.isdigit() for k in bad) else ''}. "
+        "Nothing was restored. Key the file's 'state' by the ids in its 'param_groups' "
+        "(the form Optimizer.state_dict() writes), or resume without the optimizer"
+    )
+
+
+def state_coverage(prepared: Mapping[str, Any]) -> tuple[int, int]:
+    """``(parameters that get state, parameters)`` for a state dict from ``prepare_optimizer_state``. Local.
+
+    Example::
+
+        >>> state_coverage({"state": {0: {"step": 1}}, "param_groups": [{"params": [0, 1]}]})
+        (1, 2)
+    """
+    ids = _group_ids(prepared)
+    state = prepared["state"]
+    return sum(1 for i in ids if state.get(i)), len(ids)
