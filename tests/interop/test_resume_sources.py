@@ -229,3 +229,23 @@ def _flip_last_tensor_byte(path: Path) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_cli_verify_compares_a_foreign_folder_with_a_torch_file(hf_checkpoint: Saved, tmp_path: Path) -> None:
+    from dist_resume.cli._verify import verify_checkpoints
+
+    assert hf_checkpoint.optimizer is not None
+    same = tmp_path / "same.pt"
+    torch.save(
+        {"model": {f"module.{k}": v for k, v in hf_checkpoint.model.items()}, "optimizer": hf_checkpoint.optimizer},
+        same,
+    )
+    report = verify_checkpoints(hf_checkpoint.path, same)
+    assert report["equal"], report["differences"]
+    assert report["a"]["layout"] == "hf-trainer" and report["compared"]["optimizer_tensors"] > 0
+    other = dict(hf_checkpoint.model)
+    key = next(iter(other))
+    other[key] = other[key] + 1
+    torch.save({"model": other, "optimizer": hf_checkpoint.optimizer}, tmp_path / "other.pt")
+    report = verify_checkpoints(hf_checkpoint.path, tmp_path / "other.pt")
+    assert not report["equal"] and report["differences"][0]["key"] == key
