@@ -145,7 +145,8 @@ def _plan(loaded: Loaded, build: Callable[..., RestorePlan]) -> RestorePlan:
     and raises if any rank failed, before anything changes."""
     source = f"checkpoint {str(loaded.path)!r}"
     try:
-        plan = build(split_checkpoint(loaded.obj, source), source=source, mmapped=loaded.mmapped)
+        parts = loaded.parts if loaded.parts is not None else split_checkpoint(loaded.obj, source)
+        plan = build(parts, source=source, mmapped=loaded.mmapped)
     except Exception as err:
         if loaded.collective:
             agree_across_ranks(err)

@@ -17,7 +17,8 @@ from .._core.errors import CheckpointNotFoundError
 from .._core.tree import iter_tensors
 from .._core.types import MapLocation, PathLike
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES, broadcast_loaded
-from .._format.load import load_checkpoint
+from .._format.layout import CheckpointParts
+from .._format.open import is_foreign_source, open_checkpoint, parts_from_fields, parts_to_fields
 from .consensus import resolve_checkpoint
 from .folder import latest_checkpoint
 
@@ -34,18 +35,19 @@ class Loaded:
     obj: Any
     mmapped: bool
     collective: bool
+    parts: CheckpointParts | None = None  # a foreign source (HF, Accelerate, DCP, safetensors): split already
 
 
 def read_file(path: PathLike, *, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool) -> Loaded:
     """Load the checkpoint file at ``path`` (onto the CPU unless ``map_location`` says otherwise). Local."""
-    obj = load_checkpoint(
+    opened = open_checkpoint(
         path,
         map_location="cpu" if map_location is None else map_location,
         mmap=mmap,
         weights_only=weights_only,
         verify=verify,
     )
-    return Loaded(Path(path), obj, mmapped=mmap, collective=False)
+    return Loaded(Path(path), opened.obj, mmapped=mmap, collective=False, parts=opened.parts)
 
 
 def read_folder(folder: PathLike, *, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool) -> Loaded:
@@ -53,7 +55,7 @@ def read_folder(folder: PathLike, *, map_location: MapLocation, mmap: bool, weig
 
     Collective under torch.distributed (see :func:`resolve_checkpoint`); each rank then loads its own copy.
     """
-    chosen = resolve_checkpoint(folder)
+    chosen = folder if is_foreign_source(folder) else resolve_checkpoint(folder)
     return read_file(chosen, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
 
 
@@ -91,26 +93,30 @@ def read_broadcast(
     ``prepare``'s result rebound to the tensors holding the data.
     """
 
-    def load() -> tuple[str, Any]:
+    def load() -> tuple[str, Any, Any]:
         chosen = Path(path)
-        if chosen.is_dir():
+        if chosen.is_dir() and not is_foreign_source(chosen):
             latest = latest_checkpoint(chosen, verify=True)
             if latest is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint in folder {str(chosen)!r} (seen from rank 0)")
             chosen = latest
-        obj = load_checkpoint(chosen, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
-        return str(chosen), obj
+        opened = open_checkpoint(chosen, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
+        return str(chosen), opened.obj, None if opened.parts is None else parts_to_fields(opened.parts)
 
     mmapped = mmap and dist.get_rank() == 0  # the others receive into memory of their own
     seen: list[tuple[Any, P]] = []  # (the object prepare saw, its result): broadcast_loaded keeps no result
 
-    def prepare_view(view: tuple[str, Any]) -> dict[int, torch.Tensor]:
-        prepared = prepare(Loaded(Path(view[0]), view[1], mmapped=mmapped, collective=True))
-        seen.append((view[1], prepared))
+    def as_loaded(view: tuple[str, Any, Any]) -> Loaded:  # a foreign source's parts travel as a plain dict
+        parts = None if view[2] is None else parts_from_fields(view[2])
+        return Loaded(Path(view[0]), view[1], mmapped=mmapped, collective=True, parts=parts)
+
+    def prepare_view(view: tuple[str, Any, Any]) -> dict[int, torch.Tensor]:
+        prepared = prepare(as_loaded(view))
+        seen.append((view[1:], prepared))
         return prepared.destinations() if dist.get_rank() != 0 else {}
 
-    chosen, obj = broadcast_loaded(load, bucket_bytes=bucket_bytes, prepare=prepare_view)
+    arrived_view = broadcast_loaded(load, bucket_bytes=bucket_bytes, prepare=prepare_view)
     ((view, prepared),) = seen
     # both objects are rank 0's structure, one holding what prepare saw, the other the data: pair them in order
-    arrived = {id(old): new for old, new in zip(iter_tensors(view), iter_tensors(obj), strict=True)}
-    return Loaded(Path(chosen), obj, mmapped=mmapped, collective=True), prepared.rebind(arrived)
+    pairs = zip(iter_tensors(view), iter_tensors(arrived_view[1:]), strict=True)
+    return as_loaded(arrived_view), prepared.rebind({id(old): new for old, new in pairs})

@@ -34,8 +34,7 @@ from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpoi
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
 from .._state.optim_keys import normalize_optimizer_state
-from .foreign import FolderKind, foreign_layout
-from .layout import CheckpointParts, split_checkpoint
+from .layout import CheckpointParts, Layout, split_checkpoint
 from .load import rank_map_location
 
 __all__ = ["is_dcp_folder", "read_dcp", "read_dcp_metadata", "normalize_optimizer_state"]
@@ -232,10 +231,10 @@ def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: 
     files = sorted(p.name for p in folder.iterdir() if p.is_file())
     meta = {
         **parts.meta,
-        "source_layout": FolderKind.DCP.value,
+        "source_layout": Layout.DCP.value,
         "files": files,
         "top_level_keys": sorted(map(str, state)),
     }
     return dataclasses.replace(
-        parts, layout=foreign_layout(FolderKind.DCP), optimizer=normalize_optimizer_state(parts.optimizer), meta=meta
+        parts, layout=Layout.DCP, optimizer=normalize_optimizer_state(parts.optimizer), meta=meta
     )

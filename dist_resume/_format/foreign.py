@@ -8,30 +8,35 @@ opened; their names are listed in ``meta["skipped_files"]``.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
 from .layout import CheckpointParts, Layout, is_state_dict
-from .load import load_checkpoint
-from .safetensors_io import read_safetensors
+from .load import load_torch_file
+from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors
 
-__all__ = ["FolderKind", "foreign_layout", "detect_folder", "read_folder", "read_model_weights"]
+__all__ = [
+    "FolderKind",
+    "FOLDER_LAYOUTS",
+    "detect_folder",
+    "read_folder",
+    "read_model_weights",
+    "unrecognised_folder",
+    "is_manager_folder",
+    "trainer_progress",
+    "foreign_kind",
+]
 
 
-class FolderKind(enum.Enum):
-    """Foreign checkpoint folders (values equal the ``Layout`` values they will get in layout.py)."""
-
-    HF_TRAINER = "hf-trainer"
-    ACCELERATE = "accelerate"
-    DCP = "dcp"
+FolderKind = Layout  # the folder kinds are Layout.HF_TRAINER, Layout.ACCELERATE and Layout.DCP
+FOLDER_LAYOUTS: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP)
 
 
 # a CheckpointManager folder (dist_resume's own; _checkpoint.folder.CHECKPOINT_NAME plus its temps)
@@ -46,11 +51,6 @@ _NEVER_OPENED: Final = re.compile(r"^rng_state.*\.pth$|^training_args\.bin$|^ran
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
 
 
-def foreign_layout(kind: FolderKind) -> Layout:
-    # until layout.Layout has these members (HF_TRAINER, ACCELERATE, DCP), the FolderKind stands in for it
-    return cast(Layout, getattr(Layout, kind.name, kind))
-
-
 def _names(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir() if p.is_file()}
 
@@ -59,7 +59,13 @@ def _has_weights(names: set[str]) -> bool:
     return bool({_SAFE_WEIGHTS, _BIN_WEIGHTS, _SAFE_WEIGHTS + _INDEX_SUFFIX, _BIN_WEIGHTS + _INDEX_SUFFIX} & names)
 
 
-def detect_folder(path: PathLike) -> FolderKind | None:
+def is_manager_folder(path: PathLike) -> bool:
+    """True when ``path`` is a folder holding ``CheckpointManager`` files (``ckpt_<step>.pt``). Local."""
+    folder = Path(path)
+    return folder.is_dir() and any(_OWN_FOLDER.match(n) for n in _names(folder))
+
+
+def detect_folder(path: PathLike) -> Layout | None:
     """The kind of foreign checkpoint folder ``path`` is, or ``None`` (not a folder, unknown, or dist_resume's own).
 
     Local. A ``CheckpointManager`` folder (``ckpt_<step>.pt`` files) always yields ``None``, so the
@@ -72,11 +78,25 @@ def detect_folder(path: PathLike) -> FolderKind | None:
     if any(_OWN_FOLDER.match(n) for n in names):
         return None
     if ".metadata" in names and any(n.endswith(".distcp") for n in names):
-        return FolderKind.DCP
+        return Layout.DCP
     if any(_ACCELERATE_FILES.match(n) for n in names):
-        return FolderKind.ACCELERATE
+        return Layout.ACCELERATE
     if _HF_FILES & names or _has_weights(names):
-        return FolderKind.HF_TRAINER
+        return Layout.HF_TRAINER
+    return None
+
+
+def foreign_kind(path: PathLike) -> Layout | None:
+    """The foreign layout ``path`` is (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file), or None.
+
+    Local; reads a folder's listing or a file's first bytes. A ``CheckpointManager`` folder, a torch
+    file and anything unrecognised yield None.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return detect_folder(p)
+    if p.is_file() and (p.suffix == SAFETENSORS_SUFFIX or is_safetensors(p)):
+        return Layout.SAFETENSORS
     return None
 
 
@@ -97,25 +117,32 @@ def read_folder(
     folder = Path(path)
     kind = detect_folder(folder)
     opts: dict[str, Any] = {"map_location": map_location, "mmap": mmap, "weights_only": weights_only}
-    if kind is FolderKind.HF_TRAINER:
+    if kind is Layout.HF_TRAINER:
         return _read_hf(folder, opts)
-    if kind is FolderKind.ACCELERATE:
+    if kind is Layout.ACCELERATE:
         return _read_accelerate(folder, opts)
-    if kind is FolderKind.DCP:
+    if kind is Layout.DCP:
         from .dcp import read_dcp  # torch.distributed.checkpoint costs ~1 s to import
 
         return read_dcp(folder, map_location=map_location, weights_only=weights_only)
+    raise unrecognised_folder(folder)
+
+
+def unrecognised_folder(folder: Path) -> NotACheckpointError:
+    """The error for a folder no reader recognises: what it holds, and which folders dist_resume reads. Local."""
     found = sorted(_names(folder)) if folder.is_dir() else []
-    raise NotACheckpointError(
+    return NotACheckpointError(
         f"{str(folder)!r} is not a checkpoint folder dist_resume recognises (files: "
         f"{preview(found, 8) if found else 'none'}); known folders: a CheckpointManager folder (ckpt_<step>.pt), "
-        "an HF Trainer checkpoint-N/ (model.safetensors, optimizer.pt, trainer_state.json), an Accelerate "
-        "save_state folder (model.safetensors, optimizer.bin) and a DCP folder (.metadata, *.distcp)"
+        f"{Layout.HF_TRAINER.value!r} (an HF Trainer checkpoint-N/: model.safetensors or pytorch_model.bin, "
+        f"optimizer.pt, trainer_state.json), {Layout.ACCELERATE.value!r} (an Accelerate save_state folder: "
+        f"model.safetensors, optimizer.bin) and {Layout.DCP.value!r} (a DCP folder "
+        "written by torch.distributed.checkpoint: .metadata, *.distcp); a single checkpoint file (.pt, .pth, .ckpt, .bin, .safetensors) is read as well"
     )
 
 
 def _load(folder: Path, name: str, opts: dict[str, Any]) -> Any:
-    return load_checkpoint(folder / name, **opts)
+    return load_torch_file(folder / name, **opts)
 
 
 def read_model_weights(folder: Path, stem: str = "model", opts: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -182,34 +209,43 @@ def _read_json(path: Path) -> Any:
         raise CheckpointCorruptError(f"cannot read {str(path)!r} as JSON ({err}); the file is damaged") from err
 
 
-def _base_meta(folder: Path, names: set[str], kind: FolderKind) -> dict[str, Any]:
+def _base_meta(folder: Path, names: set[str], kind: Layout) -> dict[str, Any]:
     skipped = sorted(n for n in names if _NEVER_OPENED.match(n))
     return {"source_layout": kind.value, "files": sorted(names), "skipped_files": skipped}
 
 
-def _read_hf(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
-    names = _names(folder)
-    meta = _base_meta(folder, names, FolderKind.HF_TRAINER)
-    model = read_model_weights(folder, "model", opts)
-    parts: dict[str, Any] = {}
-    for part, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
-        if name in names:
-            parts[part] = _load(folder, name, opts)
-    step = epoch = None
-    if _HF_STATE in names:
+def trainer_progress(folder: Path) -> tuple[int | None, int | None, float | None]:
+    """``(step, epoch, epoch as HF counts it)`` of an HF Trainer folder, from ``trainer_state.json``. Local.
+
+    ``step`` is ``global_step`` (else the ``checkpoint-N`` folder name's N); ``epoch`` the whole epochs
+    (HF counts fractional ones: 1.5 is half-way through epoch 1).
+    """
+    step = epoch = epoch_float = None
+    if (folder / _HF_STATE).is_file():
         state = _read_json(folder / _HF_STATE)
         if isinstance(state, Mapping):
             step = state.get("global_step") if type(state.get("global_step")) is int else None
             raw_epoch = state.get("epoch")
             if isinstance(raw_epoch, (int, float)) and not isinstance(raw_epoch, bool) and math.isfinite(raw_epoch):
-                epoch = math.floor(raw_epoch)  # HF counts fractional epochs: 1.5 is half-way through epoch 1
-                meta["epoch_float"] = float(raw_epoch)
+                epoch, epoch_float = math.floor(raw_epoch), float(raw_epoch)
     if step is None and (match := _HF_STEP_DIR.match(folder.name)):
         step = int(match.group(1))
+    return step, epoch, epoch_float
+
+
+def _read_hf(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
+    names = _names(folder)
+    meta = _base_meta(folder, names, Layout.HF_TRAINER)
+    model = read_model_weights(folder, "model", opts)
+    parts: dict[str, Any] = {}
+    for part, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
+        if name in names:
+            parts[part] = _load(folder, name, opts)
+    step, epoch, epoch_float = trainer_progress(folder)
+    if epoch_float is not None:
+        meta["epoch_float"] = epoch_float
     meta["step"], meta["epoch"] = step, epoch
-    return CheckpointParts(
-        layout=foreign_layout(FolderKind.HF_TRAINER), model=model, step=step, epoch=epoch, meta=meta, **parts
-    )
+    return CheckpointParts(layout=Layout.HF_TRAINER, model=model, step=step, epoch=epoch, meta=meta, **parts)
 
 
 def _numbered(names: set[str], stem: str, suffix: str) -> list[str]:
@@ -219,7 +255,7 @@ def _numbered(names: set[str], stem: str, suffix: str) -> list[str]:
 
 def _read_accelerate(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
     names = _names(folder)
-    meta = _base_meta(folder, names, FolderKind.ACCELERATE)
+    meta = _base_meta(folder, names, Layout.ACCELERATE)
     if not _has_weights(names) and any(p.name.startswith("pytorch_model_fsdp") for p in folder.iterdir()):
         raise NotACheckpointError(
             f"{str(folder)!r} holds FSDP-sharded Accelerate state (pytorch_model_fsdp_*); dist_resume reads "
@@ -238,4 +274,4 @@ def _read_accelerate(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
     }
     meta.update({k: v for k, v in more.items() if v})
     meta["not_read"] = sorted(n for n in names if n.startswith("sampler") or n.startswith("custom_checkpoint"))
-    return CheckpointParts(layout=foreign_layout(FolderKind.ACCELERATE), model=model, meta=meta, **parts)
+    return CheckpointParts(layout=Layout.ACCELERATE, model=model, meta=meta, **parts)

@@ -12,12 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._core.errors import NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.types import PathLike
-from .archive import read_archive, read_records, verify_archive
-from .layout import FORMAT_NAME, Key
+from .archive import ArchiveFinding, FindingKind, read_archive, read_records, verify_archive
+from .foreign import foreign_kind, trainer_progress
+from .layout import FORMAT_NAME, Key, Layout
+from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
+from .sniff import FileKind, file_kind
 
-__all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint"]
+__all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_source", "source_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class CheckpointInfo:
     step: int | None
     size: int
     digest: str
+    layout: str = Layout.TOOLKIT.value
+    files: tuple[tuple[str, int], ...] = ()  # a foreign source's files and their sizes
 
 
 def archive_digest(path: PathLike) -> str:
@@ -66,6 +71,10 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     :class:`CheckpointCorruptError`, :class:`NotACheckpointError` or
     :class:`UnsafeCheckpointError`, each naming the file.
 
+    A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
+    instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
+    Trainer's ``global_step``), and a digest over its files (see :func:`verify_source` for ``verify``).
+
     Example::
 
         >>> dist_resume.save_checkpoint("ckpt.pt", model=torch.nn.Linear(2, 2), step=3)
@@ -73,6 +82,9 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
         3
     """
     p = Path(path)
+    foreign = foreign_kind(p)
+    if foreign is not None:
+        return _inspect_foreign(p, foreign, verify)
     read_records(p)  # a damaged structure raises here, with the plain reason
     if verify:
         verify_archive(p)
@@ -87,3 +99,71 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise NotACheckpointError(f"{str(p)!r} has invalid dist_resume metadata: step is {step!r}, not an int")
     return CheckpointInfo(p, step, p.stat().st_size, archive_digest(p))
+
+
+def source_files(path: PathLike) -> list[Path]:
+    """The files a checkpoint source consists of: the file itself, or a folder's files by name. Local."""
+    p = Path(path)
+    return sorted((f for f in p.iterdir() if f.is_file()), key=lambda f: f.name) if p.is_dir() else [p]
+
+
+def _inspect_foreign(p: Path, layout: Layout, verify: bool) -> CheckpointInfo:
+    if verify:
+        verify_source(p)
+    files = source_files(p)
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        if _is_zip(f):
+            digest.update(archive_digest(f).encode())
+        elif f.suffix == SAFETENSORS_SUFFIX:
+            read_safetensors_header(f)  # a damaged header raises here, naming the file
+            with open(f, "rb") as fh:
+                digest.update(fh.read(int.from_bytes(fh.read(8), "little")))
+    step = trainer_progress(p)[0] if layout is Layout.HF_TRAINER else None
+    sizes = tuple((f.name, f.stat().st_size) for f in files)
+    return CheckpointInfo(p, step, sum(n for _, n in sizes), digest.hexdigest(), layout.value, sizes)
+
+
+def _is_zip(f: Path) -> bool:
+    try:
+        return file_kind(f) is FileKind.ZIP
+    except OSError:
+        return False
+
+
+def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding]:
+    """Check every file of a source: each torch zip file's CRC-32s, each safetensors header and its offsets. Local.
+
+    ``path`` is a file or a foreign checkpoint folder (reads every torch file in it once). DCP's
+    ``.distcp`` files carry no checksums; their sizes are checked when DCP reads them. Returns the
+    findings, each naming its file; with ``strict=True`` (default) any finding raises
+    :class:`CheckpointCorruptError` naming the first few.
+
+    Example::
+
+        >>> verify_source("out/checkpoint-500")
+        []
+    """
+    p = Path(path)
+    findings: list[ArchiveFinding] = []
+    for f in source_files(p):
+        where = f.name if p.is_dir() else None
+        if f.suffix == SAFETENSORS_SUFFIX or is_safetensors(f):
+            try:
+                read_safetensors_header(f)
+            except CheckpointError as err:
+                findings.append(ArchiveFinding(where, str(err), FindingKind.UNREADABLE))
+        elif _is_zip(f):
+            for finding in verify_archive(f, strict=False):
+                record = f"{where}: {finding.record}" if where and finding.record else where or finding.record
+                findings.append(ArchiveFinding(record, finding.problem, finding.kind))
+    if findings and strict:
+        shown = "; ".join(str(f) for f in findings[:3])
+        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
+        raise CheckpointCorruptError(
+            f"checkpoint {str(p)!r} failed its integrity check: {shown}{more}; the files were damaged after they "
+            "were written (disk, copy or transfer): copy the checkpoint again, or resume from an earlier one"
+        )
+    return findings

@@ -52,6 +52,10 @@ class Layout(enum.Enum):
     MODEL_STATE_DICT = "model_state_dict"
     LIGHTNING = "lightning"
     DETECTED = "detected"
+    HF_TRAINER = "hf-trainer"  # a transformers Trainer checkpoint-N/ folder
+    ACCELERATE = "accelerate"  # an Accelerate save_state folder
+    DCP = "dcp"  # a torch.distributed.checkpoint folder
+    SAFETENSORS = "safetensors"  # a single .safetensors file: model weights only
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
 from .sniff import FileKind, check_file, file_kind, unsafe_error
 
-__all__ = ["rank_map_location", "load_checkpoint"]
+__all__ = ["rank_map_location", "load_checkpoint", "load_torch_file"]
 
 
 def rank_map_location(device: torch.device | str | int | None = None) -> torch.device:
@@ -59,6 +59,34 @@ def load_checkpoint(
 ) -> Any:
     """``torch.load`` with rank-aware placement and errors that name the file and the fix.
 
+    Local. A torch file is read by :func:`load_torch_file` (below). A foreign source (an HF Trainer
+    ``checkpoint-N/`` or Accelerate ``save_state`` folder, a DCP folder, a ``.safetensors`` file)
+    comes back as one dict, ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch",
+    "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
+    ``split_checkpoint`` reads and ``torch.save`` writes as it is. See docs/sources.md.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
+        tensor([1., 1.])
+    """
+    from .open import open_checkpoint, parts_as_dict  # open reads torch files through this module
+
+    opened = open_checkpoint(path, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
+    return opened.obj if opened.parts is None else parts_as_dict(opened.parts)
+
+
+def load_torch_file(
+    path: PathLike,
+    *,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
+    verify: bool = False,
+) -> Any:
+    """``torch.load`` of one torch file with rank-aware placement and errors that name the file and the fix.
+
     Local: every rank may call it; each one loads onto its own device. ``map_location`` defaults
     to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
     maps the file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
@@ -69,7 +97,7 @@ def load_checkpoint(
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
+        >>> load_torch_file("ckpt.pt", map_location="cpu")["w"]
         tensor([1., 1.])
     """
     p = check_file(path)

@@ -136,7 +136,8 @@ def verify_archive(
     ``torch.load`` never checks the CRCs, so a flipped bit loads silently; this finds it. Returns
     the findings (empty when the archive is sound); with ``strict=True`` (default) any finding
     raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
-    called with byte counts while checksumming.
+    called with byte counts while checksumming. A folder (HF Trainer, Accelerate, DCP) or a
+    ``.safetensors`` file is checked file by file (:func:`~dist_resume._format.integrity.verify_source`).
 
     Example::
 
@@ -145,6 +146,10 @@ def verify_archive(
         []
     """
     p = Path(path)
+    if p.is_dir() or p.suffix == ".safetensors":  # a foreign source: each of its files (integrity imports this)
+        from .integrity import verify_source
+
+        return verify_source(p, strict=strict)
     try:
         archive_name, records = read_records(p)
     except CheckpointCorruptError as err:

@@ -10,7 +10,7 @@ import torch
 from .._core.text import preview
 from .._core.types import PathLike
 from .._format.layout import CheckpointParts, split_checkpoint
-from .._format.load import load_checkpoint
+from .._format.open import is_foreign_source, open_checkpoint
 from .._format.sniff import FileKind, check_file, file_kind
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
@@ -160,9 +160,9 @@ def _compare_optimizers(a: Any, b: Any, report: _Report) -> None:
 
 
 def _load(path: PathLike) -> CheckpointParts:
-    mmap = file_kind(check_file(path)) is not FileKind.LEGACY
-    obj = load_checkpoint(path, map_location="cpu", mmap=mmap, weights_only=True)
-    return split_checkpoint(obj, source=str(path))
+    mmap = is_foreign_source(path) or file_kind(check_file(path)) is not FileKind.LEGACY
+    opened = open_checkpoint(path, map_location="cpu", mmap=mmap, weights_only=True)  # foreign sources: parts
+    return opened.parts or split_checkpoint(opened.obj, source=str(path))
 
 
 def verify_checkpoints(a: PathLike, b: PathLike) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""One entry point for every checkpoint source: a torch file, a foreign folder, a ``.safetensors`` file.
+
+:func:`open_checkpoint` returns an :class:`Opened`: either the object a torch file holds (split
+later by :func:`~dist_resume._format.layout.split_checkpoint`, which needs the live model's keys
+and the caller's options), or the :class:`CheckpointParts` of a foreign source, split already by
+the reader that knows its files (HF Trainer, Accelerate, DCP folders; a ``.safetensors`` file). A
+``CheckpointManager`` folder is not a source here: ``_checkpoint`` resolves it to one file first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from .._core.log import log_rank0
+from .._core.text import preview
+from .._core.types import MapLocation, PathLike
+from .foreign import foreign_kind, is_manager_folder, read_folder, unrecognised_folder
+from .integrity import verify_source
+from .layout import CheckpointParts, Layout
+from .load import load_torch_file
+from .safetensors_io import read_safetensors
+
+__all__ = [
+    "Opened",
+    "open_checkpoint",
+    "foreign_kind",
+    "is_foreign_source",
+    "parts_as_dict",
+    "parts_to_fields",
+    "parts_from_fields",
+]
+
+_MORE: Final = (("more_models", "model"), ("more_optimizers", "optimizer"), ("more_schedulers", "scheduler"))
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint source as read: ``obj`` (a torch file's object) or ``parts`` (a foreign source, split)."""
+
+    path: Path
+    obj: Any = None
+    parts: CheckpointParts | None = None
+
+
+def is_foreign_source(path: PathLike) -> bool:
+    """True when :func:`open_checkpoint` reads ``path`` with a foreign reader (it yields parts). Local."""
+    return foreign_kind(path) is not None
+
+
+def open_checkpoint(
+    path: PathLike,
+    *,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
+    verify: bool = False,
+) -> Opened:
+    """Read any checkpoint source dist_resume knows. Local: every rank may call it.
+
+    A torch file (``.pt``, ``.pth``, ``.ckpt``, ``.bin``) comes back as its object; an HF Trainer
+    ``checkpoint-N/``, an Accelerate ``save_state`` folder, a DCP folder or a ``.safetensors`` file as
+    :class:`CheckpointParts`. ``verify=True`` first checks every torch file's CRC-32s and every
+    safetensors header (see :func:`~dist_resume._format.integrity.verify_source`). Raises
+    :class:`NotACheckpointError` for a folder no reader recognises, listing its files and the known
+    folders; a ``CheckpointManager`` folder or an empty one raises :class:`CheckpointNotFoundError`
+    (pass it to ``resume``, which picks its newest complete checkpoint).
+
+    Example::
+
+        >>> opened = open_checkpoint("out/checkpoint-500", map_location="cpu")
+        >>> opened.parts.layout.value, opened.parts.step
+        ('hf-trainer', 500)
+    """
+    p = Path(path)
+    kind = foreign_kind(p)
+    if kind is None:
+        if p.is_dir():
+            if is_manager_folder(p) or not any(p.iterdir()):  # check_file's error says what to pass instead
+                load_torch_file(p)
+            raise unrecognised_folder(p)
+        return Opened(
+            p, obj=load_torch_file(p, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
+        )
+    if verify:
+        verify_source(p)
+    if kind is Layout.SAFETENSORS:
+        weights, metadata = read_safetensors(p, map_location="cpu" if map_location is None else map_location, mmap=mmap)
+        meta = {"source_layout": kind.value, "files": [p.name], "safetensors_metadata": metadata}
+        return Opened(p, parts=CheckpointParts(Layout.SAFETENSORS, weights, meta=meta, keys={"model": p.name}))
+    parts = read_folder(p, map_location=map_location, mmap=mmap, weights_only=weights_only)
+    _log_first_only(p, parts)
+    return Opened(p, parts=parts)
+
+
+def _log_first_only(path: Path, parts: CheckpointParts) -> None:
+    for key, what in _MORE:
+        more = parts.meta.get(key)
+        if more:
+            log_rank0(
+                logging.INFO,
+                "%s holds more than one %s: the first is read, not %s",
+                path,
+                what,
+                preview(more, 4),
+            )
+
+
+def parts_as_dict(parts: CheckpointParts) -> dict[str, Any]:
+    """A foreign source's parts as the dict ``load_checkpoint`` returns. Local.
+
+    ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch", "meta"}``, each only when
+    the source has it: the form :func:`split_checkpoint` reads back into the same parts (as its
+    ``model+optimizer`` layout) and ``torch.save`` can write as it is.
+    """
+    out: dict[str, Any] = {"model": dict(parts.model)}
+    for name in ("optimizer", "scheduler", "scaler", "ema", "step", "epoch"):
+        value = getattr(parts, name)
+        if value is not None:
+            out[name] = value
+    if parts.meta:
+        out["meta"] = dict(parts.meta)
+    return out
+
+
+def parts_to_fields(parts: CheckpointParts) -> dict[str, Any]:
+    """``parts`` as a plain dict (the layout by its value) to send through an object broadcast. Local."""
+    fields = {f.name: getattr(parts, f.name) for f in dataclasses.fields(parts)}
+    fields["layout"] = parts.layout.value
+    return fields
+
+
+def parts_from_fields(fields: dict[str, Any]) -> CheckpointParts:
+    """The :class:`CheckpointParts` :func:`parts_to_fields` sent; its tensors are the very objects in ``fields``."""
+    return CheckpointParts(**{**fields, "layout": Layout(fields["layout"])})
