@@ -30,6 +30,7 @@ class Key:
     EXTRA: Final = "extra"
     RNG: Final = "rng"
     SAMPLER: Final = "sampler"
+    EMA: Final = "ema"
 
 
 class Layout(enum.Enum):

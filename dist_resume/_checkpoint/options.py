@@ -1,0 +1,149 @@
+"""resume's per-part options: parts that may be absent, whose optimizer hyperparameters win, a model key prefix."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from torch import nn
+
+from .._core.errors import KeyMismatchError, UsageError
+from .._core.text import preview
+from .._state.prefix import match_keys, model_key_map, strip_prefix
+
+__all__ = [
+    "OPTIONAL_PARTS",
+    "OptimizerHparams",
+    "allowed_missing",
+    "hparam_changes",
+    "select_prefix",
+    "strip_name_prefix",
+    "prefix_hint",
+]
+
+OPTIONAL_PARTS: Final = ("optimizer", "scheduler", "scaler", "sampler", "rng", "ema")
+_GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})
+
+
+class OptimizerHparams(enum.Enum):
+    """Whose param-group hyperparameters (``lr``, ``betas``, ``weight_decay``, ...) a resumed optimizer keeps."""
+
+    CHECKPOINT = "checkpoint"  # torch's rule: Optimizer.load_state_dict replaces them with the file's
+    CURRENT = "current"  # keep the live optimizer's; restore only the per-parameter state
+
+    @classmethod
+    def parse(cls, value: OptimizerHparams | str) -> OptimizerHparams:
+        """``value`` as a member; a string outside the two values raises :class:`UsageError`."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise UsageError(
+                f"optimizer_hparams={value!r} is not one of 'checkpoint', 'current'",
+                hint="'checkpoint' takes lr, betas, ... from the file (torch's rule), 'current' keeps this optimizer's",
+            ) from None
+
+
+def allowed_missing(names: str | Iterable[str]) -> frozenset[str]:
+    """The set of part names ``allow_missing=`` names (``"all"``: every optional part). Raises
+    :class:`UsageError` naming the valid names for anything else. A single string is one name."""
+    given = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in given if n != "all" and n not in OPTIONAL_PARTS]
+    if unknown or not all(isinstance(n, str) for n in given):
+        raise UsageError(
+            f"allow_missing names unknown parts {unknown!r}; valid names: "
+            + ", ".join(repr(n) for n in (*OPTIONAL_PARTS, "all")),
+            hint="e.g. allow_missing=('scheduler',) lets a file without scheduler state resume",
+        )
+    return frozenset(OPTIONAL_PARTS) if "all" in given else frozenset(given)
+
+
+def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
+    out = []
+    for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        for name in sorted((set(saved) | set(live)) - _GROUP_BOOKKEEPING):
+            old, new = saved.get(name, "absent"), live.get(name, "absent")
+            if not _same(old, new):
+                out.append(f"group {i} {name}: checkpoint {old!r}, this optimizer {new!r}")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # tensors (capturable lr), mismatched types: compare their text
+        return repr(a) == repr(b)
+
+
+def _check_key_prefix(key_prefix: str) -> None:
+    if not isinstance(key_prefix, str) or not key_prefix.endswith(".") or key_prefix.startswith("."):
+        raise UsageError(
+            f"key_prefix must be a dot-separated key prefix ending in a dot, got {key_prefix!r}",
+            hint="e.g. key_prefix='model.' for a Lightning checkpoint of self.model",
+        )
+
+
+def select_prefix(state_dict: Mapping[str, Any], key_prefix: str, source: str) -> OrderedDict[str, Any]:
+    """The entries of ``state_dict`` under ``key_prefix``, with the prefix removed (``_metadata`` follows);
+    the other keys are dropped. Raises :class:`KeyMismatchError` naming the prefixes present when none is."""
+    _check_key_prefix(key_prefix)
+    sub: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k.startswith(key_prefix))
+    if not sub:
+        leading = sorted({k.split(".", 1)[0] + "." for k in state_dict if "." in k})
+        raise KeyMismatchError(
+            f"{source}: no model key starts with key_prefix={key_prefix!r}; the prefixes present are "
+            f"{preview(leading)}; pass one of them, or no key_prefix",
+            missing=[],
+            unexpected=list(state_dict),
+        )
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        bare = key_prefix[:-1]
+        sub._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (n, v) for n, v in meta.items() if n == bare or n.startswith(key_prefix)
+        )
+    return strip_prefix(sub, key_prefix)
+
+
+def strip_name_prefix(saved_optimizer: Any, key_prefix: str) -> Any:
+    """``saved_optimizer`` with ``key_prefix`` removed from its groups' ``param_names`` where present.
+    A shallow copy (state tensors shared); anything not an optimizer state dict is returned as it is."""
+    if not isinstance(saved_optimizer, Mapping) or not isinstance(saved_optimizer.get("param_groups"), (list, tuple)):
+        return saved_optimizer
+    groups = []
+    for group in saved_optimizer["param_groups"]:
+        names = group.get("param_names") if isinstance(group, Mapping) else None
+        if names is not None:
+            group = {
+                **group,
+                "param_names": [n[len(key_prefix) :] if n.startswith(key_prefix) else n for n in names],
+            }
+        groups.append(group)
+    return {**saved_optimizer, "param_groups": groups}
+
+
+def prefix_hint(saved_keys: Iterable[str], unexpected: list[str], model: nn.Module) -> str | None:
+    """The ``key_prefix=`` that would make ``model`` fit, when every unexpected key shares leading components
+    (other than wrapper prefixes) whose removal pairs every model key; else None."""
+    if not unexpected:
+        return None
+    split = [k.split(".")[:-1] for k in unexpected]  # module path components, never the entry's own name
+    common: list[str] = []
+    for column in zip(*split):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    targets = model_key_map(model)
+    saved = list(saved_keys)
+    for depth in range(1, len(common) + 1):
+        if common[depth - 1] in ("module", "_orig_mod"):  # wrapper prefixes are adapted anyway
+            continue
+        prefix = ".".join(common[:depth]) + "."
+        under = [k[len(prefix) :] for k in saved if k.startswith(prefix)]
+        if under and set(match_keys(under, targets).values()) == set(targets.values()):
+            return prefix
+    return None
