@@ -271,8 +271,10 @@ def _plan_model(
     except KeyMismatchError as err:  # say which file, and which key_prefix would fit
         message = str(err)
         hint = prefix_hint(saved.keys(), err.unexpected, model) if hint_prefix and not err.mismatched else None
-        if hint is not None:
-            message = message.rsplit("\n  what to do:", 1)[0] + f"\n  what to do: {_prefix_advice(hint)}"
+        nothing_fits = not err.mismatched and len(err.missing) == len(model.state_dict())
+        if hint is not None or nothing_fits:  # strict=False would load nothing: do not suggest it
+            advice = _prefix_advice(hint) if hint is not None else _NOTHING_FITS
+            message = message.rsplit("\n  what to do:", 1)[0] + f"\n  what to do: {advice}"
         raise KeyMismatchError(
             f"{source}: {message}", missing=err.missing, unexpected=err.unexpected, mismatched=err.mismatched
         ) from err
@@ -287,13 +289,18 @@ def _plan_model(
         raise KeyMismatchError(
             f"{source}: nothing in the checkpoint fits {type(unwrap_model(model)).__name__}: 0 of "
             f"{len(live_keys)} model keys found (missing {preview(missing, count=True)}; unexpected "
-            f"{preview(unexpected, count=True)}); "
-            + (_prefix_advice(hint) if hint else "check that the checkpoint was saved from this architecture"),
+            f"{preview(unexpected, count=True)}); " + (_prefix_advice(hint) if hint else _NOTHING_FITS),
             missing=missing,
             unexpected=unexpected,
         )
     check_dtypes(adapted, model, strict, source)
     return adapted, missing, unexpected
+
+
+_NOTHING_FITS: Final = (
+    "no key of the checkpoint fits the model (strict=False would load nothing); check that it was saved from "
+    "this architecture, or name its model entry with part_keys= / its sub-tree with key_prefix="
+)
 
 
 def _prefix_advice(prefix: str) -> str:
