@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError, UsageError
@@ -18,6 +20,8 @@ __all__ = [
     "OptimizerHparams",
     "allowed_missing",
     "hparam_changes",
+    "choose_hparams",
+    "optimizer_applied",
     "select_prefix",
     "strip_name_prefix",
     "prefix_hint",
@@ -147,3 +151,31 @@ def prefix_hint(saved_keys: Iterable[str], unexpected: list[str], model: nn.Modu
         if under and set(match_keys(under, targets).values()) == set(targets.values()):
             return prefix
     return None
+
+
+def choose_hparams(
+    opt_sd: dict[str, Any], optimizer: torch.optim.Optimizer, hparams: OptimizerHparams, notices: list[tuple[int, str]]
+) -> tuple[dict[str, Any], tuple[int, int]]:
+    """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
+    ``(parameters with saved state, parameters)``."""
+    changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
+    if changes:
+        whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
+        notices.extend(
+            (logging.INFO, f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}") for c in changes
+        )
+    if hparams is OptimizerHparams.CURRENT:
+        groups = []
+        for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):
+            group = {k: v for k, v in live.items() if k not in ("params", "param_names")}
+            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
+            groups.append(group)
+        opt_sd = {**opt_sd, "param_groups": groups}
+    ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
+    return opt_sd, (sum(1 for i in ids if opt_sd["state"].get(i)), len(ids))
+
+
+def optimizer_applied(opt_sd: dict[str, Any], counts: tuple[int, int]) -> bool:
+    """Restored when some parameter gets state, or when the file holds none at all (a stateless optimizer
+    such as SGD without momentum, or one saved before its first step: its hyperparameters are what it has)."""
+    return counts[0] > 0 or not opt_sd["state"]

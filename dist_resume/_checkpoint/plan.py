@@ -12,19 +12,26 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from .._core.errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.log import log_rank0
-from .._core.text import article, preview
+from .._core.text import article
 from .._core.tree import map_tensors
 from .._exact.rng import param_device, rank_world, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._format.layout import CheckpointParts
 from .._state.optim import optimizer_to, prepare_optimizer_state
-from .._state.prefix import adapt_state_dict, match_keys, model_key_map, unwrap_model
-from .._state.validate import check_dtypes, check_rng_states, check_scaler, check_scheduler
+from .._state.validate import check_rng_states, check_scaler, check_scheduler
 from .ema import adapt_ema_state
 from .inplace import detach_from_file, fits, into_live_state, live_twins, storage_ptrs
-from .options import OptimizerHparams, allowed_missing, hparam_changes, prefix_hint, select_prefix, strip_name_prefix
+from .model_fit import plan_model
+from .options import (
+    OptimizerHparams,
+    allowed_missing,
+    choose_hparams,
+    optimizer_applied,
+    select_prefix,
+    strip_name_prefix,
+)
 
 __all__ = ["RestorePlan", "plan_restore"]
 
@@ -171,7 +178,7 @@ def plan_restore(
     hparams = OptimizerHparams.parse(optimizer_hparams)
     notices: list[tuple[int, str]] = []
     saved_model = parts.model if key_prefix is None else select_prefix(parts.model, key_prefix, source)
-    model_state, missing, unexpected = _plan_model(saved_model, model, strict, key_prefix is None, source)
+    model_state, missing, unexpected = plan_model(saved_model, model, strict, key_prefix is None, source)
     applied = {"model": (len(model_state), len(model.state_dict()))}
 
     def present(entry: Any, what: str, why: str = "to resume without it") -> bool:
@@ -188,7 +195,7 @@ def plan_restore(
             )
         saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source)
-        optimizer_state, applied["optimizer"] = _choose_hparams(optimizer_state, optimizer, hparams, notices)
+        optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices)
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)
@@ -216,7 +223,7 @@ def plan_restore(
         "model": applied["model"][0] > 0,
         "ema": ema_state is not None and applied["ema"][0] > 0,
         "scaler": has_scaler and not empty_scaler,
-        "optimizer": optimizer_state is not None and _optimizer_applied(optimizer_state, applied["optimizer"]),
+        "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
         "rng": rng and parts.rng is not None,
@@ -256,83 +263,6 @@ _SCHEDULER_OVERRIDES: Final = (
     "from its own saved state at its next step(); rebuild the scheduler, or allow_missing=('scheduler',) and "
     "pass no scheduler, to keep the new lr"
 )
-
-
-def _plan_model(
-    saved: Mapping[str, Any], model: nn.Module, strict: bool, hint_prefix: bool, source: str
-) -> tuple[OrderedDict[str, Any], list[str], list[str]]:
-    """The model state re-keyed to ``model``'s form, the live keys it lacks and the saved keys it drops.
-
-    Raises :class:`KeyMismatchError` when it does not fit, and also under ``strict=False`` when nothing fits;
-    with ``hint_prefix`` the message names the ``key_prefix=`` that would make it fit, where one would.
-    """
-    try:
-        adapted = adapt_state_dict(saved, model, strict=strict)
-    except KeyMismatchError as err:  # say which file, and which key_prefix would fit
-        message = str(err)
-        hint = prefix_hint(saved.keys(), err.unexpected, model) if hint_prefix and not err.mismatched else None
-        nothing_fits = not err.mismatched and len(err.missing) == len(model.state_dict())
-        if hint is not None or nothing_fits:  # strict=False would load nothing: do not suggest it
-            advice = _prefix_advice(hint) if hint is not None else _NOTHING_FITS
-            message = message.rsplit("\n  what to do:", 1)[0] + f"\n  what to do: {advice}"
-        raise KeyMismatchError(
-            f"{source}: {message}", missing=err.missing, unexpected=err.unexpected, mismatched=err.mismatched
-        ) from err
-    live_keys = list(model.state_dict().keys())
-    missing = [k for k in live_keys if k not in adapted]
-    unexpected: list[str] = []
-    if len(adapted) < len(saved):  # saved keys are in the file's form: compare through the pairing
-        paired = match_keys(saved.keys(), model_key_map(model))
-        unexpected = [k for k in saved if k not in paired]
-    if not adapted and live_keys:
-        hint = prefix_hint(saved.keys(), unexpected, model) if hint_prefix else None
-        raise KeyMismatchError(
-            f"{source}: nothing in the checkpoint fits {type(unwrap_model(model)).__name__}: 0 of "
-            f"{len(live_keys)} model keys found (missing {preview(missing, count=True)}; unexpected "
-            f"{preview(unexpected, count=True)}); " + (_prefix_advice(hint) if hint else _NOTHING_FITS),
-            missing=missing,
-            unexpected=unexpected,
-        )
-    check_dtypes(adapted, model, strict, source)
-    return adapted, missing, unexpected
-
-
-_NOTHING_FITS: Final = (
-    "no key of the checkpoint fits the model (strict=False would load nothing); check that it was saved from "
-    "this architecture, or name its model entry with part_keys= / its sub-tree with key_prefix="
-)
-
-
-def _prefix_advice(prefix: str) -> str:
-    return f"the checkpoint's model keys sit under {prefix!r}: pass key_prefix={prefix!r} to load that sub-tree"
-
-
-def _choose_hparams(
-    opt_sd: dict[str, Any], optimizer: torch.optim.Optimizer, hparams: OptimizerHparams, notices: list[tuple[int, str]]
-) -> tuple[dict[str, Any], tuple[int, int]]:
-    """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
-    ``(parameters with saved state, parameters)``."""
-    changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
-    if changes:
-        whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
-        notices.extend(
-            (logging.INFO, f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}") for c in changes
-        )
-    if hparams is OptimizerHparams.CURRENT:
-        groups = []
-        for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):
-            group = {k: v for k, v in live.items() if k not in ("params", "param_names")}
-            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
-            groups.append(group)
-        opt_sd = {**opt_sd, "param_groups": groups}
-    ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
-    return opt_sd, (sum(1 for i in ids if opt_sd["state"].get(i)), len(ids))
-
-
-def _optimizer_applied(opt_sd: dict[str, Any], counts: tuple[int, int]) -> bool:
-    """Restored when some parameter gets state, or when the file holds none at all (a stateless optimizer
-    such as SGD without momentum, or one saved before its first step: its hyperparameters are what it has)."""
-    return counts[0] > 0 or not opt_sd["state"]
 
 
 def _present(
