@@ -37,7 +37,7 @@ class ResumeResult:
     ``applied`` says how much of each part was applied, as ``(applied, total)``: ``applied["model"]`` the
     model keys loaded of ``len(model.state_dict())``, ``applied["optimizer"]`` the parameters whose state
     was restored of the optimizer's parameters, ``applied["ema"]`` the EMA keys loaded of its total; a part
-    not restored from the file has no entry. ``extra`` holds the file's other entries (e.g. ``args``).
+    not passed, or absent from the file, has no entry. ``extra`` holds the file's other entries (e.g. ``args``).
     """
 
     path: Path
