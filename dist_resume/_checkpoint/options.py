@@ -51,9 +51,11 @@ class OptimizerHparams(enum.Enum):
             ) from None
 
 
-def allowed_missing(names: str | Iterable[str]) -> frozenset[str]:
+def allowed_missing(names: str | Iterable[str] | None) -> frozenset[str]:
     """The set of part names ``allow_missing=`` names (``"all"``: every optional part). Raises
     :class:`UsageError` naming the valid names for anything else. A single string is one name."""
+    if names is None:
+        return frozenset()
     given = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in given if n != "all" and n not in OPTIONAL_PARTS]
     if unknown or not all(isinstance(n, str) for n in given):
