@@ -128,7 +128,7 @@ def test_strict_false_plans_what_the_file_has_and_apply_returns_it(tmp_path):
         parts, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True, strict=False
     )
     assert plan.restore == ("model", "scaler", "optimizer")
-    assert plan.skipped == ("scheduler", "sampler")
+    assert plan.skipped == ("scheduler", "sampler", "rng")
     assert plan.apply() == ("model", "scaler", "optimizer")
     assert sched.state_dict() == frozen_sched
 

@@ -116,6 +116,7 @@ def save_checkpoint_async(
     extra: Any = None,
     sampler: Any = None,
     rng: bool = True,
+    ema: nn.Module | None = None,
     after_write: Callable[[Path], None] | None = None,
 ) -> AsyncSave:
     """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
@@ -147,6 +148,7 @@ def save_checkpoint_async(
         extra=extra,
         sampler=sampler,
         rng=rng,
+        ema=ema,
     )
     dest = Path(path)
     thread = None

@@ -212,6 +212,7 @@ class CheckpointManager:
         extra: Any = None,
         sampler: Any = None,
         rng: bool = True,
+        ema: nn.Module | None = None,
     ) -> Path:
         """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
 
@@ -234,6 +235,7 @@ class CheckpointManager:
             extra=extra,
             sampler=sampler,
             rng=rng,
+            ema=ema,
         )
         run_on_rank0(lambda: self._rotate(path, step))
         return path
@@ -250,6 +252,7 @@ class CheckpointManager:
         extra: Any = None,
         sampler: Any = None,
         rng: bool = True,
+        ema: nn.Module | None = None,
     ) -> AsyncSave:
         """Like :meth:`save`, but return once the state is snapshotted (see :func:`save_checkpoint_async`).
 
@@ -270,6 +273,7 @@ class CheckpointManager:
             extra=extra,
             sampler=sampler,
             rng=rng,
+            ema=ema,
             after_write=lambda written: self._rotate(written, step),
         )
         return self._pending

@@ -3,24 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
 
-from .._core.errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
+from .._core.errors import OptimizerStateMismatchError, StateMismatchError
+from .._core.log import log_rank0
 from .._core.rank import global_rank
-from .._core.tree import iter_tensors, map_tensors
+from .._core.text import article
+from .._core.tree import map_tensors
 from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._format.layout import CheckpointParts
-from .._state.adapt import adapt_state_dict
 from .._state.optim import optimizer_to, prepare_optimizer_state
-from .._state.prefix import match_keys, model_key_map
-from .._state.validate import check_dtypes, check_rng_states, check_scaler, check_scheduler
+from .._state.subtree import select_prefix
+from .._state.validate import check_rng_states, check_scaler, check_scheduler
+from .ema import adapt_ema_state
+from .inplace import detach_from_file, fits, into_live_state, live_twins, storage_ptrs
+from .model_fit import plan_model
+from .options import (
+    OptimizerHparams,
+    allowed_missing,
+    choose_hparams,
+    optimizer_applied,
+    strip_name_prefix,
+)
 
 __all__ = ["RestorePlan", "plan_restore"]
 
@@ -29,10 +41,12 @@ __all__ = ["RestorePlan", "plan_restore"]
 class RestorePlan:
     """What :func:`plan_restore` validated and :meth:`apply` will restore; nothing has changed yet.
 
-    ``model_state`` is the checkpoint's model state re-keyed to ``model.state_dict()``'s form;
-    ``optimizer_state`` the saved optimizer state paired with the live optimizer's parameters (None when
-    the optimizer is not restored). ``restore`` and ``skipped`` name the parts, in the order
-    :func:`resume` reports them.
+    ``model_state`` is the checkpoint's model state re-keyed to ``model.state_dict()``'s form (``ema_state``
+    likewise for ``ema``); ``optimizer_state`` the saved optimizer state paired with the live optimizer's
+    parameters, its group hyperparameters already chosen by ``optimizer_hparams`` (None when the optimizer is
+    not restored). ``restore`` and ``skipped`` name the parts, in the order :func:`resume` reports them;
+    ``applied`` says how much of each part apply will restore (see :class:`ResumeResult`); ``notices`` are
+    the ``(level, message)`` lines apply logs once it succeeded.
     """
 
     parts: CheckpointParts
@@ -50,14 +64,19 @@ class RestorePlan:
     strict: bool
     mmapped: bool
     source: str
+    ema: nn.Module | None = field(default=None, repr=False)
+    ema_state: OrderedDict[str, Any] | None = None
+    applied: dict[str, tuple[int, int]] = field(default_factory=dict)
+    notices: tuple[tuple[int, str], ...] = ()
 
     def apply(self) -> tuple[str, ...]:
         """Change the live objects; return the names of the parts restored (``self.restore``).
 
-        Local. What can still fail goes first: GradScaler, scheduler, then the model; if the model load
-        raises, scaler and scheduler are rolled back. The optimizer goes last, copied into its live state
-        tensors where they exist (so no rollback copy of its state is ever held); state still aliasing a
-        memory-mapped file is cloned; state is then moved onto its parameters' devices.
+        Local. What can still fail goes first: GradScaler, scheduler, then the model and the EMA; if one of
+        those loads raises, scaler and scheduler are rolled back (model and EMA were validated the same
+        way, so the EMA load cannot fail for a reason the model load did not). The optimizer goes last,
+        copied into its live state tensors where they exist (so no rollback copy of its state is ever held);
+        state still aliasing a memory-mapped file is cloned; state is then moved onto its parameters' devices.
         """
         scaler = self.scaler if "scaler" in self.restore else None
         scheduler = self.scheduler if "scheduler" in self.restore else None
@@ -69,6 +88,8 @@ class RestorePlan:
             if scheduler is not None:
                 scheduler.load_state_dict(self.parts.scheduler)
             self.model.load_state_dict(self.model_state, strict=self.strict)
+            if self.ema is not None and self.ema_state is not None:
+                self.ema.load_state_dict(self.ema_state, strict=self.strict)
         except Exception:
             if scaler is not None:
                 scaler.load_state_dict(before_scaler)
@@ -76,26 +97,31 @@ class RestorePlan:
                 scheduler.load_state_dict(before_scheduler)
             raise
         if self.optimizer is not None and self.optimizer_state is not None:
-            self.optimizer.load_state_dict(_into_live_state(self.optimizer, self.optimizer_state))
+            self.optimizer.load_state_dict(into_live_state(self.optimizer, self.optimizer_state))
             if self.mmapped:
-                _detach_from_file(self.optimizer, _storage_ptrs(self.parts.optimizer))
+                detach_from_file(self.optimizer, storage_ptrs(self.parts.optimizer))
             optimizer_to(self.optimizer)
         if "sampler" in self.restore:
             self.sampler.load_state_dict(self.parts.sampler)
         if "rng" in self.restore:
             restore_rank_rng(self.parts.rng, step=self.parts.step, device=param_device(self.model), source=self.source)
+        for level, message in self.notices:
+            log_rank0(level, "%s", message)
         return self.restore
 
     def destinations(self) -> dict[int, torch.Tensor]:
-        """``{id(checkpoint tensor): live tensor}`` for each model entry and existing optimizer state tensor that
-        the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local."""
+        """``{id(checkpoint tensor): live tensor}`` for each model and EMA entry and existing optimizer state
+        tensor that the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local."""
         out: dict[int, torch.Tensor] = {}
-        live = self.model.state_dict(keep_vars=True)
-        for key, value in self.model_state.items():
-            if _fits(value, live.get(key)):
-                out[id(value)] = live[key].detach()
+        for module, state in ((self.model, self.model_state), (self.ema, self.ema_state)):
+            if module is None or state is None:
+                continue
+            live = module.state_dict(keep_vars=True)
+            for key, value in state.items():
+                if fits(value, live.get(key)):
+                    out[id(value)] = live[key].detach()
         if self.optimizer is not None and self.optimizer_state is not None:
-            for _, _, value, dst in _live_twins(self.optimizer, self.optimizer_state):
+            for _, _, value, dst in live_twins(self.optimizer, self.optimizer_state):
                 if dst.is_contiguous():
                     out[id(value)] = dst
         return out
@@ -110,16 +136,14 @@ class RestorePlan:
         def swap(obj: Any) -> Any:
             return map_tensors(obj, lambda t: arrived.get(id(t), t))
 
-        parts = dataclasses.replace(
-            self.parts,
-            **{
-                f: swap(getattr(self.parts, f)) for f in ("model", "optimizer", "scheduler", "scaler", "rng", "sampler")
-            },
-            meta=swap(self.parts.meta),
-            extra=swap(self.parts.extra),
-        )
+        fields = {f.name for f in dataclasses.fields(self.parts)} - {"layout", "step", "epoch"}
+        parts = dataclasses.replace(self.parts, **{f: swap(getattr(self.parts, f)) for f in fields})
         return dataclasses.replace(
-            self, parts=parts, model_state=swap(self.model_state), optimizer_state=swap(self.optimizer_state)
+            self,
+            parts=parts,
+            model_state=swap(self.model_state),
+            optimizer_state=swap(self.optimizer_state),
+            ema_state=swap(self.ema_state),
         )
 
 
@@ -131,57 +155,89 @@ def plan_restore(
     scheduler: Any = None,
     scaler: Any = None,
     sampler: Any = None,
+    ema: nn.Module | None = None,
     rng: bool = False,
     strict: bool = True,
+    allow_missing: str | Iterable[str] = (),
+    optimizer_hparams: OptimizerHparams | str = OptimizerHparams.CHECKPOINT,
+    key_prefix: str | None = None,
+    ema_entry: Any = None,
     source: str = "checkpoint",
     mmapped: bool = False,
 ) -> RestorePlan:
     """Validate every part of ``parts`` against the live objects and say what :meth:`RestorePlan.apply` will do.
 
     Local; changes nothing. Checks model keys, shapes and dtypes, the optimizer's class, groups, parameter
-    names and state shapes, the LR scheduler's and GradScaler's state, the sampler position and this rank's
-    RNG entry. A part the checkpoint lacks raises under ``strict``, else it is skipped. ``mmapped`` says
-    that the checkpoint's tensors map its file: apply then clones the optimizer state that would alias it.
+    names and state shapes, the LR scheduler's and GradScaler's state, the sampler position, this rank's
+    RNG entry and the EMA. A part the checkpoint lacks is skipped when ``allow_missing`` names it (or
+    under ``strict=False``, with a warning), else it raises. ``key_prefix`` selects the model sub-tree
+    under it; ``optimizer_hparams`` chooses whose group hyperparameters the optimizer keeps (see
+    :func:`resume`). ``ema_entry`` is the file's EMA state where ``parts`` does not carry it. ``mmapped``
+    says that the checkpoint's tensors map its file: apply then clones the optimizer state that would alias it.
     """
-    model_state, missing, unexpected = _plan_model(parts, model, strict, source)
+    allowed = allowed_missing(allow_missing)
+    hparams = OptimizerHparams.parse(optimizer_hparams)
+    notices: list[tuple[int, str]] = []
+    saved_model = parts.model if key_prefix is None else select_prefix(parts.model, key_prefix, source)
+    model_state, missing, unexpected = plan_model(saved_model, model, strict, key_prefix is None, source)
+    applied = {"model": (len(model_state), len(model.state_dict()))}
+
+    def present(entry: Any, what: str, why: str = "to resume without it") -> bool:
+        return _present(parts, entry, what, strict, allowed, notices, source, why)
+
     optimizer_state = None
-    if optimizer is not None and _present(parts, parts.optimizer, "optimizer", strict, source):
+    if optimizer is not None and present(parts.optimizer, "optimizer"):
         saved_class = parts.meta.get("optimizer_class")
         if saved_class and saved_class != type(optimizer).__name__:
             raise OptimizerStateMismatchError(
                 f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
-                f"{type(optimizer).__name__}; build a {saved_class}, or pass strict=False and no optimizer"
+                f"{type(optimizer).__name__}; build {article(saved_class)}, or pass allow_missing=('optimizer',) "
+                "and no optimizer"
             )
-        optimizer_state = prepare_optimizer_state(parts.optimizer, optimizer, model, source=source)
-    has_scheduler = scheduler is not None and _present(parts, parts.scheduler, "scheduler", strict, source)
+        saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
+        optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
+        optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices)
+    has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)
-    has_scaler = scaler is not None and _present(parts, parts.scaler, "scaler", strict, source)
+    has_scaler = scaler is not None and present(parts.scaler, "scaler")
     empty_scaler = has_scaler and not parts.scaler and not strict  # a disabled scaler's {}: keep the fresh state
     if has_scaler and not empty_scaler:
         check_scaler(parts.scaler, scaler, source)
-    hint = "pass strict=False to start the epoch afresh, or do not pass the sampler"
-    has_sampler = sampler is not None and _present(parts, parts.sampler, "sampler", strict, source, hint)
+    has_sampler = sampler is not None and present(parts.sampler, "sampler", "to start the epoch afresh")
     if has_sampler:
         check_sampler_state(sampler, parts.sampler, source)
+    elif sampler is None and parts.sampler is not None:
+        notices.append((logging.WARNING, _NO_SAMPLER.format(source=source)))
     if rng:
         check_rng_states(parts.rng, global_rank(), source)
-    wanted = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler}
+    saved_ema = getattr(parts, "ema", None)
+    saved_ema = ema_entry if saved_ema is None else saved_ema
+    ema_state = None
+    if ema is not None and present(saved_ema, "ema"):
+        ema_state = adapt_ema_state(saved_ema, ema, strict=strict, source=source)
+        applied["ema"] = (len(ema_state), len(ema.state_dict()))
+    if hparams is OptimizerHparams.CURRENT and optimizer_state is not None and has_scheduler:
+        notices.append((logging.WARNING, _SCHEDULER_OVERRIDES.format(source=source)))
+    wanted = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler, "ema": ema}
     done = {
-        "model": True,
+        "model": applied["model"][0] > 0,
+        "ema": ema_state is not None and applied["ema"][0] > 0,
         "scaler": has_scaler and not empty_scaler,
-        "optimizer": optimizer_state is not None,
+        "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
         "rng": rng and parts.rng is not None,
     }
-    skipped = [name for name in ("optimizer", "scheduler", "scaler", "sampler") if wanted[name] is not None]
+    skipped = [name for name in wanted if wanted[name] is not None and not done[name]]
+    if rng and not done["rng"]:
+        skipped.append("rng")
     return RestorePlan(
         parts=parts,
         model_state=model_state,
         optimizer_state=optimizer_state,
         restore=tuple(name for name, yes in done.items() if yes),
-        skipped=tuple(name for name in skipped if not done[name]),
+        skipped=tuple(skipped),
         missing_keys=tuple(missing),
         unexpected_keys=tuple(unexpected),
         model=model,
@@ -192,93 +248,50 @@ def plan_restore(
         strict=strict,
         mmapped=mmapped,
         source=source,
+        ema=ema,
+        ema_state=ema_state,
+        applied=applied,
+        notices=tuple(notices),
     )
 
 
-def _plan_model(
-    parts: CheckpointParts, model: nn.Module, strict: bool, source: str
-) -> tuple[OrderedDict[str, Any], list[str], list[str]]:
-    """The model state re-keyed to ``model``'s form, the live keys it lacks and the saved keys it drops."""
-    try:
-        adapted = adapt_state_dict(parts.model, model, strict=strict)
-    except KeyMismatchError as err:  # say which file
-        raise KeyMismatchError(
-            f"{source}: {err}", missing=err.missing, unexpected=err.unexpected, mismatched=err.mismatched
-        ) from err
-    check_dtypes(adapted, model, strict, source)
-    missing = [k for k in model.state_dict().keys() if k not in adapted]
-    unexpected: list[str] = []
-    if len(adapted) < len(parts.model):  # saved keys are in the file's form: compare through the pairing
-        paired = match_keys(parts.model.keys(), model_key_map(model))
-        unexpected = [k for k in parts.model if k not in paired]
-    return adapted, missing, unexpected
+_NO_SAMPLER: Final = (
+    "{source} holds sampler state but no sampler was passed: the epoch restarts from its first batch; "
+    "pass sampler=... (a ResumableDistributedSampler) to continue where it stopped"
+)
+_SCHEDULER_OVERRIDES: Final = (
+    "{source}: optimizer_hparams='current' kept this optimizer's lr, but the restored LR scheduler sets lr "
+    "from its own saved state at its next step(); rebuild the scheduler, or allow_missing=('scheduler',) and "
+    "pass no scheduler, to keep the new lr"
+)
 
 
-def _present(parts: CheckpointParts, entry: Any, what: str, strict: bool, source: str, hint: str = "") -> bool:
-    """Whether the checkpoint holds ``what``'s state; when it does not, raise under ``strict``."""
+def _present(
+    parts: CheckpointParts,
+    entry: Any,
+    what: str,
+    strict: bool,
+    allowed: frozenset[str],
+    notices: list[tuple[int, str]],
+    source: str,
+    why: str,
+) -> bool:
+    """Whether the checkpoint holds ``what``'s state; when it does not, skip it if allowed, else raise under
+    ``strict`` (``strict=False`` skips it too, with a warning)."""
     if entry is not None:
         return True
+    if what in allowed:
+        return False
     if strict:
         raise StateMismatchError(
-            f"{source} ({parts.layout.value} layout) has no {what} state but a {what} was passed; "
-            + (hint or f"pass strict=False to restore what the file has, or do not pass the {what}")
+            f"{source} ({parts.layout.value} layout) has no {what} state but {article(what)} was passed; "
+            f"pass allow_missing=({what!r},) {why}, or do not pass the {what}"
         )
-    return False
-
-
-def _fits(src: Any, dst: Any) -> bool:
-    return (
-        isinstance(src, torch.Tensor)
-        and isinstance(dst, torch.Tensor)
-        and src.shape == dst.shape
-        and src.dtype == dst.dtype
-        and dst.is_contiguous()
+    notices.append(
+        (
+            logging.WARNING,
+            f"{source} has no {what} state: strict=False skipped the {what}; allow_missing=({what!r},) says "
+            "precisely which parts may be missing and keeps the model keys strict",
+        )
     )
-
-
-def _live_twins(
-    optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]
-) -> Iterator[tuple[Any, str, torch.Tensor, torch.Tensor]]:
-    """``(saved id, key, saved tensor, live tensor)`` for each saved state tensor whose live counterpart (same
-    parameter and key) already exists with the same shape and dtype. ``opt_sd`` comes from prepare_optimizer_state."""
-    saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
-    live_params = [p for group in optimizer.param_groups for p in group["params"]]
-    for sid, param in zip(saved_ids, live_params):
-        live_state = optimizer.state.get(param, {})
-        for key, value in (opt_sd["state"].get(sid) or {}).items():
-            dst = live_state.get(key)
-            if (
-                isinstance(value, torch.Tensor)
-                and isinstance(dst, torch.Tensor)
-                and dst.shape == value.shape
-                and dst.dtype == value.dtype
-            ):
-                yield sid, key, value, dst
-
-
-def _into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """``opt_sd`` with each saved state tensor that has a live twin copied into that twin and replaced by it:
-    torch's load_state_dict then keeps it as it is. Data that arrived in the twin itself is not copied."""
-    state = {sid: dict(entries) for sid, entries in opt_sd["state"].items()}
-    with torch.no_grad():
-        for sid, key, value, dst in _live_twins(optimizer, opt_sd):
-            if value is not dst:
-                dst.copy_(value)
-            state[sid][key] = dst
-    return {**opt_sd, "state": state}
-
-
-def _storage_ptrs(obj: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in iter_tensors(obj) if t.device.type == "cpu"}
-
-
-def _detach_from_file(optimizer: torch.optim.Optimizer, loaded: set[int]) -> None:
-    """Clone state tensors that still alias the memory-mapped checkpoint (CPU params, same dtype)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if (
-                isinstance(value, torch.Tensor)
-                and value.device.type == "cpu"
-                and value.untyped_storage().data_ptr() in loaded
-            ):
-                state[key] = value.clone()
+    return False

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -16,7 +17,9 @@ from .._core.log import log_rank0
 from .._core.types import MapLocation, PathLike
 from .._dist.broadcast import agree_across_ranks
 from .._dist.env import is_distributed
-from .._format.layout import Layout, split_checkpoint
+from .._format.layout import FORMAT_NAME, CheckpointParts, Key, Layout, split_checkpoint
+from .._state.prefix import model_key_map
+from .options import OptimizerHparams, allowed_missing
 from .plan import RestorePlan, plan_restore
 from .sources import Loaded, read_broadcast, read_file, read_folder
 
@@ -25,7 +28,17 @@ __all__ = ["ResumeResult", "resume"]
 
 @dataclass(frozen=True)
 class ResumeResult:
-    """What :func:`resume` found and restored."""
+    """What :func:`resume` found and restored.
+
+    ``step`` is the number of optimizer steps completed when the checkpoint was saved, so a resumed loop
+    continues at ``step`` (``for step in range(result.step, total)``); ``epoch`` is what was saved.
+    ``restored`` names each part of which something was applied; ``skipped`` each part that was passed
+    but not restored (absent from the file and allowed to be, or with nothing in it that applied).
+    ``applied`` says how much of each part was applied, as ``(applied, total)``: ``applied["model"]`` the
+    model keys loaded of ``len(model.state_dict())``, ``applied["optimizer"]`` the parameters whose state
+    was restored of the optimizer's parameters, ``applied["ema"]`` the EMA keys loaded of its total; a part
+    not passed, or absent from the file, has no entry. ``extra`` holds the file's other entries (e.g. ``args``).
+    """
 
     path: Path
     layout: Layout
@@ -37,6 +50,7 @@ class ResumeResult:
     skipped: tuple[str, ...] = ()
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    applied: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def resume(
@@ -54,6 +68,11 @@ def resume(
     rng: bool = False,
     verify: bool = False,
     broadcast_from_rank0: bool = False,
+    allow_missing: str | Iterable[str] = (),
+    optimizer_hparams: OptimizerHparams | str = "checkpoint",
+    ema: nn.Module | None = None,
+    key_prefix: str | None = None,
+    part_keys: Mapping[str, str] | None = None,
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler and GradScaler from a checkpoint, all or nothing.
 
@@ -73,9 +92,37 @@ def resume(
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its GPU (``map_location`` overrides). Keys, shapes, dtypes,
     optimizer groups, parameter names and state shapes are validated before anything changes; on
-    any error model, optimizer, scheduler and scaler are as before. Afterwards optimizer state
-    sits on its parameters' devices. ``strict=False`` allows missing/unexpected model keys and
-    parts the file lacks.
+    any error model, optimizer, scheduler, scaler and EMA are as before. Afterwards optimizer state
+    sits on its parameters' devices.
+
+    Options (all validated before anything changes):
+
+    - ``strict`` keeps torch's meaning for the model: missing/unexpected keys raise, dtypes must match
+      (``strict=False`` loads the keys that fit and casts floating-point tensors; if *no* key fits it
+      still raises :class:`KeyMismatchError`). For compatibility ``strict=False`` also skips parts the
+      file lacks, with a WARNING; ``allow_missing`` is the precise way.
+    - ``allow_missing``: names of parts that may be absent from the file (``"optimizer"``,
+      ``"scheduler"``, ``"scaler"``, ``"sampler"``, ``"rng"``, ``"ema"``, or ``"all"``). Each absent allowed
+      part is left as it is and listed in ``ResumeResult.skipped``; a part passed but absent and not
+      allowed raises :class:`StateMismatchError`. (With ``rng=True`` a file without RNG state always
+      leaves the streams as they are.)
+    - ``optimizer_hparams``: ``"checkpoint"`` (torch's rule, the default) takes each group's ``lr``,
+      ``betas``, ``weight_decay``, ... from the file; ``"current"`` restores the per-parameter state
+      but keeps the live optimizer's group hyperparameters (``initial_lr`` too). Either way each value
+      that differs is logged at INFO; with ``"current"`` a restored scheduler that will set ``lr`` at
+      its next step is logged at WARNING.
+    - ``ema``: an EMA model (``torch.optim.swa_utils.AveragedModel``, ``n_averaged`` included, or any
+      ``nn.Module``) restored from the file's EMA entry, its key prefixes adapted like the model's.
+    - ``key_prefix``: load only the model keys under this prefix, without it (``"model."`` for a
+      Lightning checkpoint of ``self.model``); the other keys are ignored, optimizer ``param_names``
+      lose the prefix where they carry it. When a model does not fit and one would, the error names it.
+    - ``part_keys``: ``{"model": "MODEL_STATE", ...}`` names the entry each part comes from,
+      overriding layout detection.
+    - ``args`` (an ``argparse.Namespace``, as torchvision references and timm save) loads under
+      ``weights_only=True`` and comes back in ``ResumeResult.extra``.
+
+    When the file holds sampler state but no ``sampler`` is passed, the epoch restarts from its first
+    batch, logged at WARNING.
 
     Exact resume: ``sampler`` (a :class:`ResumableDistributedSampler`) continues at the saved epoch
     and position, split over the ranks present now; ``rng=True`` makes each rank restore its own
@@ -92,6 +139,8 @@ def resume(
         >>> dist_resume.resume("ckpt.pt", model=model, optimizer=opt).step
         7
     """
+    allowed = allowed_missing(allow_missing)  # usage errors before any file is read
+    hparams = OptimizerHparams.parse(optimizer_hparams)
     build = partial(
         plan_restore,
         model=model,
@@ -101,7 +150,12 @@ def resume(
         sampler=sampler,
         rng=rng,
         strict=strict,
+        allow_missing=allowed,
+        optimizer_hparams=hparams,
+        ema=ema,
+        key_prefix=key_prefix,
     )
+    split = partial(_split, model=model, key_prefix=key_prefix, part_keys=part_keys)
     if broadcast_from_rank0 and is_distributed():
         if map_location is not None:
             raise ValueError(
@@ -109,19 +163,20 @@ def resume(
                 "on the CPU and is copied into the model's and optimizer's own tensors"
             )
         loaded, plan = read_broadcast(
-            path, mmap=mmap, weights_only=weights_only, verify=verify, prepare=lambda view: _plan(view, build)
+            path, mmap=mmap, weights_only=weights_only, verify=verify, prepare=lambda view: _plan(view, split, build)
         )
     else:
         read = read_folder if Path(path).is_dir() else read_file
         loaded = read(path, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
-        plan = _plan(loaded, build)
+        plan = _plan(loaded, split, build)
     restored = plan.apply()
     parts = plan.parts
     log_rank0(
         logging.INFO,
-        "resumed from %s (%s layout, step %s, epoch %s; restored %s)",
+        "resumed from %s (%s layout%s, step %s, epoch %s; restored %s)",
         loaded.path,
         parts.layout.value,
+        _key_sources(parts),
         parts.step,
         parts.epoch,
         ", ".join(restored),
@@ -137,16 +192,39 @@ def resume(
         plan.skipped,
         list(plan.missing_keys),
         list(plan.unexpected_keys),
+        dict(plan.applied),
     )
 
 
-def _plan(loaded: Loaded, build: Callable[..., RestorePlan]) -> RestorePlan:
+def _split(obj: Any, source: str, *, model: nn.Module, key_prefix: str | None, part_keys: Any) -> CheckpointParts:
+    """``split_checkpoint`` with what layout detection can use: the entries named by ``part_keys``, and the
+    model's canonical keys (under ``key_prefix``) to pick the entry that fits."""
+    kwargs: dict[str, Any] = {}
+    if part_keys is not None:
+        kwargs["part_keys"] = part_keys
+    if "model_keys" in _SPLIT_PARAMETERS:  # the content-based detector takes it
+        kwargs["model_keys"] = [(key_prefix or "") + k for k in model_key_map(model)]
+    return split_checkpoint(obj, source, **kwargs)
+
+
+_SPLIT_PARAMETERS: Final = frozenset(inspect.signature(split_checkpoint).parameters)
+
+
+def _key_sources(parts: CheckpointParts) -> str:
+    """``"; model <- 'MODEL_STATE', ..."`` when layout detection says which entry each part came from."""
+    keys = getattr(parts, "keys", None)
+    if not isinstance(keys, Mapping) or not keys:
+        return ""
+    return "; " + ", ".join(f"{part} <- {key!r}" for part, key in keys.items())
+
+
+def _plan(loaded: Loaded, split: Callable[..., CheckpointParts], build: Callable[..., RestorePlan]) -> RestorePlan:
     """Validate ``loaded`` against the live objects; where it is collective, every rank learns every outcome
     and raises if any rank failed, before anything changes."""
     source = f"checkpoint {str(loaded.path)!r}"
     try:
-        parts = loaded.parts if loaded.parts is not None else split_checkpoint(loaded.obj, source)
-        plan = build(parts, source=source, mmapped=loaded.mmapped)
+        parts = loaded.parts if loaded.parts is not None else split(loaded.obj, source)
+        plan = build(parts, ema_entry=_toolkit_ema(loaded.obj), source=source, mmapped=loaded.mmapped)
     except Exception as err:
         if loaded.collective:
             agree_across_ranks(err)
@@ -154,3 +232,10 @@ def _plan(loaded: Loaded, build: Callable[..., RestorePlan]) -> RestorePlan:
     if loaded.collective:
         agree_across_ranks(None)
     return plan
+
+
+def _toolkit_ema(obj: Any) -> Any:
+    """The EMA entry of a dist_resume file (used where ``CheckpointParts`` carries no ``ema`` yet)."""
+    if isinstance(obj, Mapping) and obj.get(Key.FORMAT) == FORMAT_NAME:
+        return obj.get(Key.EMA)
+    return None

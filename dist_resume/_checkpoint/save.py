@@ -23,6 +23,7 @@ from .._format.atomic import atomic_write
 from .._format.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
+from .ema import canonical_ema_state
 
 __all__ = ["save_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
 
@@ -63,6 +64,7 @@ def build_payload(
     world_size: int = 1,
     rng: list[dict[str, Any]] | None = None,
     sampler: dict[str, Any] | None = None,
+    ema: nn.Module | None = None,
 ) -> dict[str, Any]:
     """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
     from .._core.version import __version__
@@ -97,6 +99,8 @@ def build_payload(
         payload[Key.EXTRA] = extra
     if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
         payload[Key.RNG] = rng
+    if ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.ema
+        payload[Key.EMA] = canonical_ema_state(ema)
     if sampler is not None:
         payload[Key.SAMPLER] = dict(sampler)
         check_weights_only_safe(payload[Key.SAMPLER], "sampler.state_dict()")
@@ -114,6 +118,7 @@ def prepare_payload(
     extra: Any,
     sampler: Any,
     rng: bool,
+    ema: nn.Module | None = None,
 ) -> Callable[[], dict[str, Any]]:
     """The collective part of a save (every rank's RNG/sampler state to rank 0); returns rank 0's payload builder."""
     world_size = dist.get_world_size() if is_distributed() else 1
@@ -135,6 +140,7 @@ def prepare_payload(
             world_size=world_size,
             rng=rng_states,
             sampler=sampler_state,
+            ema=ema,
         )
 
     return build
@@ -152,6 +158,7 @@ def save_checkpoint(
     extra: Any = None,
     sampler: Any = None,
     rng: bool = True,
+    ema: nn.Module | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
@@ -165,7 +172,12 @@ def save_checkpoint(
     CPU, the rank's own CUDA device, numpy), gathered on rank 0; ``sampler`` (a
     :class:`ResumableDistributedSampler`, anything with ``state_dict()``, or such a state dict, e.g.
     ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores the epoch and the
-    position in it, after checking that all ranks agree on it.
+    position in it, after checking that all ranks agree on it. ``step`` is the number of optimizer
+    steps completed (a resumed loop continues at ``ResumeResult.step``).
+
+    ``ema`` (a ``torch.optim.swa_utils.AveragedModel``, ``n_averaged`` included, or any ``nn.Module``
+    holding averaged weights) is stored under ``"ema"`` with canonical keys, like the model;
+    ``resume(..., ema=...)`` restores it.
 
     Example::
 
@@ -184,6 +196,7 @@ def save_checkpoint(
         extra=extra,
         sampler=sampler,
         rng=rng,
+        ema=ema,
     )
 
     def write() -> Path:

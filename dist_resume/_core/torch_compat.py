@@ -7,6 +7,7 @@ this is the one module to fix; nothing else in the package reaches into ``torch.
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ __all__ = [
     "RefusedGlobal",
     "WeightsOnlyUnpickler",
     "classify_comm_error",
+    "allowing_plain_globals",
     "classify_load_error",
     "comm_error_summary",
     "compiled_original",
@@ -242,3 +244,16 @@ def compiled_original(model: nn.Module) -> nn.Module | None:
         inner: nn.Module = model._orig_mod
         return inner
     return None
+
+
+# argparse.Namespace: a plain attribute bag (its state is a __dict__ of whatever it holds, which the
+# weights_only unpickler vets as usual); it carries no code. torchvision references and timm store the
+# run's ``args`` as one. torch.serialization.safe_globals (public, torch >= 2.5) allows it for one load
+# without touching the process-wide list that add_safe_globals would change; the weights_only unpickler
+# (torch._weights_only_unpickler, which read_archive's unpickler subclasses) consults it too.
+PLAIN_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
+
+
+def allowing_plain_globals() -> Any:
+    """A context manager under which ``weights_only`` loads accept :data:`PLAIN_GLOBALS`."""
+    return torch.serialization.safe_globals(list(PLAIN_GLOBALS))

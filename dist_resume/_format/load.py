@@ -14,7 +14,7 @@ from .._core.errors import (
     CheckpointError,
     NotACheckpointError,
 )
-from .._core.torch_compat import LoadFailure, classify_load_error, error_summary
+from .._core.torch_compat import LoadFailure, allowing_plain_globals, classify_load_error, error_summary
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
 from .sniff import FileKind, check_file, file_kind, unsafe_error
@@ -113,7 +113,8 @@ def load_torch_file(
     if map_location is None or isinstance(map_location, int):
         map_location = rank_map_location(map_location)
     try:
-        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
+        with allowing_plain_globals():  # argparse.Namespace (``args``) carries no code
+            return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
         if classify_load_error(err) is LoadFailure.UNSAFE:
             raise unsafe_error(p, err) from err

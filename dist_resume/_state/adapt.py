@@ -93,7 +93,7 @@ def _mismatch_message(
     if mismatched:
         lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
     hint = "check that the checkpoint was saved from the same architecture and configuration"
-    key_prefix = suggest_key_prefix(unexpected, model.state_dict().keys()) if unexpected and missing else None
+    key_prefix = suggest_key_prefix(saved, unexpected, model) if missing and not mismatched else None
     if key_prefix is not None:  # strict=False would load nothing here: say what does fit
         hint = (
             f"the model's keys sit under {key_prefix!r} in the checkpoint (e.g. a LightningModule's "

@@ -6,16 +6,18 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
-from .._core.errors import KeyMismatchError
+from torch import nn
+
+from .._core.errors import KeyMismatchError, UsageError
 from .._core.text import preview
-from .prefix import canonical_key
+from .prefix import match_keys, model_key_map
 
 __all__ = ["select_prefix", "suggest_key_prefix"]
 
 V = TypeVar("V")
 
 
-def select_prefix(state_dict: Mapping[str, V], key_prefix: str) -> OrderedDict[str, V]:
+def select_prefix(state_dict: Mapping[str, V], key_prefix: str, source: str = "checkpoint") -> OrderedDict[str, V]:
     """The entries whose key starts with ``key_prefix``, with it removed; every other key is left out.
 
     Local; no tensor is copied; ``_metadata`` follows (``model.fc`` becomes ``fc``, ``model`` the root).
@@ -28,15 +30,18 @@ def select_prefix(state_dict: Mapping[str, V], key_prefix: str) -> OrderedDict[s
         >>> list(select_prefix(sd, "model."))
         ['fc.weight']
     """
-    if not key_prefix or not key_prefix.endswith("."):
-        raise ValueError(f"key_prefix must be a non-empty key prefix ending in '.', got {key_prefix!r}")
+    if not isinstance(key_prefix, str) or not key_prefix.endswith(".") or key_prefix.startswith("."):
+        raise UsageError(
+            f"key_prefix must be a dot-separated key prefix ending in '.', got {key_prefix!r}",
+            hint="e.g. key_prefix='model.' for a Lightning checkpoint of self.model",
+        )
     out: OrderedDict[str, V] = OrderedDict(
         (k[len(key_prefix) :], v) for k, v in state_dict.items() if k.startswith(key_prefix)
     )
     if not out:
         heads = sorted({k.split(".", 1)[0] + "." for k in state_dict if "." in k})
         raise KeyMismatchError(
-            f"no key of the checkpoint's model state starts with key_prefix={key_prefix!r}; the keys start with "
+            f"{source}: no model key starts with key_prefix={key_prefix!r}; the keys start with "
             f"{preview(heads) or 'no common prefix'}; pass one of those, or no key_prefix",
             unexpected=list(state_dict)[:50],
         )
@@ -52,18 +57,25 @@ def select_prefix(state_dict: Mapping[str, V], key_prefix: str) -> OrderedDict[s
     return out
 
 
-def suggest_key_prefix(saved_keys: Iterable[str], model_keys: Iterable[str]) -> str | None:
-    """The ``key_prefix`` whose removal makes ``saved_keys`` fit ``model_keys``, when exactly one does.
-
-    Every saved key must share the same leading component (``model.``); after removing it the canonical
-    keys must cover every model key. Local; used to word :class:`KeyMismatchError`'s hint.
-    """
+def suggest_key_prefix(saved_keys: Iterable[str], unexpected: Iterable[str], model: nn.Module) -> str | None:
+    """The ``key_prefix=`` that would make ``model`` fit, or None: every unexpected key shares leading
+    components (other than wrapper prefixes) whose removal pairs every model key. Local; words
+    :class:`KeyMismatchError`'s hint."""
+    split = [k.split(".")[:-1] for k in unexpected]  # module path components, never the entry's own name
+    if not split:
+        return None
+    common: list[str] = []
+    for column in zip(*split):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    targets = model_key_map(model)
     saved = list(saved_keys)
-    heads = {k.split(".", 1)[0] for k in saved if "." in k}
-    want = {canonical_key(k) for k in model_keys}
-    for head in sorted(heads):
-        prefix = f"{head}."
-        under = {canonical_key(k[len(prefix) :]) for k in saved if k.startswith(prefix)}
-        if want and want <= under:
+    for depth in range(1, len(common) + 1):
+        if common[depth - 1] in ("module", "_orig_mod"):  # wrapper prefixes are adapted anyway
+            continue
+        prefix = ".".join(common[:depth]) + "."
+        under = [k[len(prefix) :] for k in saved if k.startswith(prefix)]
+        if under and set(match_keys(under, targets).values()) == set(targets.values()):
             return prefix
     return None

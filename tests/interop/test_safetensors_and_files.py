@@ -88,14 +88,7 @@ def test_lightning_ckpt_splits_into_its_parts(lightning_ckpt: Saved) -> None:
 
 
 def test_torchvision_timm_style_file_keeps_args_and_ema(torchvision_timm_file: Saved) -> None:
-    import argparse
-
-    from dist_resume._core.errors import UnsafeCheckpointError
-
-    with pytest.raises(UnsafeCheckpointError):  # today: argparse.Namespace needs allowlisting (issue 10 item 4)
-        load_checkpoint(torchvision_timm_file.path, map_location="cpu")
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        obj = load_checkpoint(torchvision_timm_file.path, map_location="cpu")
+    obj = load_checkpoint(torchvision_timm_file.path, map_location="cpu")  # argparse.Namespace is allowed
     parts = split_checkpoint(obj)
     assert_same(dict(parts.model), torchvision_timm_file.model, "model")
     assert_same(parts.optimizer, torchvision_timm_file.optimizer, "optimizer")

@@ -1,0 +1,124 @@
+"""resume's per-part options: parts that may be absent, whose optimizer hyperparameters win, a model key prefix."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import torch
+
+from .._core.errors import UsageError
+
+__all__ = [
+    "OPTIONAL_PARTS",
+    "OptimizerHparams",
+    "allowed_missing",
+    "hparam_changes",
+    "choose_hparams",
+    "optimizer_applied",
+    "strip_name_prefix",
+]
+
+OPTIONAL_PARTS: Final = ("optimizer", "scheduler", "scaler", "sampler", "rng", "ema")
+_GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})
+
+
+class OptimizerHparams(enum.Enum):
+    """Whose param-group hyperparameters (``lr``, ``betas``, ``weight_decay``, ...) a resumed optimizer keeps."""
+
+    CHECKPOINT = "checkpoint"  # torch's rule: Optimizer.load_state_dict replaces them with the file's
+    CURRENT = "current"  # keep the live optimizer's; restore only the per-parameter state
+
+    @classmethod
+    def parse(cls, value: OptimizerHparams | str) -> OptimizerHparams:
+        """``value`` as a member; a string outside the two values raises :class:`UsageError`."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise UsageError(
+                f"optimizer_hparams={value!r} is not one of 'checkpoint', 'current'",
+                hint="'checkpoint' takes lr, betas, ... from the file (torch's rule), 'current' keeps this optimizer's",
+            ) from None
+
+
+def allowed_missing(names: str | Iterable[str] | None) -> frozenset[str]:
+    """The set of part names ``allow_missing=`` names (``"all"``: every optional part). Raises
+    :class:`UsageError` naming the valid names for anything else. A single string is one name."""
+    if names is None:
+        return frozenset()
+    given = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in given if n != "all" and n not in OPTIONAL_PARTS]
+    if unknown or not all(isinstance(n, str) for n in given):
+        raise UsageError(
+            f"allow_missing names unknown parts {unknown!r}; valid names: "
+            + ", ".join(repr(n) for n in (*OPTIONAL_PARTS, "all")),
+            hint="e.g. allow_missing=('scheduler',) lets a file without scheduler state resume",
+        )
+    return frozenset(OPTIONAL_PARTS) if "all" in given else frozenset(given)
+
+
+def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
+    out = []
+    for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        for name in sorted((set(saved) | set(live)) - _GROUP_BOOKKEEPING):
+            old, new = saved.get(name, "absent"), live.get(name, "absent")
+            if not _same(old, new):
+                out.append(f"group {i} {name}: checkpoint {old!r}, this optimizer {new!r}")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # tensors (capturable lr), mismatched types: compare their text
+        return repr(a) == repr(b)
+
+
+def strip_name_prefix(saved_optimizer: Any, key_prefix: str) -> Any:
+    """``saved_optimizer`` with ``key_prefix`` removed from its groups' ``param_names`` where present.
+    A shallow copy (state tensors shared); anything not an optimizer state dict is returned as it is."""
+    if not isinstance(saved_optimizer, Mapping) or not isinstance(saved_optimizer.get("param_groups"), (list, tuple)):
+        return saved_optimizer
+    groups = []
+    for group in saved_optimizer["param_groups"]:
+        names = group.get("param_names") if isinstance(group, Mapping) else None
+        if names is not None:
+            group = {
+                **group,
+                "param_names": [n[len(key_prefix) :] if n.startswith(key_prefix) else n for n in names],
+            }
+        groups.append(group)
+    return {**saved_optimizer, "param_groups": groups}
+
+
+def choose_hparams(
+    opt_sd: dict[str, Any], optimizer: torch.optim.Optimizer, hparams: OptimizerHparams, notices: list[tuple[int, str]]
+) -> tuple[dict[str, Any], tuple[int, int]]:
+    """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
+    ``(parameters with saved state, parameters)``."""
+    changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
+    if changes:
+        whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
+        notices.extend(
+            (logging.INFO, f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}") for c in changes
+        )
+    if hparams is OptimizerHparams.CURRENT:
+        groups = []
+        for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):
+            group = {k: v for k, v in live.items() if k not in ("params", "param_names")}
+            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
+            groups.append(group)
+        opt_sd = {**opt_sd, "param_groups": groups}
+    ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
+    return opt_sd, (sum(1 for i in ids if opt_sd["state"].get(i)), len(ids))
+
+
+def optimizer_applied(opt_sd: dict[str, Any], counts: tuple[int, int]) -> bool:
+    """Restored when some parameter gets state, or when the file holds none at all (a stateless optimizer
+    such as SGD without momentum, or one saved before its first step: its hyperparameters are what it has)."""
+    return counts[0] > 0 or not opt_sd["state"]
