@@ -7,6 +7,7 @@ this is the one module to fix; nothing else in the package reaches into ``torch.
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ __all__ = [
     "error_summary",
     "is_garbled_pickle",
     "meta_typed_storage",
+    "namespace_allowed",
+    "storage_class_for",
     "refused_global",
     "storage_id",
     "storage_class_of",
@@ -139,6 +142,25 @@ def storage_class_of(storage_type: Any) -> tuple[torch.dtype, type] | None:
         dtype = storage_type.dtype
         return dtype, getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
     return None
+
+
+def storage_class_for(dtype: torch.dtype) -> tuple[type, torch.dtype]:
+    """(storage class, storage dtype) torch.save names in a persistent id for a tensor of ``dtype``: the typed
+    class from torch.storage._dtype_to_storage_type_map (torch >= 2.0), or ``torch.UntypedStorage`` with
+    uint8 for dtypes it lacks (uint16, float8, ...), as torch.save itself does (checked on torch 2.13)."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    if name is None:
+        return torch.UntypedStorage, torch.uint8
+    return getattr(torch, name), dtype
+
+
+@contextmanager
+def namespace_allowed() -> Iterator[None]:
+    """Let the weights_only unpickler build ``argparse.Namespace`` (torchvision references and timm store
+    ``args``): torch.serialization.safe_globals (torch >= 2.5) allows it for this block only. A Namespace
+    is a plain attribute bag: building one runs no code from the file."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        yield
 
 
 def meta_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:

@@ -236,7 +236,8 @@ def read_archive(path: PathLike) -> ArchiveContents:
         ) from err
     contents = ArchiveContents(p, archive_name, records, len(data), None, {})
     try:
-        with torch_compat.discarding_sparse_checks():  # queued for torch.load to validate: not torch.load's
+        with torch_compat.discarding_sparse_checks(), torch_compat.namespace_allowed():
+            # sparse tensors queued for torch.load to validate are not torch.load's; Namespace: `args`
             contents.obj = _MetaUnpickler(data, contents).load()
     except pickle.UnpicklingError as err:
         if not isinstance(err, _Garbled) and not torch_compat.is_garbled_pickle(err):
