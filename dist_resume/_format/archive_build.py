@@ -12,6 +12,7 @@ import mmap
 import secrets
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -75,7 +76,8 @@ def write_archive(
     """Write ``obj`` (built from ``raw.tensors``) as a torch zip checkpoint to ``fd``; ``(size, data.pkl)``. Local.
 
     Records come in ``torch.save``'s order, each storage's bytes copied from ``raw.contents.path``;
-    their CRC32 is computed from the source (the only pass over the bytes in user space).
+    their CRC32 is computed from the source (the only pass over the bytes in user space, in two worker
+    threads that run ahead of the copy).
     """
     pickled = dump_pickle(obj, raw.contents)
     writer = ZipWriter(fd)
@@ -89,22 +91,33 @@ def write_archive(
         size = Path(raw.contents.path).stat().st_size
         with mmap.mmap(src.fileno(), size, access=mmap.ACCESS_READ) as mapped:  # a header at least: never empty
             view = memoryview(mapped)
-            try:
-                for key, (begin, nbytes) in raw.ranges.items():
+            # the CRC32 of each record is computed in worker threads (zlib releases the GIL) while the
+            # main thread copies the records before it in the kernel: the two passes overlap
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                crcs = [pool.submit(_crc, view, begin, nbytes) for begin, nbytes in raw.ranges.values()]
+                try:
+                    for (key, (begin, nbytes)), crc in zip(raw.ranges.items(), crcs):
 
-                    def fill(offset: int, begin: int = begin, nbytes: int = nbytes) -> None:
-                        if nbytes:
-                            copy_range(src.fileno(), fd, begin, offset, nbytes)
+                        def fill(offset: int, begin: int = begin, nbytes: int = nbytes) -> None:
+                            if nbytes:
+                                copy_range(src.fileno(), fd, begin, offset, nbytes)
 
-                    crc = _crc(view, begin, nbytes)
-                    writer.add(
-                        f"{_ARCHIVE}/data/{key}", size=nbytes, compress_size=nbytes, crc=crc, method=0, fill=fill
-                    )
-                    done += nbytes
-                    if progress is not None:
-                        progress(done, total)
-            finally:
-                view.release()
+                        writer.add(
+                            f"{_ARCHIVE}/data/{key}",
+                            size=nbytes,
+                            compress_size=nbytes,
+                            crc=crc.result(),
+                            method=0,
+                            fill=fill,
+                        )
+                        done += nbytes
+                        if progress is not None:
+                            progress(done, total)
+                finally:
+                    for future in crcs:
+                        future.cancel()
+                    pool.shutdown(wait=True)
+                    view.release()
     writer.add_bytes(f"{_ARCHIVE}/version", b"3\n")
     writer.add_bytes(f"{_ARCHIVE}/.data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
     return writer.finish(), pickled
