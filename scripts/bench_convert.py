@@ -18,6 +18,13 @@ and one JSON document; ``--json-out`` also writes it to a file. Files are delete
 
     python scripts/bench_convert.py                # ~2 GiB and ~0.5 GiB, needs ~6 GiB of disk
     python scripts/bench_convert.py --size-gib 0.2 # a quick run
+    python scripts/bench_convert.py --formats --quick  # .pt <-> .safetensors and .pt -> DCP, 0.25 and 1 GiB
+
+``--formats`` measures the format conversions instead, on a weights-only file (``--size-gib`` and a
+quarter of it): ``convert --format safetensors`` (pt -> safetensors), ``convert --format pt`` of that
+output (safetensors -> pt), both against ``cp`` + fsync (target <= 1.5x, peak RssAnon flat as the file
+grows), and ``convert --format dcp`` (pt -> DCP, which loads the tensors). ``--quick`` is one run per
+measurement at 0.25 and 1 GiB.
 """
 
 from __future__ import annotations
@@ -183,6 +190,77 @@ def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
     return result
 
 
+FORMATS = ("cp+fsync", "pt->safetensors", "safetensors->pt", "pt->dcp", "import floor")
+
+
+def bench_formats(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
+    """Format conversions of a weights-only checkpoint of ``size_bytes``, each in its own process."""
+    src, st, back, dcp = (folder / f"{n}_{size_bytes}" for n in ("src.pt", "m.safetensors", "back.pt", "dcp"))
+    build = BUILD.replace('"optimizer": {{"state": state, "param_groups": groups}}, ', "").replace(
+        "total += 3 * p.numel() * 4", "total += p.numel() * 4"
+    )
+    subprocess.run([sys.executable, "-c", build.format(shapes=SHAPES), str(src), str(size_bytes)], check=True)
+    py = sys.executable
+    cli = [py, "-m", "dist_resume", "convert", "--force", "--json"]
+    commands = {
+        "pt->safetensors": (src, [*cli, str(src), str(st), "--format", "safetensors"]),
+        "safetensors->pt": (st, [*cli, str(st), str(back), "--format", "pt"]),
+        "pt->dcp": (src, [*cli, str(src), str(dcp), "--format", "dcp"]),
+        "import floor": (src, [py, "-c", "import dist_resume.cli"]),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in FORMATS}
+    for _ in range(repeat):
+        for name in FORMATS:
+            os.sync()
+            if name == "cp+fsync":
+                _warm(src)
+                start = time.perf_counter()
+                subprocess.run(["cp", str(src), str(back)], check=True)
+                _fsync(back)
+                runs[name].append({"seconds": time.perf_counter() - start, "peak_rss_anon_mib": None})
+                back.unlink()
+                continue
+            warm_src, cmd = commands[name]
+            if not warm_src.exists():
+                continue
+            _warm(warm_src)
+            r = measure(cmd)
+            out = r.pop("stdout")
+            if out.strip():
+                r["in_process_seconds"] = json.loads(out)["seconds"]
+            runs[name].append(r)
+    result: dict[str, Any] = {"file_bytes": src.stat().st_size}
+    for name, rs in runs.items():
+        entry: dict[str, Any] = {"seconds": statistics.median(r["seconds"] for r in rs)}
+        if rs[0]["peak_rss_anon_mib"] is not None:
+            entry["peak_rss_anon_mib"] = max(r["peak_rss_anon_mib"] for r in rs)
+        if "in_process_seconds" in rs[0]:
+            entry["in_process_seconds"] = statistics.median(r["in_process_seconds"] for r in rs)
+        result[name] = entry
+    cps = result["cp+fsync"]["seconds"]
+    floor = result["import floor"]["peak_rss_anon_mib"]
+    result["ratios"] = {f"{name}_vs_cp_fsync": result[name]["in_process_seconds"] / cps for name in FORMATS[1:4]}
+    result["anon_above_floor_mib"] = {name: result[name]["peak_rss_anon_mib"] - floor for name in FORMATS[1:4]}
+    shutil.rmtree(dcp, ignore_errors=True)
+    for path in (src, st, back):
+        path.unlink(missing_ok=True)
+    return result
+
+
+def formats_table(results: list[dict[str, Any]]) -> str:
+    rows = [f"{'size':>9} {'what':<16} {'in-process s':>12} {'process s':>9} {'vs cp+fsync':>11} {'anon MiB':>9}"]
+    for r in results:
+        size = f"{r['file_bytes'] / 2**30:.2f} GiB"
+        cps = r["cp+fsync"]["seconds"]
+        for name in FORMATS:
+            e = r[name]
+            inproc = e.get("in_process_seconds", e["seconds"])
+            ratio = f"{inproc / cps:.2f}x" if name != "import floor" else "-"
+            anon = f"{e['peak_rss_anon_mib']:.0f}" if "peak_rss_anon_mib" in e else "-"
+            rows.append(f"{size:>9} {name:<16} {inproc:12.2f} {e['seconds']:9.2f} {ratio:>11} {anon:>9}")
+    return "\n".join(rows)
+
+
 def _pickle_bytes(path: Path) -> int:
     import zipfile
 
@@ -226,16 +304,21 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where to write the files (default: a temp folder)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the folder (files are always deleted)")
+    parser.add_argument("--formats", action="store_true", help="measure pt <-> safetensors and pt -> DCP instead")
+    parser.add_argument("--quick", action="store_true", help="one run each, 0.25 and 1 GiB")
     args = parser.parse_args()
+    if args.quick:
+        args.size_gib, args.repeat = 1.0, 1
     folder = Path(tempfile.mkdtemp(prefix="bench_convert.", dir=args.dir))
     try:
         sizes = [int(args.size_gib * 2**30 / 4), int(args.size_gib * 2**30)]
-        results = [bench_size(folder, size, args.repeat) for size in sizes]
+        bench = bench_formats if args.formats else bench_size
+        results = [bench(folder, size, args.repeat) for size in sizes]
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     doc = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "results": results}
-    print(table(results))
+    print(formats_table(results) if args.formats else table(results))
     print(json.dumps(doc, indent=2))
     if args.json_out:
         args.json_out.write_text(json.dumps(doc, indent=2) + "\n")

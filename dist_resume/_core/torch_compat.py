@@ -36,6 +36,7 @@ __all__ = [
     "error_summary",
     "is_garbled_pickle",
     "meta_typed_storage",
+    "storage_class_for",
     "refused_global",
     "storage_id",
     "storage_class_of",
@@ -180,6 +181,16 @@ def storage_class_of(storage_type: Any) -> tuple[torch.dtype, type] | None:
         dtype = storage_type.dtype
         return dtype, getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
     return None
+
+
+def storage_class_for(dtype: torch.dtype) -> tuple[type, torch.dtype]:
+    """(storage class, storage dtype) torch.save names in a persistent id for a tensor of ``dtype``: the typed
+    class from torch.storage._dtype_to_storage_type_map (torch >= 2.0), or ``torch.UntypedStorage`` with
+    uint8 for dtypes it lacks (uint16, float8, ...), as torch.save itself does (checked on torch 2.13)."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    if name is None:
+        return torch.UntypedStorage, torch.uint8
+    return getattr(torch, name), dtype
 
 
 def meta_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:

@@ -1,35 +1,59 @@
-"""Converting a checkpoint between single-process and DDP key forms without deserializing its tensors."""
+"""Converting a checkpoint: model keys between single-process and DDP form, and between file formats.
+
+====================  ======================================================================
+SRC -> format          what is written
+====================  ======================================================================
+``.pt`` -> pt          the same layout; the detected model entry and optimizer ``param_names``
+                       re-keyed in place (``to``), ``argparse.Namespace`` as a plain dict;
+                       tensor records copied byte for byte
+``.pt`` -> safetensors the model weights, plain keys unless ``to=ddp``; bytes copied
+``.pt`` -> dcp         ``{"model", "optim"}`` keyed by FQN as DSD's ``get_state_dict`` gives them
+``.safetensors`` -> pt a dist_resume checkpoint holding the weights; bytes copied
+folder -> pt           HF Trainer / Accelerate / DCP folders as a dist_resume checkpoint
+====================  ======================================================================
+"""
 
 from __future__ import annotations
 
 import enum
-import fcntl
-import glob
-import os
 import time
 import zipfile
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
 from .._core.types import PathLike
-from .._state.prefix import DDP_PREFIX, canonical_key, prefix_style
+from .._state.prefix import prefix_style
 from .archive import read_archive, verify_archive
 from .archive_write import dump_pickle, rewrite_archive
-from .atomic import TEMP_NAME, atomic_write
-from .layout import Layout, split_checkpoint
+from .convert_formats import (
+    Converted,
+    ConvertFormat,
+    parts_to_pt,
+    plain_namespaces,
+    pt_to_dcp,
+    pt_to_safetensors,
+    safetensors_to_pt,
+)
+from .convert_output import check_paths, remove_stale_temps, write_locked
+from .dcp import is_dcp_folder, read_dcp
+from .foreign import detect_folder, read_folder
+from .layout import split_checkpoint
+from .rekey import KeyForm, target_key
+from .safetensors_io import is_safetensors
 
-__all__ = ["KeyForm", "ConvertResult", "convert_checkpoint", "target_key", "remove_stale_temps"]
+__all__ = [
+    "KeyForm",
+    "ConvertFormat",
+    "ConvertResult",
+    "convert_checkpoint",
+    "target_key",
+    "remove_stale_temps",
+]
 
-
-class KeyForm(enum.Enum):
-    """The key form to convert to: what ``model.state_dict()`` gives for a plain model, or for DDP around it."""
-
-    SINGLE = "single"
-    DDP = "ddp"
+Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -38,8 +62,8 @@ class ConvertResult:
 
     src: Path
     dst: Path
-    to: KeyForm
-    layout: Layout
+    to: KeyForm | None
+    layout: enum.Enum
     prefix_before: str
     prefix_after: str
     model_keys: int
@@ -47,186 +71,134 @@ class ConvertResult:
     param_names: int
     bytes_written: int
     seconds: float
+    format: ConvertFormat = ConvertFormat.PT
 
 
-def target_key(key: str, to: KeyForm) -> str:
-    """``key`` in the target form: canonical (no ``module.``/``_orig_mod.``), plus ``module.`` for DDP."""
-    inner = canonical_key(key)
-    return DDP_PREFIX + inner if to is KeyForm.DDP else inner
+class _Source(enum.Enum):
+    PT = "a torch zip checkpoint"
+    SAFETENSORS = "a .safetensors file"
+    FOLDER = "a checkpoint folder"
 
 
-def _module_path(path: str, to: KeyForm) -> str:
-    """A ``_metadata`` module path (``''`` is the root) in the target form."""
-    inner = target_key(path + "._", KeyForm.SINGLE)[:-2] if path else ""
-    if to is KeyForm.SINGLE:
-        return inner
-    return DDP_PREFIX[:-1] + ("." + inner if inner else "")
-
-
-def _convert_metadata(meta: MutableMapping[str, Any], to: KeyForm) -> OrderedDict[str, Any]:
-    out: OrderedDict[str, Any] = OrderedDict()
-    if to is KeyForm.DDP:
-        out[""] = {"version": 1}  # the wrapper's own entry, as add_prefix writes it
-    depth: dict[str, int] = {}
-    for name, value in meta.items():
-        new = _module_path(name, to)
-        if new in depth and depth[new] > len(name):
-            continue  # a wrapper's entry and its inner module's map to one path: keep the inner module's
-        out[new], depth[new] = value, len(name)
-    return out
-
-
-def _convert_state_dict(state_dict: MutableMapping[str, Any], to: KeyForm, source: str) -> int:
-    """Re-key ``state_dict`` in place (it is the object inside the checkpoint); return how many keys changed."""
-    items = list(state_dict.items())
-    new_keys = [target_key(k, to) for k, _ in items]
-    if len(set(new_keys)) != len(new_keys):
-        seen: dict[str, str] = {}
-        clashes = []
-        for (old, _), new in zip(items, new_keys):
-            if new in seen:
-                clashes.append(f"{seen[new]!r} and {old!r}")
-            seen.setdefault(new, old)
-        raise KeyMismatchError(
-            f"{source}: model keys collide after conversion ({'; '.join(clashes[:3])}"
-            f"{' ...' if len(clashes) > 3 else ''}): the state dict mixes wrapped and unwrapped copies of the same "
-            "parameters; remove the duplicates first"
-        )
-    meta = getattr(state_dict, "_metadata", None)
-    state_dict.clear()
-    state_dict.update(zip(new_keys, (v for _, v in items)))
-    if meta is not None:
-        state_dict._metadata = _convert_metadata(meta, to)  # type: ignore[attr-defined]
-    return sum(old != new for (old, _), new in zip(items, new_keys))
-
-
-def _convert_param_names(optimizer: Any, to: KeyForm) -> int:
-    if not isinstance(optimizer, MutableMapping):
-        return 0
-    count = 0
-    for group in optimizer.get("param_groups") or ():
-        names = group.get("param_names") if isinstance(group, MutableMapping) else None
-        if isinstance(names, list) and all(isinstance(n, str) for n in names):
-            group["param_names"] = [target_key(n, to) for n in names]
-            count += len(names)
-    return count
-
-
-def _check_paths(src: Path, dst: Path, force: bool) -> None:
-    same = src.resolve() == dst.resolve() or (dst.exists() and src.exists() and os.path.samefile(src, dst))
-    if same:
+def _source_kind(src: Path) -> _Source:
+    if src.is_dir():
+        if is_dcp_folder(src) or detect_folder(src) is not None:
+            return _Source.FOLDER
         raise UsageError(
-            f"SRC and DST are the same file ({str(src)!r})",
-            "write to a new file, then replace the old one yourself once you have checked it",
+            f"SRC {str(src)!r} is a folder of no kind dist_resume knows",
+            "give a .pt/.ckpt/.safetensors file, an HF Trainer or Accelerate folder, or a DCP folder",
         )
-    if dst.is_dir():
-        raise UsageError(f"DST {str(dst)!r} is a folder", "give the output file's full name, e.g. DST/model.pt")
-    if dst.exists() and not force:
-        raise UsageError(f"DST {str(dst)!r} already exists", "pass --force to replace it")
+    return _Source.SAFETENSORS if is_safetensors(src) else _Source.PT
 
 
-def _temps(dst: Path) -> Iterator[Path]:
-    """The temporary files atomic_write may have left for ``dst`` (``.<name>.<16 hex>.tmp``)."""
-    for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.*.tmp"):
-        match = TEMP_NAME.match(tmp.name)
-        if match and match.group("dest") == dst.name:
-            yield tmp
-
-
-def remove_stale_temps(dst: Path) -> list[Path]:
-    """Delete temp files a killed conversion to ``dst`` left behind; return them.
-
-    A live conversion holds an exclusive ``flock`` on its temp file for its whole life, and the
-    kernel drops it when the process dies, even by SIGKILL: a temp file whose lock can be taken
-    belongs to no one.
-    """
-    removed = []
-    for tmp in _temps(dst):
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a conversion is writing it right now
-        finally:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
-        removed.append(tmp)
-    return removed
+def _unsupported(kind: _Source, fmt: ConvertFormat) -> UsageError:
+    return UsageError(
+        f"converting {kind.value} to {fmt.value} is not supported",
+        f"convert it to pt first (dist-resume convert SRC mid.pt --format pt), then mid.pt to {fmt.value}",
+    )
 
 
 def convert_checkpoint(
     src: PathLike,
     dst: PathLike,
-    to: KeyForm,
+    to: KeyForm | str | None = None,
     *,
+    format: ConvertFormat | str = ConvertFormat.PT,
+    part_keys: Mapping[str, str] | None = None,
     force: bool = False,
     check_crc: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> ConvertResult:
-    """Write ``dst``: ``src`` with model keys and optimizer ``param_names`` in the ``to`` form.
+    """Write ``dst``: ``src`` in ``format``, with model keys and optimizer ``param_names`` in the ``to`` form.
 
-    Local. Reads only ``src``'s data.pkl; tensor records are copied byte for byte. ``dst`` appears
-    atomically (temp file in its folder, fsync, rename) or not at all.
+    Local. See the module docstring for what each direction writes; ``part_keys`` names the entry of
+    each part where detection should not decide (``{"model": "MODEL_STATE"}``). ``.pt`` to ``.pt`` and
+    ``.safetensors`` reads only ``src``'s data.pkl and copies tensor records byte for byte, as does
+    ``.safetensors`` to ``.pt``. ``dst`` appears atomically (temp file or folder, fsync, rename) or not at all.
 
     Example::
 
         >>> torch.save({"fc.weight": torch.ones(2, 2)}, "single.pt")
         >>> convert_checkpoint("single.pt", "ddp.pt", KeyForm.DDP).prefix_after
         'module.'
+        >>> convert_checkpoint("single.pt", "model.safetensors", format="safetensors").model_keys
+        1
     """
     start = time.perf_counter()
     src_path, dst_path = Path(src), Path(dst)
-    _check_paths(src_path, dst_path, force)
-    if check_crc:
+    form = _as_enum(KeyForm, to, "to") if to is not None else None
+    fmt = _as_enum(ConvertFormat, format, "format")
+    check_paths(src_path, dst_path, force, folder=fmt is ConvertFormat.DCP)
+    kind = _source_kind(src_path)
+    if check_crc and kind is _Source.PT:
         verify_archive(src_path)
-    contents = read_archive(src_path)
-    parts = split_checkpoint(contents.obj, source=str(src_path))
-    model = parts.model
-    if not isinstance(model, MutableMapping):  # pragma: no cover - the unpickler only builds dicts
-        raise KeyMismatchError(f"{str(src_path)!r}: the model state is a {type(model).__name__}, not a dict")
-    before = prefix_style(model.keys())
-    renamed = _convert_state_dict(model, to, str(src_path))
-    names = _convert_param_names(parts.optimizer, to)
-    new_pickle = dump_pickle(contents.obj, contents)
-    written = 0
-
-    def write(f: Any) -> None:
-        nonlocal written
-        fd = f.fileno()
-        fcntl.flock(fd, fcntl.LOCK_EX)  # marks the temp file as live for remove_stale_temps
-        written = rewrite_archive(contents, new_pickle, fd, progress)
-        _check_output(_temp_path(dst_path, fd), contents.records[0].name, len(contents.records), new_pickle)
-
-    if dst_path.parent.is_dir():
-        remove_stale_temps(dst_path)
-    atomic_write(dst_path, write)
+    source = repr(str(src_path))
+    if kind is _Source.PT and fmt is ConvertFormat.PT:
+        done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)
+    elif kind is _Source.PT and fmt is ConvertFormat.SAFETENSORS:
+        done = pt_to_safetensors(src_path, dst_path, form, part_keys)
+    elif kind is _Source.PT:
+        done = pt_to_dcp(src_path, dst_path, form, part_keys)
+    elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
+        done = safetensors_to_pt(src_path, dst_path, form, progress)
+    elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:
+        reader = read_dcp if is_dcp_folder(src_path) else read_folder
+        done = parts_to_pt(reader(src_path, map_location="cpu"), dst_path, form, source)
+    else:
+        raise _unsupported(kind, fmt)
     return ConvertResult(
         src_path,
         dst_path,
-        to,
-        parts.layout,
-        before,
-        prefix_style(model.keys()),
-        len(model),
-        renamed,
-        names,
-        written,
+        form,
+        done.layout,
+        done.prefix_before,
+        done.prefix_after,
+        done.model_keys,
+        done.renamed_keys,
+        done.param_names,
+        done.bytes_written,
         time.perf_counter() - start,
+        fmt,
     )
 
 
-def _temp_path(dst: Path, fd: int) -> Path:
-    st = os.fstat(fd)
-    for tmp in _temps(dst):
-        try:
-            if os.path.samestat(tmp.stat(), st):
-                return tmp
-        except OSError:
-            continue
-    raise CheckpointWriteError(f"the temporary file for {str(dst)!r} disappeared while it was written")
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _as_enum(cls: type[_E], value: object, name: str) -> _E:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError as err:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise UsageError(f"{name}={value!r} is not one of {choices}", f"pass one of {choices}") from err
+
+
+def _pt_to_pt(
+    src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None, progress: Progress | None
+) -> Converted:
+    """Re-key the detected model entry and optimizer ``param_names`` in place; every other key stays."""
+    from .rekey import rekey_param_names, rekey_state_dict
+
+    contents = read_archive(src)
+    parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
+    model = parts.model
+    if not isinstance(model, MutableMapping):  # pragma: no cover - the unpickler only builds dicts
+        raise KeyMismatchError(f"{str(src)!r}: the model state is a {type(model).__name__}, not a dict")
+    before = prefix_style(model.keys())
+    renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
+    names = rekey_param_names(parts.optimizer, to) if to is not None else 0
+    contents.obj = plain_namespaces(contents.obj)
+    new_pickle = dump_pickle(contents.obj, contents)
+
+    def fill(fd: int, tmp: Path) -> int:
+        written = rewrite_archive(contents, new_pickle, fd, progress)
+        _check_output(tmp, contents.records[0].name, len(contents.records), new_pickle)
+        return written
+
+    written = write_locked(dst, fill)
+    return Converted(parts.layout, before, prefix_style(model.keys()), len(model), renamed, names, written)
 
 
 def _check_output(path: Path, first: str, count: int, new_pickle: bytes) -> None:

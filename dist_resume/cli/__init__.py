@@ -64,13 +64,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from .._format.convert import KeyForm, convert_checkpoint
+def _part_keys(values: Sequence[str]) -> dict[str, str]:
+    parts: dict[str, str] = {}
+    for value in values:
+        name, eq, key = value.partition("=")
+        if not eq or not name or not key:
+            raise UsageError(f"--part {value!r} is not PART=KEY", "e.g. --part model=MODEL_STATE (repeatable)")
+        parts[name] = key
+    return parts
 
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .._format.convert import convert_checkpoint
+
+    if args.to is None and args.format is None:
+        raise UsageError(
+            "convert needs --to, --format or both",
+            "--to ddp|single re-keys the model; --format pt|safetensors|dcp picks the output format",
+        )
     bar = ProgressBar.for_stderr("converting", quiet=args.quiet or args.json)
     try:
         result = convert_checkpoint(
-            args.src, args.dst, KeyForm(args.to), force=args.force, check_crc=args.check_crc, progress=bar
+            args.src,
+            args.dst,
+            args.to,
+            format=args.format or "pt",
+            part_keys=_part_keys(args.part) or None,
+            force=args.force,
+            check_crc=args.check_crc,
+            progress=bar,
         )
     finally:
         bar.close()
@@ -78,7 +100,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         "schema": "dist-resume/convert/1",
         "src": str(result.src),
         "dst": str(result.dst),
-        "to": result.to.value,
+        "to": result.to.value if result.to is not None else None,
+        "format": result.format.value,
         "layout": result.layout.value,
         "prefix_before": result.prefix_before,
         "prefix_after": result.prefix_after,
@@ -92,8 +115,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print_json(summary)
     elif not args.quiet:
         print(
-            f"wrote {result.dst} ({human_bytes(result.bytes_written)}, {result.seconds:.2f}s): "
-            f"{result.layout.value}, "
+            f"wrote {result.dst} ({result.format.value}, {human_bytes(result.bytes_written)}, "
+            f"{result.seconds:.2f}s): {result.layout.value}, "
             f"model keys {result.prefix_before} -> {result.prefix_after} ({result.renamed_keys} of "
             f"{result.model_keys} renamed), {result.param_names} optimizer param_names"
         )
@@ -168,18 +191,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "convert",
         _cmd_convert,
-        "re-key model keys and optimizer param_names for a single-process or a DDP model; "
-        "tensor data is copied byte for byte",
+        "re-key model keys and optimizer param_names for a single-process or a DDP model, and/or write "
+        "another format (.pt, .safetensors, DCP folder); .pt <-> .safetensors copies tensor bytes as they are",
         "print a JSON summary (schema dist-resume/convert/1)",
     )
-    p.add_argument("src", type=Path, metavar="SRC")
+    p.add_argument("src", type=Path, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
     p.add_argument("dst", type=Path, metavar="DST")
     p.add_argument(
         "--to",
-        required=True,
         choices=["ddp", "single"],
         help="ddp: keys as DistributedDataParallel/DataParallel expect ('module.' added); "
         "single: keys of the plain model ('module.'/'_orig_mod.' removed in every nesting)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["pt", "safetensors", "dcp"],
+        help="pt (default): a torch zip file (a .pt source keeps its layout; others become dist_resume files); "
+        "safetensors: model weights only, plain keys unless --to ddp; dcp: a torch.distributed.checkpoint "
+        "folder {'model', 'optim'} keyed by FQN, for dcp.load/set_state_dict",
+    )
+    p.add_argument(
+        "--part",
+        action="append",
+        default=[],
+        metavar="PART=KEY",
+        help="which entry holds a part, where detection should not decide (e.g. model=MODEL_STATE, "
+        "optimizer=state.opt); repeatable",
     )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument(

@@ -1,0 +1,241 @@
+"""Converting between file formats: torch zip ``.pt``, ``.safetensors``, DCP folders, foreign folders.
+
+Every conversion writes atomically. ``.pt`` <-> ``.safetensors`` copies tensor bytes file to file
+and never deserializes them; a DCP export and a folder import load the tensors (torch's own DCP
+writer and the folder readers need them in memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._core import torch_compat
+from .._core.errors import KeyMismatchError, NotACheckpointError, UsageError
+from .._state.prefix import canonical_key, prefix_style
+from .archive import read_archive
+from .archive_build import read_safetensors_meta, write_archive
+from .convert_output import replace_folder, write_locked
+from .layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
+from .load import load_checkpoint
+from .rekey import KeyForm, rekey_param_names, rekey_state_dict
+from .safetensors_io import read_safetensors_header
+from .safetensors_write import write_safetensors_from_archive
+
+__all__ = [
+    "ConvertFormat",
+    "Converted",
+    "plain_namespaces",
+    "pt_to_safetensors",
+    "safetensors_to_pt",
+    "pt_to_dcp",
+    "parts_to_pt",
+]
+
+Progress = Callable[[int, int], None]
+
+
+class ConvertFormat(enum.Enum):
+    """The file format ``convert`` writes."""
+
+    PT = "pt"  # a torch zip checkpoint (torch.save's format)
+    SAFETENSORS = "safetensors"  # model weights only
+    DCP = "dcp"  # a torch.distributed.checkpoint folder, {"model": ..., "optim": ...} as DSD keys them
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What one conversion did (without paths and time, which the caller adds)."""
+
+    layout: enum.Enum
+    prefix_before: str
+    prefix_after: str
+    model_keys: int
+    renamed_keys: int
+    param_names: int
+    bytes_written: int
+
+
+def plain_namespaces(obj: Any) -> Any:
+    """``obj`` with every ``argparse.Namespace`` replaced by a plain dict (``vars(ns)``); dicts and lists change
+    in place, so objects found elsewhere (the model state dict) keep their identity. Local."""
+    if isinstance(obj, argparse.Namespace):
+        return {k: plain_namespaces(v) for k, v in vars(obj).items()}
+    if isinstance(obj, MutableMapping):
+        for k, v in list(obj.items()):
+            new = plain_namespaces(v)
+            if new is not v:
+                obj[k] = new
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [plain_namespaces(v) for v in obj]
+        return obj
+    if type(obj) is tuple:
+        items = tuple(plain_namespaces(v) for v in obj)
+        return obj if all(a is b for a, b in zip(items, obj)) else items
+    return obj
+
+
+def _rekeyed(model: Mapping[str, Any], to: KeyForm, source: str) -> tuple[dict[str, Any], int]:
+    out = dict(model)
+    renamed = rekey_state_dict(out, to, source)
+    return out, renamed
+
+
+def _meta_number(metadata: Mapping[str, str], name: str) -> int | None:
+    value = metadata.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def pt_to_safetensors(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> Converted:
+    """The model weights of a torch zip checkpoint as ``.safetensors``, bytes copied. Local."""
+    contents = read_archive(src)
+    parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
+    tensors = {k: v for k, v in parts.model.items() if isinstance(v, torch.Tensor)}
+    before = prefix_style(tensors)
+    tensors, renamed = _rekeyed(tensors, to or KeyForm.SINGLE, repr(str(src)))
+    metadata = {"format": "pt"}
+    for name in ("step", "epoch"):
+        value = getattr(parts, name)
+        if value is not None:
+            metadata[name] = str(value)
+
+    def fill(fd: int, tmp: Path) -> int:
+        size = write_safetensors_from_archive(contents, tensors, metadata, fd)
+        read_safetensors_header(tmp)  # the header we wrote validates against the file's size
+        return size
+
+    written = write_locked(dst, fill)
+    return Converted(parts.layout, before, prefix_style(tensors), len(tensors), renamed, 0, written)
+
+
+def _param_names(optimizer: Any) -> list[list[str]]:
+    if not isinstance(optimizer, Mapping):
+        return []
+    groups = optimizer.get("param_groups") or ()
+    return [g["param_names"] for g in groups if isinstance(g, Mapping) and isinstance(g.get("param_names"), list)]
+
+
+def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progress | None) -> Converted:
+    """A ``.safetensors`` file as a dist_resume ``.pt`` checkpoint (model only), bytes copied. Local."""
+    raw = read_safetensors_meta(src)
+    model: dict[str, Any] = dict(raw.tensors)
+    before = prefix_style(model)
+    renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
+    meta = {
+        "step": _meta_number(raw.metadata, "step"),
+        "epoch": _meta_number(raw.metadata, "epoch"),
+        "source_format": ConvertFormat.SAFETENSORS.value,
+        "safetensors_metadata": dict(raw.metadata),
+    }
+    obj = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
+    written = write_locked(dst, lambda fd, tmp: write_archive(raw, obj, fd, progress)[0])
+    return Converted(Layout.BARE, before, prefix_style(model), len(model), renamed, 0, written)
+
+
+def _dsd_optimizer(optimizer: Any, model_keys: list[str], source: str) -> dict[str, Any] | None:
+    """An optimizer state dict in DSD's ``get_state_dict`` form: state and ``params`` keyed by canonical FQN."""
+    if optimizer is None:
+        return None
+    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(optimizer.get("state"), Mapping):
+        raise NotACheckpointError(f"{source}: the optimizer state has no 'state' and 'param_groups' to export")
+    ids = [p for g in groups for p in g.get("params", ())]
+    named = _param_names(optimizer)
+    if len(named) == len(groups) and sum(map(len, named)) == len(ids):
+        names = [canonical_key(n) for g in named for n in g]
+    elif all(isinstance(p, str) for p in ids):
+        names = [canonical_key(p) for p in ids]  # already DSD's form
+    elif len(ids) == len(model_keys):
+        names = list(model_keys)  # no buffers: parameters in state-dict order
+    else:
+        raise UsageError(
+            f"{source}: the optimizer's {len(ids)} parameters carry no names (no 'param_names') and the model has "
+            f"{len(model_keys)} entries, so which state belongs to which parameter is unknown",
+            "build the optimizer from model.named_parameters() (torch >= 2.5 stores param_names) and save again, "
+            "or convert to --format pt and restore with dist_resume",
+        )
+    fqn = dict(zip(ids, names))
+    state = {fqn[k]: v for k, v in optimizer["state"].items() if k in fqn}
+    new_groups = []
+    for g in groups:
+        params = [fqn[p] for p in g.get("params", ())]
+        new = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        if "param_names" in g:
+            new["param_names"] = list(params)
+        new["params"] = params
+        new_groups.append(new)
+    return {"state": state, "param_groups": new_groups}
+
+
+def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> Converted:
+    """A torch zip checkpoint as a DCP folder as DSD writes it: ``{"model", "optim"}`` keyed by FQN. Local."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    if to is KeyForm.DDP:
+        raise UsageError(
+            "--to ddp does not apply to a DCP folder: DCP and DSD key everything by canonical FQN",
+            "leave --to out (or pass --to single)",
+        )
+    with torch_compat.allowing_plain_globals():
+        obj = load_checkpoint(src, map_location="cpu", mmap=True)
+    source = repr(str(src))
+    parts = split_checkpoint(plain_namespaces(obj), source=source, part_keys=part_keys)
+    before = prefix_style(parts.model)
+    model, renamed = _rekeyed(parts.model, KeyForm.SINGLE, source)
+    state: dict[str, Any] = {"model": model}
+    optim = _dsd_optimizer(parts.optimizer, list(model), source)
+    if optim is not None:
+        state["optim"] = optim
+    for name in ("scheduler", "scaler", "step", "epoch"):
+        if getattr(parts, name) is not None:
+            state[name] = getattr(parts, name)
+
+    def fill(tmp: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp_save(state, checkpoint_id=tmp, no_dist=True)
+
+    replace_folder(dst, fill)
+    written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
+    return Converted(
+        parts.layout, before, prefix_style(model), len(model), renamed, sum(map(len, _param_names(optim))), written
+    )
+
+
+def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> Converted:
+    """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
+    model = dict(parts.model)
+    if not model:
+        raise KeyMismatchError(f"{source}: no model weights were found to write")
+    before = prefix_style(model)
+    renamed = rekey_state_dict(model, to, source) if to is not None else 0
+    optimizer = parts.optimizer
+    names = rekey_param_names(optimizer, to) if to is not None else 0
+    meta = {**plain_namespaces(dict(parts.meta)), "step": parts.step, "epoch": parts.epoch}
+    obj: dict[str, Any] = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
+    for key, value in (
+        (Key.OPTIMIZER, optimizer),
+        (Key.SCHEDULER, parts.scheduler),
+        (Key.SCALER, parts.scaler),
+        (Key.EXTRA, parts.extra),
+        (Key.EMA, parts.ema),
+    ):
+        if value is not None:
+            obj[key] = plain_namespaces(value)
+
+    def fill(fd: int, tmp: Path) -> int:
+        with open(fd, "wb", closefd=False) as f:
+            torch.save(obj, f)
+        return os.fstat(fd).st_size
+
+    return_size = write_locked(dst, fill)
+    return Converted(parts.layout, before, prefix_style(model), len(model), renamed, names, return_size)
