@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--init-from",
         type=Path,
         default=None,
-        help="start a new run from this checkpoint's model and optimizer (any world size); "
-        "ignored when --resume finds a checkpoint of this run",
+        help="start a new run from this checkpoint's model and optimizer state (any world size; this run's "
+        "lr and schedule); ignored once --ckpt-dir holds a checkpoint of this run (needs --resume auto)",
     )
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps")
     p.add_argument("--epochs", type=int, default=None, help="stop after this many epochs (default: --steps decides)")
@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         p.error("--epochs must be at least 1")
+    if args.init_from is not None and args.resume != "auto":
+        p.error("--init-from starts a run whose --ckpt-dir holds no checkpoint yet: use it with --resume auto")
     return args
 
 
@@ -156,21 +158,23 @@ def pick_device(choice: str) -> torch.device:
     return device
 
 
-def resume_run(args: argparse.Namespace, **objects: Any) -> dr.ResumeResult | None:
-    """Resume per --resume; None when there is nothing to resume. Collective: call on every rank.
+def resume_run(
+    args: argparse.Namespace, ckpts: dr.CheckpointManager, **objects: Any
+) -> tuple[dr.ResumeResult | None, bool]:
+    """Resume per --resume: (the result, or None for a fresh start; whether it is --init-from's).
 
-    For a folder, resume() lets rank 0 choose the newest complete checkpoint and every rank confirm
-    it sees the same file, so no two ranks can resume from different steps.
+    Collective: call on every rank. ``--resume auto`` is ``CheckpointManager.resume``: rank 0 looks at
+    --ckpt-dir and every rank follows. It restores the newest complete checkpoint of this run, or else
+    --init-from's model and optimizer state (a new run at step 0, with this run's learning rate and
+    schedule), or returns None. A folder whose checkpoints are all damaged, or a missing --init-from, raises.
     """
     if args.resume == "none":
-        return None
-    target = args.ckpt_dir if args.resume == "auto" else Path(args.resume)
-    try:
-        return dr.resume(target, **objects, rng=True)
-    except dr.CheckpointNotFoundError:
-        if args.resume != "auto":
-            raise  # an explicit path must exist
-        return None  # an empty --ckpt-dir: a new run
+        return None, False
+    if args.resume != "auto":  # an explicit file or folder must exist
+        return dr.resume(args.resume, **objects, rng=True), False
+    res = ckpts.resume(**objects, rng=True, init_from=args.init_from)
+    init = args.init_from
+    return res, init is not None and res is not None and init in (res.path, res.path.parent)
 
 
 def setup_logging(rank: int, library_level: str) -> None:
@@ -233,10 +237,18 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     )
 
     step = 0
-    args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # every rank: resume() then always sees a folder
-    ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)
-    res = resume_run(args, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
-    if res is not None:
+    ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)  # the first save creates the folder
+    objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
+    res, initialised = resume_run(args, ckpts, **objects)
+    if res is not None and initialised:  # model and optimizer state only: this run's lr, schedule, data order
+        log.info(
+            "initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
+            res.path,
+            res.metadata.get("step", "?"),
+            res.metadata.get("world_size", "?"),
+            world,
+        )
+    elif res is not None:
         step = res.step or 0  # optimizer steps completed: the loop continues with step + 1
         # dist_resume has logged "resumed from <file> (... restored ...)" (INFO); say where training goes on
         log.info(
@@ -249,18 +261,6 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
             world,
             attempt,
         )
-    elif args.init_from is not None:
-        init = dr.resume(args.init_from, model=model, optimizer=optimizer)
-        for group in optimizer.param_groups:  # a new run: its own learning-rate schedule
-            group["lr"] = group["initial_lr"] = args.lr
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        log.info(
-            "initialised from %s (step %s of a %s-rank run); starting a new run at step 0 with %d rank(s)",
-            init.path,
-            init.step,
-            init.metadata.get("world_size", "?"),
-            world,
-        )
     else:
         log.info("no checkpoint to resume from (--resume %s): starting at step 0 with %d rank(s)", args.resume, world)
     dr.check_devices(model, optimizer)
@@ -271,7 +271,7 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
         losses = open(args.dump_losses / f"rank{rank}.jsonl", "a", buffering=1)
     kill_rank = world - 1 if args.kill_rank is None else args.kill_rank
     last = min(args.steps, args.stop_after or args.steps)
-    saved_at = step if res is not None else None
+    saved_at = step if res is not None and not initialised else None
 
     def save() -> None:
         nonlocal saved_at

@@ -14,7 +14,7 @@ import re
 import weakref
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from .._format.integrity import CheckpointInfo, inspect_checkpoint
 from .async_save import AsyncSave, save_checkpoint_async, wait_pending
 from .lock import FolderLock
 from .save import save_checkpoint
+
+if TYPE_CHECKING:
+    from .restore import ResumeResult
 
 __all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "find_latest"]
 
@@ -193,8 +196,79 @@ class CheckpointManager:
         return self._lock.path
 
     def checkpoints(self) -> list[Path]:
-        """Every file named like a checkpoint, oldest step first. Local; checks names only."""
+        """Every file in the folder named like a checkpoint (``ckpt_<step>.pt``), oldest step first.
+
+        Local; looks at names only, so a listed file may still be damaged: :meth:`latest` (or
+        :func:`inspect_checkpoint` on each path) checks the contents. Never lists temporary files of
+        interrupted saves (``.ckpt_<step>.pt.<16 hex>.tmp``), the lock file, or anything else in the
+        folder. ``[]`` when the folder does not exist yet. ``dist-resume list DIR`` shows the same
+        files with their step, size, age and whether each is valid.
+
+        Example::
+
+            >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=3)
+            >>> for step in (10, 20):
+            ...     _ = mgr.save(step, model=torch.nn.Linear(2, 2))
+            >>> [p.name for p in mgr.checkpoints()]
+            ['ckpt_00000010.pt', 'ckpt_00000020.pt']
+        """
         return [path for _, path in _numbered(self.folder)]
+
+    def resume(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        sampler: Any = None,
+        rng: bool = False,
+        init_from: PathLike | None = None,
+        **resume_kwargs: Any,
+    ) -> ResumeResult | None:
+        """Continue this folder's run, start from another run's checkpoint, or start fresh (None).
+
+        Collective under torch.distributed: call it on every rank. Global rank 0 looks at the folder
+        and every rank takes the branch it decides:
+
+        - The folder holds files named ``ckpt_<step>.pt``: ``resume(self.folder, ...)`` restores the
+          newest complete one (rank 0 chooses, every rank confirms it sees the same file, see
+          :func:`resume`); the result's ``step`` is where the loop continues. A folder whose
+          checkpoints are all damaged raises :class:`CheckpointCorruptError`, a rank that sees other
+          files :class:`CheckpointConsensusError` (on every rank): never a silent fresh start.
+        - It holds none (no such file, or no folder yet under an existing parent: the first
+          :meth:`save` creates it) and ``init_from`` is given: ``init_from`` (a checkpoint file or
+          folder, saved at any world size, in any layout :func:`resume` reads) restores the
+          **model**, and the **optimizer**'s per-parameter state (momentum, Adam moments and step
+          counts) when one is passed. This is a new run: the optimizer keeps its own group
+          hyperparameters (``lr``, ``betas``, ``weight_decay``, ``initial_lr``, ...), and
+          ``scheduler``, ``scaler``, ``sampler`` and ``rng`` are left as they are. The result
+          describes ``init_from`` (``path``, ``metadata``, ``restored``) with ``step=0`` and
+          ``epoch=0``; the other run's step is in ``metadata["step"]`` for dist_resume files.
+          A missing ``init_from`` raises :class:`CheckpointNotFoundError`.
+        - It holds none and no ``init_from``: returns None (logged at INFO on rank 0,
+          "no checkpoint in X: starting fresh").
+
+        A folder whose parent does not exist either is taken for a mistyped path and raises
+        :class:`CheckpointNotFoundError`. ``resume_kwargs`` (``strict``, ``map_location``,
+        ``mmap``, ``weights_only``, ``verify``, ``broadcast_from_rank0``, ...) go to
+        :func:`resume` in both restoring branches.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            >>> mgr = dist_resume.CheckpointManager("run", keep_last=2)
+            >>> print(mgr.resume(model=model, optimizer=opt))  # first run: nothing to resume
+            None
+            >>> _ = mgr.save(5, model=model, optimizer=opt)
+            >>> mgr.resume(model=model, optimizer=opt).step
+            5
+        """
+        from .start import start_run  # start imports restore, which imports this module
+
+        options = dict(resume_kwargs, scheduler=scheduler, scaler=scaler, sampler=sampler, rng=rng)
+        return start_run(self.folder, model=model, optimizer=optimizer, init_from=init_from, options=options)
 
     def latest(self, verify: bool = True) -> Path | None:
         """The newest complete checkpoint, or None. Local; see :func:`latest_checkpoint`."""

@@ -1,4 +1,4 @@
-"""The ``dist-resume`` command (also ``python -m dist_resume``): inspect, convert, verify, env.
+"""The ``dist-resume`` command (also ``python -m dist_resume``): inspect, convert, verify, list, env.
 
 Every subcommand is a thin layer over library functions; errors are one line on stderr plus a hint,
 and the exit status is one of :class:`ExitCode`.
@@ -134,6 +134,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return ExitCode.OK if report["equal"] else ExitCode.DIFFERENT
 
 
+def _cmd_list(args: argparse.Namespace) -> int:
+    from ._list import list_folder, render_list
+
+    report = list_folder(args.folder, verify=args.verify)
+    if args.json:
+        print_json(report)
+    elif not args.quiet:
+        print(render_list(report))
+    return ExitCode.OK
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from ._env import environment_report, render_env
 
@@ -233,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", type=Path, metavar="A")
     p.add_argument("b", type=Path, metavar="B")
+    p = add(
+        "list",
+        _cmd_list,
+        "a checkpoint folder's checkpoints (step, epoch, size, age, world size, valid or damaged and why), "
+        "temporary files left by killed saves, and the one resume would pick; also an HF Trainer output folder",
+        "print the report as JSON (schema dist-resume/list/1)",
+    )
+    p.add_argument("folder", type=Path, metavar="DIR")
+    p.add_argument("--verify", action="store_true", help="check the CRC32 of every record (reads every file once)")
     add(
         "env",
         _cmd_env,

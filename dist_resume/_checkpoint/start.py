@@ -1,0 +1,127 @@
+"""How a run starts from a checkpoint folder: its newest checkpoint, another run's checkpoint, or fresh.
+
+:meth:`CheckpointManager.resume` is the public face; this module holds its decision and the
+``init_from`` restore, so that ``folder.py`` stays free of ``restore``'s imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError
+from .._core.log import log_rank0
+from .._core.types import PathLike
+from .._dist.comm import all_gather_objects, run_on_rank0
+from .._dist.env import is_distributed
+from .folder import _numbered
+from .restore import ResumeResult, resume
+
+__all__ = ["FolderState", "folder_state", "start_run"]
+
+# resume() options that belong to the run being resumed, never to another run's checkpoint
+_OWN_RUN_ONLY = ("scheduler", "scaler", "sampler", "rng")
+
+
+class FolderState(enum.Enum):
+    """What rank 0 finds in a checkpoint folder."""
+
+    HOLDS_CHECKPOINTS = "holds checkpoints"  # files named ckpt_<step>.pt, valid or not
+    NONE_YET = "none yet"  # no such file, or no folder yet under an existing parent
+
+
+def folder_state(folder: Path) -> FolderState:
+    """Whether ``folder`` holds files named like checkpoints. Local (rank 0 calls it for everyone).
+
+    A missing folder whose parent exists is a first run (the manager creates it at its first save);
+    a missing parent is a mistyped path and raises :class:`CheckpointNotFoundError`.
+    """
+    if not folder.exists():
+        parent = folder.absolute().parent
+        if not parent.is_dir():
+            raise CheckpointNotFoundError(
+                f"checkpoint folder {str(folder)!r} does not exist, and neither does its parent {str(parent)!r}: "
+                "a mistyped path would quietly start from step 0, so this is an error; create the parent "
+                "folder for a first run, or fix the path"
+            )
+        return FolderState.NONE_YET
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
+            "saves into (to resume from a single file use dist_resume.resume(path, ...))"
+        )
+    return FolderState.HOLDS_CHECKPOINTS if _numbered(folder) else FolderState.NONE_YET
+
+
+def _every_rank_sees(path: Path, what: str) -> None:
+    """Raise on every rank when some rank does not see ``path``. Collective under torch.distributed."""
+    if not is_distributed():
+        return
+    seen: list[bool] = all_gather_objects(path.exists())
+    missing = [rank for rank, ok in enumerate(seen) if not ok]
+    if missing:
+        raise CheckpointConsensusError(
+            f"ranks {missing} do not see {what} {str(path)!r}, which rank 0 sees; every rank must see it: use a "
+            "shared filesystem or copy it to every node, or pass broadcast_from_rank0=True",
+            ranks=missing,
+        )
+
+
+def start_run(
+    folder: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    init_from: PathLike | None,
+    options: dict[str, Any],
+) -> ResumeResult | None:
+    """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed."""
+    state: FolderState = run_on_rank0(lambda: folder_state(folder), fallback=CheckpointError)
+    broadcast = bool(options.get("broadcast_from_rank0"))
+    if state is FolderState.HOLDS_CHECKPOINTS:
+        if not broadcast:  # resume() reads a folder only where the path is one
+            _every_rank_sees(folder, "the checkpoint folder")
+        return resume(folder, model=model, optimizer=optimizer, **options)
+    if init_from is None:
+        log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
+        return None
+    source = Path(init_from)
+    exists: bool = run_on_rank0(source.exists, fallback=CheckpointError)
+    if not exists:
+        raise CheckpointNotFoundError(
+            f"init_from {str(source)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
+            "holds no checkpoint: fix the path, or pass init_from=None to start from scratch"
+        )
+    if not broadcast:
+        _every_rank_sees(source, "init_from")
+    return _init(source, model=model, optimizer=optimizer, options=options)
+
+
+def _init(
+    source: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: dict[str, Any]
+) -> ResumeResult:
+    """Model and optimizer state from another run; the live optimizer keeps its own hyperparameters."""
+    kept = (
+        [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        if (optimizer is not None)
+        else []
+    )
+    loaded = {k: v for k, v in options.items() if k not in _OWN_RUN_ONLY}
+    result = resume(source, model=model, optimizer=optimizer, **loaded)
+    if optimizer is not None:
+        for group, hparams in zip(optimizer.param_groups, kept, strict=True):
+            group.update(hparams)  # this run's lr, betas, weight_decay, initial_lr...
+    log_rank0(
+        logging.INFO,
+        "initialised %s from %s (step %s of that run); this run starts at step 0",
+        "model and optimizer" if optimizer is not None else "model",
+        result.path,
+        result.step,
+    )
+    return dataclasses.replace(result, step=0, epoch=0)

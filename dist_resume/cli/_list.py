@@ -1,0 +1,167 @@
+"""``dist-resume list``: a checkpoint folder's checkpoints, valid or damaged, its leftover temporary files,
+and the one ``resume`` would pick; for an HF Trainer output folder, its ``checkpoint-N/`` folders."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from .._checkpoint.folder import CHECKPOINT_NAME, CheckpointManager
+from .._checkpoint.lock import LOCK_NAME
+from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
+from .._core.types import PathLike
+from .._format.archive import read_archive
+from .._format.atomic import TEMP_NAME
+from .._format.foreign import detect_folder
+from .._format.integrity import inspect_checkpoint
+from .._format.layout import Key
+from ._common import SCHEMA_PREFIX, human_bytes
+
+__all__ = ["list_folder", "render_list"]
+
+SCHEMA = f"{SCHEMA_PREFIX}/list/1"
+_HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _age(path: Path, now: float) -> tuple[int, float]:
+    st = path.stat()
+    return st.st_size, max(0.0, now - st.st_mtime)
+
+
+def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
+    """One ``ckpt_<step>.pt``: its size, age and metadata, ``valid`` or ``damaged`` with the reason."""
+    match = CHECKPOINT_NAME.match(path.name)
+    step = int(match.group(1)) if match else None
+    size, age = _age(path, now)
+    entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": None, "world_size": None}
+    entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None}
+    try:
+        info = inspect_checkpoint(path, verify=verify)
+        if info.step != step:
+            raise CheckpointError(f"named for step {step} but its metadata says step {info.step} (renamed by hand?)")
+        meta = read_archive(path).obj[Key.META]
+        entry["epoch"], entry["world_size"] = meta.get("epoch"), meta.get("world_size")
+    except (CheckpointError, OSError) as err:
+        reason = str(err).replace(f"{str(path)!r}", path.name).replace(str(path), path.name)
+        entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
+    return entry
+
+
+def _temps(folder: Path, now: float) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(folder.iterdir()):
+        if TEMP_NAME.match(path.name) and path.is_file():
+            size, age = _age(path, now)
+            found.append({"name": path.name, "bytes": size, "age_seconds": round(age, 1)})
+    return found
+
+
+def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
+    """An HF Trainer ``output_dir``: each ``checkpoint-N/`` with its step (trainer_state.json's global_step)."""
+    found = []
+    for sub in folder.iterdir():
+        match = _HF_STEP_DIR.match(sub.name)
+        if not match or not sub.is_dir():
+            continue
+        step, epoch, reason = int(match.group(1)), None, None
+        try:
+            state = json.loads((sub / "trainer_state.json").read_text())
+            if isinstance(state, Mapping) and type(state.get("global_step")) is int:
+                step, epoch = state["global_step"], state.get("epoch")
+        except (OSError, ValueError) as err:
+            reason = f"trainer_state.json unreadable: {type(err).__name__}"
+        kind = detect_folder(sub)
+        size = sum(p.stat().st_size for p in sub.iterdir() if p.is_file())
+        entry: dict[str, Any] = {"name": sub.name + "/", "step": step, "epoch": epoch, "world_size": None}
+        entry |= {"bytes": size, "age_seconds": round(max(0.0, now - sub.stat().st_mtime), 1)}
+        entry |= {"status": "valid" if kind is not None else "damaged"}
+        entry["reason"] = reason if kind is not None else "no model, optimizer or trainer_state.json files"
+        found.append(entry)
+    return sorted(found, key=lambda e: (e["step"], e["name"]))
+
+
+def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """The report of ``dist-resume list``. Local; reads each checkpoint's zip directory and pickle (and with
+    ``verify`` every record's CRC-32), never loads tensor data."""
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointNotFoundError(f"folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise UsageError(f"{str(folder)!r} is a file, not a folder", f"run `dist-resume inspect {folder}` on a file")
+    now = time.time()
+    checkpoints = [_checkpoint(p, verify, now) for p in CheckpointManager(folder).checkpoints()]
+    kind = "checkpoint-manager" if checkpoints else "empty"
+    if not checkpoints and (hf := _hf_output(folder, now)):
+        kind, checkpoints = "hf-trainer-output", hf
+    elif not checkpoints and (foreign := detect_folder(folder)) is not None:
+        kind = foreign.value  # one foreign checkpoint: `dist-resume inspect` and resume() read it as a whole
+    valid = [e for e in checkpoints if e["status"] == "valid"]
+    pick = valid[-1]["name"] if valid else None
+    if pick is not None:
+        why = None
+    elif checkpoints:
+        why = "every checkpoint is damaged: resume raises CheckpointCorruptError"
+    elif kind == "empty":
+        why = "no checkpoint: CheckpointManager.resume starts fresh (or from init_from)"
+    else:
+        why = f"the folder itself is {kind} checkpoint: pass it to resume()"
+    others = sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name != LOCK_NAME
+        and not TEMP_NAME.match(p.name)
+        and not CHECKPOINT_NAME.match(p.name)
+        and not _HF_STEP_DIR.match(p.name)
+    )
+    return {
+        "schema": SCHEMA,
+        "folder": str(folder),
+        "kind": kind,
+        "verified": verify,
+        "checkpoints": checkpoints,
+        "temporary_files": _temps(folder, now),
+        "other_files": others,
+        "pick": pick,
+        "pick_note": why,
+    }
+
+
+def _age_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
+def render_list(report: dict[str, Any]) -> str:
+    """The report as the table ``dist-resume list`` prints."""
+    rows = report["checkpoints"]
+    temps = report["temporary_files"]
+    checked = "CRC-32 checked" if report["verified"] else "structure checked; --verify checks every CRC-32"
+    lines = [f"{report['folder']}: {report['kind']}, {len(rows)} checkpoint(s), {len(temps)} temporary file(s)"]
+    if rows:
+        table: list[tuple[str, ...]] = [("file", "step", "epoch", "size", "age", "world", "status")]
+        for e in rows:
+            status = "valid" if e["status"] == "valid" else f"DAMAGED: {e['reason']}"
+            cells = (e["name"], e["step"], e["epoch"], human_bytes(e["bytes"]), _age_text(e["age_seconds"]))
+            table.append((*(str("-" if c is None else c) for c in cells), str(e["world_size"] or "-"), status))
+        widths = [max(len(r[i]) for r in table) for i in range(6)]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6] for r in table]
+        lines.append(f"  ({checked})")
+    if temps:
+        lines.append("temporary files left by interrupted saves (the next save into this folder removes them):")
+        lines += [f"  {t['name']}  {human_bytes(t['bytes'])}  {_age_text(t['age_seconds'])}" for t in temps]
+    if report["pick"] is not None:
+        picked = next(e for e in rows if e["name"] == report["pick"])
+        if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder
+            where = Path(report["folder"]) / report["pick"]
+            lines.append(f"newest complete: {report['pick']} (step {picked['step']}): resume from {where}")
+        else:
+            lines.append(f"resume would pick: {report['pick']} (step {picked['step']})")
+    else:
+        lines.append(f"resume would pick: nothing ({report['pick_note']})")
+    return "\n".join(lines)
