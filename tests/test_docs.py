@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import importlib.util
+import logging
 import re
 import shlex
 from dataclasses import dataclass
@@ -71,14 +72,20 @@ def python_blocks(page: Path) -> list[Block]:
 
 @pytest.fixture
 def single_cpu_process(tmp_path, monkeypatch):
-    """A temporary working folder, no torchrun variables, no visible GPU, the global RNG restored afterwards."""
+    """A temporary working folder, no torchrun variables, no visible GPU; the global RNG and the logging set-up the
+    pages show (basicConfig, the library logger's level) are restored afterwards, so later tests see neither."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     state = torch.random.get_rng_state()
+    root, library = logging.getLogger(), logging.getLogger("dist_resume")
+    saved = (root.level, list(root.handlers), library.level)
     yield tmp_path
     torch.random.set_rng_state(state)
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    library.setLevel(saved[2])
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -174,11 +181,7 @@ def _docstring_examples() -> list[doctest.DocTest]:
 DOCTESTS = _docstring_examples()
 # Docstring examples in dist_resume/ that do not run as written. Strict: once fixed, the XPASS fails here and
 # the entry must go.
-DOCSTRING_DEFECTS = {
-    "dist_resume.inspect_checkpoint": "save_checkpoint(...) returns the path: the example shows no output for it",
-    "dist_resume.resume": "save_checkpoint(...) returns the path: the example shows no output for it",
-    "dist_resume.rank_map_location": "the example loads `path`, which it never defines",
-}
+DOCSTRING_DEFECTS: dict[str, str] = {}  # name -> why its example cannot run (none today)
 
 
 def _doctest_params() -> list[Any]:

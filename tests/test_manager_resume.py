@@ -121,10 +121,10 @@ def test_only_damaged_checkpoints_raise_even_with_init_from(tmp_path: Path) -> N
 
 def test_resume_kwargs_reach_resume(tmp_path: Path) -> None:
     mgr = dr.CheckpointManager(tmp_path / "run")
-    mgr.save(3, model=nn.Linear(3, 2))
-    bigger = nn.Sequential(nn.Linear(3, 2))  # other keys: strict refuses, strict=False loads nothing
+    mgr.save(3, model=nn.Sequential(nn.Linear(3, 2)))
+    bigger = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))  # one more layer: strict refuses, strict=False loads
     with pytest.raises(dr.KeyMismatchError):
         mgr.resume(model=bigger)
     res = mgr.resume(model=bigger, strict=False)
-    assert res is not None and res.step == 3 and res.unexpected_keys
+    assert res is not None and res.step == 3 and res.missing_keys == ["1.weight", "1.bias"]
     mgr.close()

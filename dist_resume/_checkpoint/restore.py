@@ -135,8 +135,8 @@ def resume(
 
         >>> model = torch.nn.Linear(2, 2)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=7)
-        >>> dist_resume.resume("ckpt.pt", model=model, optimizer=opt).step
+        >>> path = dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=7)
+        >>> dist_resume.resume(path, model=model, optimizer=opt).step
         7
     """
     allowed = allowed_missing(allow_missing)  # usage errors before any file is read
@@ -211,11 +211,8 @@ _SPLIT_PARAMETERS: Final = frozenset(inspect.signature(split_checkpoint).paramet
 
 
 def _key_sources(parts: CheckpointParts) -> str:
-    """``"; model <- 'MODEL_STATE', ..."`` when layout detection says which entry each part came from."""
-    keys = getattr(parts, "keys", None)
-    if not isinstance(keys, Mapping) or not keys:
-        return ""
-    return "; " + ", ".join(f"{part} <- {key!r}" for part, key in keys.items())
+    """``"; model <- 'MODEL_STATE', ..."`` when the parts were recognised by content (a known layout says nothing)."""
+    return f"; {parts.describe_keys()}" if parts.layout is Layout.DETECTED and parts.keys else ""
 
 
 def _plan(loaded: Loaded, split: Callable[..., CheckpointParts], build: Callable[..., RestorePlan]) -> RestorePlan:

@@ -77,8 +77,8 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
 
     Example::
 
-        >>> dist_resume.save_checkpoint("ckpt.pt", model=torch.nn.Linear(2, 2), step=3)
-        >>> inspect_checkpoint("ckpt.pt").step
+        >>> path = dist_resume.save_checkpoint("ckpt.pt", model=torch.nn.Linear(2, 2), step=3)
+        >>> dist_resume.inspect_checkpoint(path).step
         3
     """
     p = Path(path)

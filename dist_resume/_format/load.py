@@ -31,7 +31,8 @@ def rank_map_location(device: torch.device | str | int | None = None) -> torch.d
 
     Example::
 
-        >>> sd = torch.load(path, map_location=dist_resume.rank_map_location(), weights_only=True)
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> sd = torch.load("ckpt.pt", map_location=dist_resume.rank_map_location(), weights_only=True)
         >>> dist_resume.rank_map_location("cpu")
         device(type='cpu')
     """

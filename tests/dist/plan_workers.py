@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 import dist_resume
+from dist_resume._checkpoint import model_fit as _model_fit
 from dist_resume._checkpoint import plan as _plan
 from dist_resume._checkpoint import restore as _restore
 from tests.dist.ddp_workers import flat_state, make
@@ -15,7 +16,7 @@ def count_validations(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """Resume with broadcast_from_rank0 while counting every validation step this rank runs."""
     calls: Counter[str] = Counter()
     for name in ("plan_restore", "adapt_state_dict", "prepare_optimizer_state", "check_scheduler"):
-        module = _restore if name == "plan_restore" else _plan
+        module = {"plan_restore": _restore, "adapt_state_dict": _model_fit}.get(name, _plan)
         real = getattr(module, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
