@@ -138,6 +138,13 @@ def prepare_optimizer_state(
         raise _fail(f"{source}: the optimizer entry is not an optimizer state dict (no 'state'/'param_groups')")
     groups, saved_groups = optimizer.param_groups, list(saved["param_groups"])
     kind = type(optimizer).__name__
+    for i, sgroup in enumerate(saved_groups):
+        params = sgroup.get("params") if isinstance(sgroup, Mapping) else None
+        if not (isinstance(params, (list, tuple)) and all(isinstance(p, (int, str)) for p in params)):
+            raise _fail(
+                f"{source}: saved optimizer param group {i} is not one Optimizer.state_dict() writes (no list of "
+                "parameter ids under 'params'); the checkpoint is damaged or was edited: resume from another one"
+            )
     if len(groups) != len(saved_groups):
         raise _fail(
             f"{source}: saved optimizer has {len(saved_groups)} parameter group(s), {kind} has {len(groups)}; "
