@@ -28,6 +28,7 @@ from ._core.errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from ._core.security import TorchSecurityWarning
 from ._core.version import __version__
 from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
@@ -101,6 +102,7 @@ __all__ = [
     "OptimizerStateMismatchError",
     "DeviceMismatchError",
     "UsageError",
+    "TorchSecurityWarning",
 ]
 
 

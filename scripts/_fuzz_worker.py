@@ -76,6 +76,19 @@ def _cli_escape(stderr: str) -> tuple[str, str, str, str]:
     return kind.strip() or "unknown", message.strip(), deepest, ours
 
 
+def _failed_allocation(err: BaseException) -> bool:
+    """Whether ``err`` or an exception it was raised from is a failed allocation (RLIMIT_AS hit)."""
+    seen: BaseException | None = err
+    for _ in range(10):
+        if seen is None:
+            return False
+        text = str(seen)
+        if isinstance(seen, MemoryError) or "can't allocate memory" in text or "out of memory" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus: str) -> dict[str, Any]:
     import torch
 
@@ -147,6 +160,8 @@ def worker_main(conn: Connection) -> None:
             result = run_case(job["path"], Path(job["target"]), Path(job["original"]), scratch, job["corpus"])
         except dr.DistResumeError as err:
             result = {"outcome": "refused", "type": type(err).__name__}
+            if _failed_allocation(err):  # refused, but only after trying to allocate past the limit
+                result = {"outcome": "memory", "type": type(err).__name__, "message": str(err)[:300]}
         except MemoryError as err:
             result = {"outcome": "memory", "type": "MemoryError", "message": str(err)[:300]}
         except Exception as err:

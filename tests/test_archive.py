@@ -269,3 +269,92 @@ def test_bad_inputs_raise_checkpoint_errors(tmp_path: Path, kind: str) -> None:
     with pytest.raises(expected) as info:
         read_archive(path)
     assert "bad.pt" in str(info.value)
+
+
+# ---------------------------------------------------------------- hostile directories (issue 12)
+
+_CENTRAL = 0x02014B50
+
+
+def _central_entries(data: bytes) -> list[int]:
+    """Offsets of the central-directory headers of a zip file."""
+    out, at = [], data.find(_CENTRAL.to_bytes(4, "little"))
+    while at >= 0:
+        out.append(at)
+        at = data.find(_CENTRAL.to_bytes(4, "little"), at + 46)
+    return out
+
+
+def _damaged(tmp_path: Path, field_offset: int, value: bytes, record: str = "data.pkl") -> Path:
+    """A real checkpoint whose central-directory entry for ``record`` has ``value`` at ``field_offset``."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.randn(100), "n": 3}, good)
+    data = bytearray(good.read_bytes())
+    for at in _central_entries(bytes(data)):
+        name_len = int.from_bytes(data[at + 28 : at + 30], "little")
+        if bytes(data[at + 46 : at + 46 + name_len]).endswith(record.encode()):
+            data[at + field_offset : at + field_offset + len(value)] = value
+            break
+    else:
+        raise AssertionError(f"no central entry for {record}")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(data))
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("what", "field_offset", "value", "record"),
+    [
+        ("uncompressed size 0xFFFFFFFF", 24, b"\xff\xff\xff\xff", "data/0"),
+        ("compressed size 0xFFFFFFFF", 20, b"\xff\xff\xff\xff", "data/0"),
+        ("header offset past the end", 42, b"\xff\xff\xff\x7f", "data/0"),
+        ("compression method 99", 10, b"\x63\x00", "data.pkl"),
+        ("name flagged UTF-8 that is not", 8, b"\x00\x08", "byteorder"),
+    ],
+)
+def test_a_damaged_directory_is_refused_before_torchs_reader_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str, field_offset: int, value: bytes, record: str
+) -> None:
+    bad = _damaged(tmp_path, field_offset, value, record)
+    if "UTF-8" in what:  # make the flagged name invalid UTF-8 in the directory
+        data = bytearray(bad.read_bytes())
+        at = bytes(data).find(b"byteorder", _central_entries(bytes(data))[0])
+        data[at] = 0xFF
+        bad.write_bytes(bytes(data))
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("torch.load was handed a damaged archive")
+
+    monkeypatch.setattr(torch, "load", never)
+    for read in (read_records, read_archive, load_checkpoint):
+        with pytest.raises(CheckpointCorruptError, match=r"bad\.pt.*damaged") as info:
+            read(bad)
+        assert "resume from an earlier checkpoint" in str(info.value)
+    findings = verify_archive(bad, strict=False)
+    assert [f.kind for f in findings] == [FindingKind.UNREADABLE], findings
+
+
+def test_a_local_header_naming_another_record_is_refused(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(3)}, good)
+    data = bytearray(good.read_bytes())
+    at = bytes(data).find(b"good/byteorder")  # the first occurrence is the local header's copy
+    assert 0 < at < len(data) // 2
+    data[at + len("good/")] = ord("B")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="another name in its local header"):
+        read_records(bad)
+
+
+def test_read_archive_runs_the_security_check_before_unpickling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dist_resume import TorchSecurityWarning
+    from dist_resume._core import security
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    monkeypatch.setattr(security, "_warned", False)
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    with pytest.warns(TorchSecurityWarning, match="CVE-2026-24747"):
+        read_archive(tmp_path / "a.pt")

@@ -310,3 +310,41 @@ def test_a_pickle_calling_exec_is_refused_without_import_advice(tmp_path):
         dr.load_checkpoint(path)
     assert "add_safe_globals" not in str(info.value) and "from  import" not in str(info.value)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- damaged pickles (issue 12 fuzz reproducers)
+
+FUZZ_CASES = os.path.join(os.path.dirname(__file__), "fuzz_cases")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "00-attributeerror_load_checkpoint.pt",
+        "01-indexerror_load_checkpoint.pt",
+        "03-keyerror_load_checkpoint.pt",
+        "06-runtimeerror_load_checkpoint.pt",
+        "07-typeerror_load_checkpoint.pt",
+        "12-alloc_4gib_load_checkpoint.pt",
+    ],
+)
+def test_a_damaged_pickle_or_directory_is_a_corrupt_checkpoint(name):
+    err = _expect(dr.CheckpointCorruptError, os.path.join(FUZZ_CASES, name), mmap=False)
+    assert name in str(err) and "earlier checkpoint" in str(err)
+
+
+def test_an_error_in_a_map_location_callable_is_not_called_damage(good_file):
+    def broken(storage, location):
+        return {}["no such key"]  # a bug in the caller's code, not damage in the file
+
+    with pytest.raises(KeyError, match="no such key"):
+        dr.load_checkpoint(good_file, map_location=broken)
+
+
+def test_load_checkpoint_runs_the_security_check(good_file, monkeypatch):
+    from dist_resume._core import security
+
+    monkeypatch.setattr(security, "_warned", False)
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    with pytest.warns(dr.TorchSecurityWarning, match="CVE-2025-32434"):
+        dr.load_checkpoint(good_file, map_location="cpu")

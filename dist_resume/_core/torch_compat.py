@@ -8,7 +8,9 @@ this is the one module to fix; nothing else in the package reaches into ``torch.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sysconfig
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ __all__ = [
     "decode_location",
     "discarding_sparse_checks",
     "error_summary",
+    "is_damaged_pickle_error",
     "is_garbled_pickle",
     "meta_typed_storage",
     "storage_class_for",
@@ -95,6 +98,35 @@ def error_summary(err: BaseException) -> str:
     detail = [line for line in lines if any(m in line for m in GARBLED_PICKLE)]
     text = (detail or lines)[0].split(". This is an internal")[0]
     return f"{type(err).__name__}: {text[:200]}"
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _inside_torch_or_stdlib(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR):
+        return True
+    return path.startswith(_STDLIB_DIR) and "-packages" not in path[len(_STDLIB_DIR) :]
+
+
+def is_damaged_pickle_error(err: BaseException) -> bool:
+    """A KeyError, IndexError, TypeError, AttributeError ... out of ``torch.load`` that a damaged data.pkl
+    caused, rather than a bug in code torch called back (a ``map_location`` callable).
+
+    torch.load does not wrap what its unpickler and tensor rebuilding raise on garbled bytes (checked on
+    torch 2.13: ``_rebuild_tensor_v2() missing 1 required positional argument``, ``'tuple' object has no
+    attribute 'dtype'``, ``KeyError: 130`` from the memo, ``list index out of range``, ``unhashable
+    type``). Such an error counts as damage only when every frame below the caller's lies in torch
+    (or the standard library's pickle machinery): a frame of any other code means that code failed.
+    """
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return len(frames) > 1 and all(_inside_torch_or_stdlib(f) for f in frames[1:])
 
 
 @dataclass(frozen=True)

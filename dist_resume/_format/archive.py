@@ -15,6 +15,7 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 
 from .._core import torch_compat
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
 from .sniff import unsafe_error
 from .verify import LOCAL_HEADER as LOCAL_HEADER
@@ -137,11 +139,12 @@ def read_archive(path: PathLike) -> ArchiveContents:
     try:
         with zipfile.ZipFile(p) as zf:
             data = zf.read(pickle_name)  # checks the record's CRC
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, NotImplementedError, ValueError) as err:
         raise CheckpointCorruptError(
             f"checkpoint {_name(p)} is damaged: its data.pkl cannot be read ({err}); resume from an earlier checkpoint"
         ) from err
     contents = ArchiveContents(p, archive_name, records, len(data), None, {})
+    warn_if_unsafe_torch()  # the unpickler below is torch's weights_only one, with its published flaws
     try:
         # the sparse checks queued are torch.load's, not ours; argparse.Namespace (``args``) carries no code
         with torch_compat.discarding_sparse_checks(), torch_compat.allowing_plain_globals():
@@ -150,9 +153,10 @@ def read_archive(path: PathLike) -> ArchiveContents:
         if not isinstance(err, _Garbled) and not torch_compat.is_garbled_pickle(err):
             raise unsafe_error(p, err) from err  # what torch.load(weights_only=True) refuses, named
         raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
-    except (EOFError, IndexError, KeyError, struct.error) as err:
+    except (EOFError, IndexError, KeyError, struct.error, UnicodeDecodeError) as err:
         raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} has a damaged data.pkl ({type(err).__name__}: {err})"
+            f"checkpoint {_name(p)} has a damaged data.pkl ({type(err).__name__}: {str(err)[:200]}); "
+            "resume from an earlier checkpoint"
         ) from err
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
         raise NotACheckpointError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,17 @@ from .._core.errors import (
     CheckpointError,
     NotACheckpointError,
 )
-from .._core.torch_compat import LoadFailure, allowing_plain_globals, classify_load_error, error_summary
+from .._core.security import warn_if_unsafe_torch
+from .._core.torch_compat import (
+    LoadFailure,
+    allowing_plain_globals,
+    classify_load_error,
+    error_summary,
+    is_damaged_pickle_error,
+)
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
+from .archive import read_records, verify_archive
 from .sniff import FileKind, check_file, file_kind, unsafe_error
 
 __all__ = ["rank_map_location", "load_checkpoint", "load_torch_file"]
@@ -103,14 +112,18 @@ def load_torch_file(
     """
     p = check_file(path)
     if verify:  # refuses the legacy format, which has no checksums
-        from .archive import verify_archive  # _archive imports this module
-
         verify_archive(p)
-    if file_kind(p) is FileKind.LEGACY and mmap:
+    legacy = file_kind(p) is FileKind.LEGACY
+    if legacy and mmap:
         raise NotACheckpointError(
             f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "
             "pass mmap=False, or re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
         )
+    if not legacy and not verify:
+        # torch's C++ zip reader trusts the directory's offsets and sizes (a size field set to 0xFFFFFFFF
+        # makes it allocate 4 GiB for a tiny file): check them first, reading only the directory
+        read_records(p)
+    warn_if_unsafe_torch()
     if map_location is None or isinstance(map_location, int):
         map_location = rank_map_location(map_location)
     try:
@@ -121,6 +134,12 @@ def load_torch_file(
             raise unsafe_error(p, err) from err
         raise _corrupt(p, err) from err
     except (EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise _corrupt(p, err) from err
+    except (KeyError, IndexError, TypeError, AttributeError, OverflowError, struct.error) as err:
+        # a damaged data.pkl makes torch's tensor rebuilding fail with arbitrary errors; only those
+        # raised inside torch count as damage (a map_location callable's own bug propagates)
+        if not is_damaged_pickle_error(err):
+            raise
         raise _corrupt(p, err) from err
     except RuntimeError as err:
         failure = classify_load_error(err)

@@ -78,7 +78,11 @@ def _name(path: Path) -> str:
 def read_records(path: PathLike) -> tuple[str, list[Record]]:
     """The archive name and the records of a torch zip checkpoint, in file order. Reads no record data.
 
-    Raises :class:`CheckpointError` subclasses for a missing, empty, truncated, legacy or foreign file.
+    Reads the central directory and each record's local header only, and checks what torch's C++
+    reader would trust blindly: every record's header and data lie inside the file, its sizes are
+    consistent, its name decodes and matches its local header, all records share one folder, and
+    ``data.pkl`` is present. Raises :class:`CheckpointError` subclasses for a missing, empty,
+    truncated, damaged, legacy or foreign file.
     """
     p = check_file(path)
     if file_kind(p) is FileKind.LEGACY:
@@ -91,17 +95,21 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
         with zipfile.ZipFile(p) as zf, open(p, "rb") as f:
             infos = zf.infolist()
             records = [_record(f, info, size) for info in infos]
-    except zipfile.BadZipFile as err:
+    except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
+        # zipfile raises UnicodeDecodeError for a name flagged UTF-8 that is not, NotImplementedError for
+        # a "zip file version" it does not know: both are damage in a file torch.save wrote
         raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} is damaged or truncated (zip: {err}); most likely a save that was "
-            "interrupted: resume from an earlier checkpoint"
+            f"checkpoint {_name(p)} is damaged or truncated (zip directory: {type(err).__name__}: "
+            f"{str(err)[:200]}); most likely a save that was interrupted or a damaged copy: resume from an "
+            "earlier checkpoint"
         ) from err
     if not records:
         raise NotACheckpointError(f"{_name(p)} is an empty zip archive, not a checkpoint written by torch.save")
     archive_name, slash, _ = records[0].name.partition("/")
-    if not slash or any(not r.name.startswith(archive_name + "/") for r in records):
+    if not slash or not archive_name or any(not r.name.startswith(archive_name + "/") for r in records):
         raise NotACheckpointError(
-            f"{_name(p)} is a zip archive but not one written by torch.save (records are not in one folder)"
+            f"{_name(p)} is a zip archive but not one written by torch.save (records are not in one folder); "
+            "point to a .pt/.pth file saved with torch.save"
         )
     names = {r.name for r in records}
     if f"{archive_name}/data.pkl" not in names:
@@ -110,21 +118,51 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
             if f"{archive_name}/constants.pkl" in names
             else "a zip archive without data.pkl"
         )
-        raise NotACheckpointError(f"{_name(p)} is {what}, not a checkpoint written by torch.save")
+        raise NotACheckpointError(
+            f"{_name(p)} is {what}, not a checkpoint written by torch.save; point to a .pt/.pth file saved with "
+            "torch.save"
+        )
     return archive_name, records
 
 
+# deflate cannot expand data more than about 1032:1; a larger uncompressed size is a damaged field
+_MAX_DEFLATE_RATIO: Final = 1032
+
+
 def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
+    """One record, checked against the file (raises zipfile.BadZipFile for anything out of bounds)."""
+    name = info.filename
+    if not 0 <= info.header_offset <= size - LOCAL_HEADER.size:
+        raise zipfile.BadZipFile(f"record {name!r} has its header at offset {info.header_offset}, outside the file")
+    if "\x00" in name or info.compress_size < 0 or info.file_size < 0:
+        raise zipfile.BadZipFile(f"record {name!r} has a damaged name or size")
     f.seek(info.header_offset)
     head = f.read(LOCAL_HEADER.size)
     if len(head) < LOCAL_HEADER.size or LOCAL_HEADER.unpack(head)[0] != LOCAL_SIGNATURE:
-        raise zipfile.BadZipFile(f"no local header for {info.filename!r} at offset {info.header_offset}")
-    name_len, extra_len = LOCAL_HEADER.unpack(head)[9:11]
+        raise zipfile.BadZipFile(f"no local header for {name!r} at offset {info.header_offset}")
+    flags, name_len, extra_len = LOCAL_HEADER.unpack(head)[2], *LOCAL_HEADER.unpack(head)[9:11]
+    local_name = f.read(name_len)
+    if local_name.decode("utf-8" if flags & 0x800 else "cp437") != info.orig_filename:
+        raise zipfile.BadZipFile(f"record {name!r} has another name in its local header ({local_name[:80]!r})")
     data_offset = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
     if data_offset + info.compress_size > size:
-        raise zipfile.BadZipFile(f"record {info.filename!r} runs past the end of the file")
+        raise zipfile.BadZipFile(f"record {name!r} runs past the end of the file")
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.file_size != info.compress_size:
+            raise zipfile.BadZipFile(
+                f"record {name!r} is stored but its sizes differ ({info.compress_size} and {info.file_size} bytes)"
+            )
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        if info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 64:
+            raise zipfile.BadZipFile(
+                f"record {name!r} claims {info.file_size} bytes from {info.compress_size} compressed bytes"
+            )
+    else:  # torch.save stores records uncompressed; torch's reader inflates deflate and nothing else
+        raise zipfile.BadZipFile(
+            f"record {name!r} uses compression method {info.compress_type}, which torch cannot read"
+        )
     return Record(
-        info.filename, info.header_offset, data_offset, info.compress_size, info.file_size, info.CRC, info.compress_type
+        name, info.header_offset, data_offset, info.compress_size, info.file_size, info.CRC, info.compress_type
     )
 
 
@@ -218,6 +256,6 @@ def _compressed_problem(path: Path, record: Record) -> str | None:
         with zipfile.ZipFile(path) as zf, zf.open(record.name) as member:
             while member.read(_CRC_CHUNK):
                 pass
-    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
-        return f"cannot be decompressed or fails its CRC32 ({err})"
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError, OSError) as err:
+        return f"cannot be decompressed or fails its CRC32 ({type(err).__name__}: {err})"
     return None

@@ -166,6 +166,13 @@ def prepare_optimizer_state(
     saved = normalize_optimizer_state(saved)
     check_state_keys(saved, source)
     groups, saved_groups = optimizer.param_groups, list(saved["param_groups"])
+    for i, sgroup in enumerate(saved_groups):
+        params = sgroup.get("params") if isinstance(sgroup, Mapping) else None
+        if not (isinstance(params, (list, tuple)) and all(isinstance(p, (int, str)) for p in params)):
+            raise _fail(
+                f"{source}: saved optimizer param group {i} is not one Optimizer.state_dict() writes (no list of "
+                "parameter ids under 'params'); the checkpoint is damaged or was edited: resume from another one"
+            )
     _check_kind(groups, saved_groups, type(optimizer).__name__, source)
     names, live = saved_names(saved_groups), _live_names(optimizer, model)
     sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved_groups]

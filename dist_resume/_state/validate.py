@@ -44,14 +44,41 @@ def check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
         )
 
 
+# what GradScaler.load_state_dict reads from an enabled scaler's state (torch 2.x): each a plain number
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
 def check_scaler(saved: Any, scaler: Any, source: str) -> None:
+    """Raise :class:`StateMismatchError` unless ``scaler.load_state_dict(saved)`` can only succeed. Local.
+
+    A disabled scaler ignores what it is given; an enabled one needs every number it reads.
+    """
     if not isinstance(saved, Mapping):
         raise StateMismatchError(f"{source}: the GradScaler entry is a {type(saved).__name__}, not a state dict")
-    if scaler.is_enabled() and not saved:
+    if not scaler.is_enabled():
+        return
+    if not saved:
         raise StateMismatchError(
             f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
             "enabled; pass strict=False to keep the scaler's fresh state"
         )
+    problems = [
+        f"{key}: {'missing' if key not in saved else type(saved[key]).__name__}"
+        for key in _SCALER_KEYS
+        if not _is_number(saved.get(key))
+    ]
+    if problems:
+        raise StateMismatchError(
+            f"{source}: the GradScaler state is not one GradScaler.state_dict() writes ({'; '.join(problems)}; "
+            f"expected numbers under {list(_SCALER_KEYS)}); the checkpoint is damaged or was edited: resume "
+            "from another checkpoint, or restore without the scaler and keep its fresh state"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_rng_states(states: Any, rank: int, source: str) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .._core.errors import NotACheckpointError
+from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.text import preview
 from .._core.tree import iter_tensors
 from .._core.types import PathLike
@@ -157,11 +158,18 @@ def _shape_warnings(
 
 def _archive_info(contents: ArchiveContents) -> dict[str, Any]:
     small = {}
-    with zipfile.ZipFile(contents.path) as zf:
-        for name in (".format_version", ".storage_alignment", "byteorder", "version"):
-            full = f"{contents.archive_name}/{name}"
-            if any(r.name == full for r in contents.records):
-                small[name] = zf.read(full).decode("utf-8", "replace").strip()
+    try:
+        with zipfile.ZipFile(contents.path) as zf:
+            for name in (".format_version", ".storage_alignment", "byteorder", "version"):
+                full = f"{contents.archive_name}/{name}"
+                if any(r.name == full for r in contents.records):
+                    small[name] = zf.read(full).decode("utf-8", "replace").strip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, ValueError) as err:
+        raise CheckpointCorruptError(
+            f"checkpoint {str(contents.path)!r} is damaged: a small record of its archive cannot be read "
+            f"({type(err).__name__}: {str(err)[:200]}); run `dist-resume verify` on it and resume from an "
+            "earlier checkpoint"
+        ) from err
     return {
         "name": contents.archive_name,
         "records": len(contents.records),
