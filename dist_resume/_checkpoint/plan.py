@@ -13,6 +13,7 @@ from torch import nn
 
 from .._core.errors import KeyMismatchError, OptimizerStateMismatchError, StateMismatchError
 from .._core.rank import global_rank
+from .._core.text import article
 from .._core.tree import iter_tensors, map_tensors
 from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
@@ -150,7 +151,7 @@ def plan_restore(
         if saved_class and saved_class != type(optimizer).__name__:
             raise OptimizerStateMismatchError(
                 f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
-                f"{type(optimizer).__name__}; build a {saved_class}, or pass strict=False and no optimizer"
+                f"{type(optimizer).__name__}; build {article(saved_class)}, or pass strict=False and no optimizer"
             )
         optimizer_state = prepare_optimizer_state(parts.optimizer, optimizer, model, source=source)
     has_scheduler = scheduler is not None and _present(parts, parts.scheduler, "scheduler", strict, source)
@@ -220,7 +221,7 @@ def _present(parts: CheckpointParts, entry: Any, what: str, strict: bool, source
         return True
     if strict:
         raise StateMismatchError(
-            f"{source} ({parts.layout.value} layout) has no {what} state but a {what} was passed; "
+            f"{source} ({parts.layout.value} layout) has no {what} state but {article(what)} was passed; "
             + (hint or f"pass strict=False to restore what the file has, or do not pass the {what}")
         )
     return False

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
+from .._core.text import article
 from .._core.types import PathLike
 from .._state.prefix import DDP_PREFIX, canonical_key, prefix_style
 from .archive import read_archive, verify_archive
@@ -186,7 +187,7 @@ def convert_checkpoint(
     parts = split_checkpoint(contents.obj, source=str(src_path))
     model = parts.model
     if not isinstance(model, MutableMapping):  # pragma: no cover - the unpickler only builds dicts
-        raise KeyMismatchError(f"{str(src_path)!r}: the model state is a {type(model).__name__}, not a dict")
+        raise KeyMismatchError(f"{str(src_path)!r}: the model state is {article(type(model).__name__)}, not a dict")
     before = prefix_style(model.keys())
     renamed = _convert_state_dict(model, to, str(src_path))
     names = _convert_param_names(parts.optimizer, to)
