@@ -232,8 +232,12 @@ def test_verify_equal_and_different(tmp_path: Path, run: Run) -> None:
     code, out, _ = run("verify", tmp_path / "ddp.pt", tmp_path / "b.pt", "--json")
     report = json.loads(out)
     assert code == ExitCode.DIFFERENT and not report["equal"]
-    assert {"part": "model", "key": "submodule.1.bias", "problem": "values differ"} in report["differences"]
-    assert any(d["key"] == "state[fc.bias]['exp_avg']" and "dtype" in d["problem"] for d in report["differences"])
+    assert {"part": "model", "key": "submodule.1.bias", "problem": "values differ (max |a-b| = 1.0e+00)"} in report[
+        "differences"
+    ]
+    assert {"part": "optimizer", "key": "fc.bias exp_avg", "problem": "dtype float32 in A, float64 in B"} in report[
+        "differences"
+    ]
     code, out, _ = run("verify", tmp_path / "ddp.pt", tmp_path / "b.pt")
     assert code == 1 and "submodule.1.bias: values differ" in out
 

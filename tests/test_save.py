@@ -98,7 +98,7 @@ def test_model_only(tmp_path):
 @pytest.mark.parametrize(
     "extra, where",
     [
-        (argparse.Namespace(lr=0.1), "extra is a argparse.Namespace"),
+        (argparse.Namespace(lr=0.1), "extra is an argparse.Namespace"),
         ({"args": argparse.Namespace(lr=0.1)}, "extra['args']"),
         ({"cfg": [1, {"v": torch.__version__}]}, "extra['cfg'][1]['v']"),  # TorchVersion, a str subclass
         ({"fn": print}, "extra['fn']"),

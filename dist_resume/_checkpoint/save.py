@@ -15,6 +15,7 @@ from torch import nn
 
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
+from .._core.text import article
 from .._core.types import PathLike
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
@@ -47,7 +48,7 @@ def check_weights_only_safe(obj: Any, path: str = "extra") -> None:
     if isinstance(obj, str):
         hint = "str(obj)"
     raise CheckpointWriteError(
-        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) "
+        f"{path} is {article(f'{type(obj).__module__}.{type(obj).__qualname__}')}, which torch.load(weights_only=True) "
         f"refuses, so the checkpoint could not be loaded safely; store {hint} instead"
     )
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
+from .._core.text import article
 from .._core.types import PathLike
 from .._state.prefix import prefix_style
 from .archive import read_archive, verify_archive
@@ -185,7 +186,7 @@ def _pt_to_pt(
     parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
     model = parts.model
     if not isinstance(model, MutableMapping):  # pragma: no cover - the unpickler only builds dicts
-        raise KeyMismatchError(f"{str(src)!r}: the model state is a {type(model).__name__}, not a dict")
+        raise KeyMismatchError(f"{str(src)!r}: the model state is {article(type(model).__name__)}, not a dict")
     before = prefix_style(model.keys())
     renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
     names = rekey_param_names(parts.optimizer, to) if to is not None else 0

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .._core.text import article
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
 from .._state.optim_keys import normalize_optimizer_state
@@ -92,7 +93,7 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
     except (EOFError, ValueError, TypeError, AttributeError) as err:
         raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
     if not isinstance(metadata, Metadata):
-        raise NotACheckpointError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not DCP Metadata")
+        raise NotACheckpointError(f"{str(meta_path)!r} holds {article(type(metadata).__name__)}, not DCP Metadata")
     return metadata
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError, StateMismatchError
+from .._core.text import article
 
 __all__ = ["check_dtypes", "check_scheduler", "check_scaler", "check_rng_states"]
 
@@ -34,7 +35,7 @@ def check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, sou
 
 def check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
     if not isinstance(saved, Mapping):
-        raise StateMismatchError(f"{source}: the scheduler entry is a {type(saved).__name__}, not a state dict")
+        raise StateMismatchError(f"{source}: the scheduler entry is {article(type(saved).__name__)}, not a state dict")
     live = scheduler.state_dict()
     if set(saved) != set(live):
         raise StateMismatchError(
@@ -54,7 +55,7 @@ def check_scaler(saved: Any, scaler: Any, source: str) -> None:
     A disabled scaler ignores what it is given; an enabled one needs every number it reads.
     """
     if not isinstance(saved, Mapping):
-        raise StateMismatchError(f"{source}: the GradScaler entry is a {type(saved).__name__}, not a state dict")
+        raise StateMismatchError(f"{source}: the GradScaler entry is {article(type(saved).__name__)}, not a state dict")
     if not scaler.is_enabled():
         return
     if not saved:
@@ -90,7 +91,9 @@ def check_rng_states(states: Any, rank: int, source: str) -> None:
     if states is None:
         return
     if not isinstance(states, (list, tuple)) or not states:
-        raise StateMismatchError(f"{source}: the RNG entry is a {type(states).__name__}, not a list of per-rank states")
+        raise StateMismatchError(
+            f"{source}: the RNG entry is {article(type(states).__name__)}, not a list of per-rank states"
+        )
     own = rank < len(states)
     entry, needed = (states[rank], {"python", "torch"}) if own else (states[0], {"seed"})
     if not isinstance(entry, Mapping) or not needed <= set(entry):

@@ -53,25 +53,33 @@ _HINTS: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
+def _part_keys(items: Sequence[str] | None) -> dict[str, str] | None:
+    """``--part model=MODEL_STATE`` (repeatable) as ``part_keys``; a malformed item is a usage error."""
+    if not items:
+        return None
+    from .._format.detect import PART_NAMES, check_part_keys
+
+    out: dict[str, str] = {}
+    for item in items:
+        part, eq, key = item.partition("=")
+        if not eq or not part.strip() or not key.strip():
+            raise UsageError(
+                f"--part {item!r} is not PART=KEY",
+                hint=f"e.g. --part model=MODEL_STATE; the parts are {', '.join(PART_NAMES)}",
+            )
+        out[part.strip()] = key.strip()
+    return check_part_keys(out)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._inspect import describe_checkpoint, render_inspect
 
-    report = describe_checkpoint(args.checkpoint)
+    report = describe_checkpoint(args.checkpoint, part_keys=_part_keys(args.part))
     if args.json:
         print_json(report)
     elif not args.quiet:
         print(render_inspect(report))
     return ExitCode.OK
-
-
-def _part_keys(values: Sequence[str]) -> dict[str, str]:
-    parts: dict[str, str] = {}
-    for value in values:
-        name, eq, key = value.partition("=")
-        if not eq or not name or not key:
-            raise UsageError(f"--part {value!r} is not PART=KEY", "e.g. --part model=MODEL_STATE (repeatable)")
-        parts[name] = key
-    return parts
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -118,7 +126,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             f"wrote {result.dst} ({result.format.value}, {human_bytes(result.bytes_written)}, "
             f"{result.seconds:.2f}s): {result.layout.value}, "
             f"model keys {result.prefix_before} -> {result.prefix_after} ({result.renamed_keys} of "
-            f"{result.model_keys} renamed), {result.param_names} optimizer param_names"
+            f"{result.model_keys} renamed)"
+            + (f", optimizer param_names re-keyed ({result.param_names})" if result.param_names else "")
         )
     return ExitCode.OK
 
@@ -126,7 +135,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import render_verify, verify_checkpoints
 
-    report = verify_checkpoints(args.a, args.b)
+    report = verify_checkpoints(args.a, args.b, part_keys=_part_keys(args.part))
     if args.json:
         print_json(report)
     elif not args.quiet:
@@ -194,11 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "inspect",
         _cmd_inspect,
-        "what a checkpoint holds: layout, prefixes, tensors per dtype, device tags, "
-        "optimizer, metadata, warnings (reads no tensor data)",
+        "what a checkpoint holds: layout, which key each part came from, prefixes, tensors per dtype, "
+        "device tags, optimizer and its hyper-parameters, metadata, warnings (reads no tensor data)",
         "print the report as JSON (schema dist-resume/inspect/1)",
     )
     p.add_argument("checkpoint", type=Path, metavar="CKPT")
+    p.add_argument(
+        "--part",
+        action="append",
+        metavar="PART=KEY",
+        help="take PART (model, optimizer, scheduler, scaler, ema, epoch, step) from KEY ('outer.inner' one "
+        "level down) instead of detecting it; repeatable",
+    )
     p = add(
         "convert",
         _cmd_convert,
@@ -238,12 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "verify",
         _cmd_verify,
-        "compare two checkpoints' model and optimizer state modulo prefixes "
-        "(keys, shapes, dtypes, bitwise values); exit 0 equal, 1 different",
+        "compare the parts detected in two checkpoints (model weights under canonical keys; optimizer, "
+        "epoch, step, scheduler, GradScaler where both have them): keys, shapes, dtypes, bitwise values; "
+        "exit 0 equal, 1 different",
         "print the report as JSON (schema dist-resume/verify/1)",
     )
     p.add_argument("a", type=Path, metavar="A")
     p.add_argument("b", type=Path, metavar="B")
+    p.add_argument(
+        "--part",
+        action="append",
+        metavar="PART=KEY",
+        help="take PART from KEY in whichever file holds KEY, instead of detecting it; repeatable",
+    )
     p = add(
         "list",
         _cmd_list,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import zipfile
 import zlib
@@ -11,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
 from .._core.text import preview
 from .._core.tree import iter_tensors
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, StorageInfo, read_archive
-from .._format.layout import Key, Layout, split_checkpoint
+from .._format.layout import Key, Layout, describe_keys, split_checkpoint
 from .._state.optim import _FACTORED_KEYS, _GROUP_BOOKKEEPING, step_on_param_device
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, dtype_name, human_bytes, jsonable
@@ -125,6 +126,12 @@ def _optimizer(
         "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in _GROUP_BOOKKEEPING}
         if groups
         else {},
+        "groups": [
+            {k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")}
+            if isinstance(g, Mapping)
+            else {}
+            for g in groups
+        ],
         "tensors": summary["count"],
         "bytes": summary["bytes"],
     }
@@ -190,11 +197,29 @@ def _device_tags(contents: ArchiveContents) -> dict[str, dict[str, int]]:
     return tags
 
 
-def describe_checkpoint(path: PathLike) -> dict[str, Any]:
+def _saved_at(meta: Mapping[str, Any]) -> str | None:
+    """``meta['saved_at']`` (seconds since the epoch) as ``2025-01-02 03:04:05 UTC``, or None."""
+    stamp = meta.get("saved_at")
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
+        return None
+    try:
+        return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _ema(ema: Any) -> dict[str, Any] | None:
+    if ema is None:
+        return None
+    return {"keys": len(ema) if isinstance(ema, Mapping) else None}
+
+
+def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``inspect --json`` report for ``path``. Local; reads the zip directory and data.pkl only.
 
     A file in no layout dist_resume knows is still described (tensors, device tags), with
-    ``layout`` ``null`` and a warning saying why.
+    ``layout`` ``null`` and a warning saying why. ``part_keys`` (``inspect --part``) overrides
+    detection for the parts it names; a key the file lacks raises :class:`NotACheckpointError`.
     """
     contents = read_archive(path)
     warnings: list[str] = []
@@ -218,13 +243,20 @@ def describe_checkpoint(path: PathLike) -> dict[str, Any]:
         "optimizer": None,
         "scheduler": False,
         "scaler": False,
+        "rng": False,
+        "sampler": False,
+        "ema": None,
+        "part_keys": {},
+        "saved_at": None,
         "meta": {},
         "extra_keys": sorted(map(str, contents.obj)) if isinstance(contents.obj, Mapping) else [],
         "warnings": warnings,
     }
     try:
-        parts = split_checkpoint(contents.obj, source=str(path))
+        parts = split_checkpoint(contents.obj, source=str(path), part_keys=part_keys)
     except NotACheckpointError as err:
+        if part_keys:  # the user named the keys: a key that is not there is their error, not a warning
+            raise UsageError(str(err), hint="run `dist-resume inspect` without --part to see the file's keys") from err
         warnings.append(str(err))
         return report
     model = parts.model
@@ -249,14 +281,50 @@ def describe_checkpoint(path: PathLike) -> dict[str, Any]:
             "bytes": model_summary["bytes"],
             "prefix_style": style,
             "first_keys": list(model)[:5],
+            "class": parts.meta.get("model_class"),
         },
         optimizer=_optimizer(contents, parts.optimizer, model, parts.meta, warnings),
         scheduler=parts.scheduler is not None,
         scaler=parts.scaler is not None,
+        rng=parts.rng is not None,
+        sampler=parts.sampler is not None,
+        ema=_ema(parts.ema),
+        part_keys=dict(parts.keys),
+        saved_at=_saved_at(parts.meta),
         meta=jsonable(meta),
         extra_keys=sorted(str(k) for k in parts.extra) if isinstance(parts.extra, Mapping) else [],
     )
     return report
+
+
+def _yes(flag: Any) -> str:
+    return "yes" if flag else "no"
+
+
+def _group_line(i: int, group: Mapping[str, Any]) -> str:
+    shown = " ".join(f"{k}={v}" for k, v in group.items() if v is not None)
+    return f"             group {i}: {shown or '-'}"
+
+
+def _optimizer_lines(opt: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"optimizer    {opt['kind'] or 'unknown kind'}: {opt['param_groups']} group(s), "
+        f"{opt['params']} params ({opt['params_with_state']} with state), "
+        f"state keys: {', '.join(opt['state_keys']) or 'none'}"
+    ]
+    step = opt["step"]
+    if step["count"]:
+        where = step["where"]
+        if list(where) == ["python number"]:
+            lines.append(f"             step values: {step['count']} (python numbers, one per parameter)")
+        else:
+            places = ", ".join(w if len(where) == 1 else f"{n} {w}" for w, n in where.items())
+            lines.append(f"             step tensors: {step['count']} ({places}), one per parameter")
+    names = opt["param_names"]
+    form = f"prefix {names['prefix_style']}" if names["present"] else "absent"
+    lines.append(f"             param_names: {form}")
+    lines.extend(_group_line(i, g) for i, g in enumerate(opt.get("groups", [])))
+    return lines
 
 
 def render_inspect(report: dict[str, Any]) -> str:
@@ -267,28 +335,26 @@ def render_inspect(report: dict[str, Any]) -> str:
         f"data.pkl {human_bytes(report['archive']['pickle_bytes'])})",
         f"layout       {report['layout'] or 'not recognised'}",
     ]
+    if report.get("part_keys"):
+        lines.append(f"parts        {describe_keys(report['part_keys'])}")
+    if report.get("saved_at"):
+        lines.append(f"saved        {report['saved_at']}")
     if model is not None:
+        kind = f"{model['class']}: " if model.get("class") else ""
         lines.append(
-            f"model        {model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
+            f"model        {kind}{model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
             f"prefix: {model['prefix_style']}"
         )
     if report["layout"] is not None:
         if opt is None:
             lines.append("optimizer    none")
         elif opt.get("kind") is not None or "params" in opt:
-            lines.append(
-                f"optimizer    {opt['kind'] or 'unknown kind'}: {opt['param_groups']} group(s), "
-                f"{opt['params']} params ({opt['params_with_state']} with state), "
-                f"state keys: {', '.join(opt['state_keys']) or 'none'}"
-            )
-            if opt["step"]["count"]:
-                where = ", ".join(f"{n} on {w}" for w, n in opt["step"]["where"].items())
-                lines.append(f"             step: {where}")
-            names = opt["param_names"]
-            form = f"prefix {names['prefix_style']}" if names["present"] else "absent"
-            lines.append(f"             param_names: {form}")
+            lines.extend(_optimizer_lines(opt))
+        ema = report.get("ema")
         lines.append(
-            f"scheduler    {'yes' if report['scheduler'] else 'no'}    GradScaler {'yes' if report['scaler'] else 'no'}"
+            f"state        scheduler: {_yes(report['scheduler'])}, GradScaler: {_yes(report['scaler'])}, "
+            f"RNG: {_yes(report.get('rng'))}, sampler: {_yes(report.get('sampler'))}, "
+            f"EMA: {_yes(ema)}" + (f" ({ema['keys']} keys)" if ema and ema.get("keys") is not None else "")
         )
     tensors = report["tensors"]
     dtypes = ", ".join(f"{d} {human_bytes(v['bytes'])} ({v['count']})" for d, v in tensors["by_dtype"].items())
@@ -304,8 +370,10 @@ def render_inspect(report: dict[str, Any]) -> str:
         and k in ("step", "epoch", "world_size", "torch_version", "format_version", "dist_resume_version")
     }
     lines.append("meta         " + (" ".join(f"{k}={v}" for k, v in shown.items()) or "-"))
-    if report["extra_keys"]:
-        lines.append(f"other keys   {', '.join(report['extra_keys'][:10])}")
+    used = set(report.get("part_keys", {}).values())
+    others = [k for k in report["extra_keys"] if k not in used]
+    if others:
+        lines.append(f"other keys   {preview(others, 10, quote=False)}")
     for w in report["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

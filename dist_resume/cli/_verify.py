@@ -7,15 +7,17 @@ from typing import Any, Final
 
 import torch
 
+from .._core.errors import UsageError
 from .._core.text import preview
 from .._core.types import PathLike
-from .._format.layout import CheckpointParts, split_checkpoint
+from .._format.detect import check_part_keys
+from .._format.layout import CheckpointParts, describe_keys, split_checkpoint
 from .._format.open import is_foreign_source, open_checkpoint
 from .._format.sniff import FileKind, check_file, file_kind
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
 
-__all__ = ["verify_checkpoints", "render_verify", "same_bits"]
+__all__ = ["verify_checkpoints", "render_verify", "same_bits", "max_abs_diff"]
 
 SCHEMA = f"{SCHEMA_PREFIX}/verify/1"
 _CHUNK: Final = 64 << 20  # bytes compared at a time: memory-mapped pages come and go, nothing is copied
@@ -38,6 +40,54 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(torch.equal(x[i : i + _CHUNK], y[i : i + _CHUNK]) for i in range(0, x.numel(), _CHUNK))
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The largest ``|a - b|`` of two same-shape tensors (NaN where both are NaN counts as equal), in chunks.
+
+    None for tensors without a numeric difference (quantized, sparse, other layouts).
+    """
+    if a.layout != torch.strided or a.is_quantized or b.layout != torch.strided or b.is_quantized:
+        return None
+    x, y = a.resolve_conj().resolve_neg().reshape(-1), b.resolve_conj().resolve_neg().reshape(-1)
+    step = max(_CHUNK // 16, 1)
+    worst = 0.0
+    for i in range(0, x.numel(), step):
+        xa, yb = x[i : i + step], y[i : i + step]
+        wide = torch.complex128 if xa.is_complex() or yb.is_complex() else torch.float64
+        d = (xa.to(wide) - yb.to(wide)).abs()
+        both_nan = torch.isnan(xa.to(wide)).logical_and(torch.isnan(yb.to(wide)))
+        d = d.masked_fill(both_nan, 0.0)
+        if bool(torch.isnan(d).any()):
+            return float("nan")
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+    return worst
+
+
+def _values_differ(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = max_abs_diff(a, b)
+    if diff is None:
+        return "values differ"
+    if diff != diff:  # NaN
+        return "values differ (NaN in one file where the other has a number)"
+    if diff == 0.0:
+        return "values differ in their bits only (0.0 vs -0.0, or NaN payloads)"
+    return f"values differ (max |a-b| = {diff:.1e})"
+
+
+def _has_not(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> str:
+    """``B has `initial_lr`, A does not``, for keys on either side (or both)."""
+    said = []
+    for side, mine, other, theirs in (("A", a, "B", b), ("B", b, "A", a)):
+        extra = [k for k in mine if k not in theirs]
+        if extra:
+            keys = preview((f"`{k}`" for k in extra), 5, quote=False)
+            said.append(f"{side} has {keys}, {other} does not")
+    return "; ".join(said)
+
+
+def _describe_dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}{tuple(value.shape)}"
@@ -48,30 +98,31 @@ def _compare(a: Any, b: Any) -> str | None:
     """None when equal, else what differs."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape:
-            return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+            return f"shape {tuple(a.shape)} in A, {tuple(b.shape)} in B"
         if a.dtype != b.dtype:
-            return f"dtype {a.dtype} vs {b.dtype}"
-        return None if same_bits(a, b) else "values differ"
+            return f"dtype {_describe_dtype(a)} in A, {_describe_dtype(b)} in B"
+        return None if same_bits(a, b) else _values_differ(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return f"{_describe(a)} vs {_describe(b)}"
+        return f"A {_describe(a)}, B {_describe(b)}"
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if set(a) != set(b):
-            return f"keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+            return _has_not(a, b)
         return next((f"[{k!r}]: {d}" for k in a if (d := _compare(a[k], b[k]))), None)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
-            return f"length {len(a)} vs {len(b)}"
+            return f"A has {len(a)} items, B {len(b)}"
         return next((f"[{i}]: {d}" for i, (x, y) in enumerate(zip(a, b)) if (d := _compare(x, y))), None)
     try:
-        return None if bool(a == b) else f"{_describe(a)} vs {_describe(b)}"
+        return None if bool(a == b) else f"A {_describe(a)}, B {_describe(b)}"
     except Exception:  # objects whose == is not a plain bool
-        return None if a is b else f"{_describe(a)} vs {_describe(b)}"
+        return None if a is b else f"A {_describe(a)}, B {_describe(b)}"
 
 
 class _Report:
     def __init__(self) -> None:
         self.differences: list[dict[str, str]] = []
-        self.tensors = {"model": 0, "optimizer": 0}
+        self.tensors = {"model": 0, "optimizer": 0, "other": 0}
+        self.not_compared: list[str] = []
         self.bytes = 0
 
     def diff(self, part: str, key: str, problem: str) -> None:
@@ -79,7 +130,7 @@ class _Report:
 
     def compare(self, part: str, key: str, a: Any, b: Any) -> None:
         for value in (a,) if isinstance(a, torch.Tensor) else ():
-            self.tensors[part] += 1
+            self.tensors[part if part in self.tensors else "other"] += 1
             self.bytes += value.numel() * value.element_size()
         problem = _compare(a, b)
         if problem:
@@ -99,107 +150,180 @@ def _canonical(model: Mapping[str, Any], which: str, report: _Report) -> dict[st
 
 def _compare_models(a: Mapping[str, Any], b: Mapping[str, Any], report: _Report) -> None:
     ca, cb = _canonical(a, "A", report), _canonical(b, "B", report)
-    for key in ca.keys() - cb.keys():
-        report.diff("model", key, "only in A")
-    for key in cb.keys() - ca.keys():
-        report.diff("model", key, "only in B")
+    for key in sorted(ca.keys() - cb.keys()):
+        report.diff("model", key, "A has it, B does not")
+    for key in sorted(cb.keys() - ca.keys()):
+        report.diff("model", key, "B has it, A does not")
     for key in ca:
         if key in cb:
             report.compare("model", key, ca[key], cb[key])
 
 
 def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
-    """(label, saved id) for every parameter, labelled by canonical name when every group has names."""
+    """(label, saved id) for every parameter: its canonical name when every group has names, else ``param N``."""
     named = all(isinstance(g, Mapping) and "param_names" in g for g in groups)
-    out = []
-    for gi, g in enumerate(groups):
-        names = g.get("param_names") if named else None
-        for j, pid in enumerate(g.get("params", [])):
-            out.append((canonical_key(names[j]) if names else f"group {gi} param {j}", pid))
-    return out
+    pids = [pid for g in groups for pid in g.get("params", [])]
+    if named:
+        names = [canonical_key(n) for g in groups for n in g["param_names"]]
+        if len(names) == len(pids):
+            return list(zip(names, pids))
+    return [(f"param {n}", pid) for n, pid in enumerate(pids)]
+
+
+def _compare_groups(ga: list[Any], gb: list[Any], report: _Report) -> None:
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        hx = {k: v for k, v in x.items() if k not in ("params", "param_names")}
+        hy = {k: v for k, v in y.items() if k not in ("params", "param_names")}
+        if set(hx) != set(hy):
+            report.diff("optimizer", f"group {i}", _has_not(hx, hy))
+        for key in (k for k in hx if k in hy):
+            report.compare("optimizer", f"group {i} {key}", hx[key], hy[key])
 
 
 def _compare_optimizers(a: Any, b: Any, report: _Report) -> None:
-    if a is None and b is None:
-        return
     if a is None or b is None:
-        report.diff("optimizer", "-", f"only in {'B' if a is None else 'A'}")
+        if (a is None) != (b is None):
+            report.not_compared.append(f"optimizer (only {'B' if a is None else 'A'} has one)")
         return
     if not all(isinstance(o, Mapping) and "state" in o and "param_groups" in o for o in (a, b)):
         report.compare("optimizer", "-", a, b)
         return
     ga, gb = list(a["param_groups"]), list(b["param_groups"])
     if len(ga) != len(gb):
-        report.diff("optimizer", "param_groups", f"{len(ga)} vs {len(gb)} groups")
+        report.diff("optimizer", "param_groups", f"A has {len(ga)} groups, B {len(gb)}")
         return
-    for i, (x, y) in enumerate(zip(ga, gb)):
-        hx = {k: v for k, v in x.items() if k not in ("params", "param_names")}
-        hy = {k: v for k, v in y.items() if k not in ("params", "param_names")}
-        report.compare("optimizer", f"param_groups[{i}]", hx, hy)
+    _compare_groups(ga, gb, report)
     pa, pb = dict(_param_order(ga)), dict(_param_order(gb))
     if set(pa) != set(pb):  # different names (or one side unnamed): pair by position instead
-        if all(not k.startswith("group ") for k in (*pa, *pb)):
-            only_a, only_b = sorted(set(pa) - set(pb)), sorted(set(pb) - set(pa))
-            report.diff("optimizer", "param_names", f"only in A {only_a[:5]}, only in B {only_b[:5]}")
+        if not any(k.startswith("param ") for k in (*pa, *pb)):
+            for name in sorted(set(pa) - set(pb)):
+                report.diff("optimizer", name, "A's optimizer has this parameter, B's does not")
+            for name in sorted(set(pb) - set(pa)):
+                report.diff("optimizer", name, "B's optimizer has this parameter, A's does not")
         pa = {f"param {n}": pid for n, (_, pid) in enumerate(_param_order(ga))}
         pb = {f"param {n}": pid for n, (_, pid) in enumerate(_param_order(gb))}
         if len(pa) != len(pb):
-            report.diff("optimizer", "params", f"{len(pa)} vs {len(pb)} parameters")
+            report.diff("optimizer", "params", f"A has {len(pa)} parameters, B {len(pb)}")
             return
     for label, ida in pa.items():
         sa, sb = a["state"].get(ida), b["state"].get(pb[label])
         if sa is None or sb is None:
             if (sa is None) != (sb is None):
-                report.diff("optimizer", f"state[{label}]", f"only in {'B' if sa is None else 'A'}")
+                report.diff("optimizer", label, f"{'A' if sb is None else 'B'} has state for it, the other does not")
             continue
-        for key in sorted(set(sa) | set(sb), key=str):
-            if key not in sa or key not in sb:
-                report.diff("optimizer", f"state[{label}][{key!r}]", f"only in {'B' if key not in sa else 'A'}")
-            else:
-                report.compare("optimizer", f"state[{label}][{key!r}]", sa[key], sb[key])
+        if set(sa) != set(sb):
+            report.diff("optimizer", label, _has_not(sa, sb))
+        for key in sorted((k for k in sa if k in sb), key=str):
+            report.compare("optimizer", f"{label} {key}", sa[key], sb[key])
 
 
-def _load(path: PathLike) -> CheckpointParts:
-    mmap = is_foreign_source(path) or file_kind(check_file(path)) is not FileKind.LEGACY
-    opened = open_checkpoint(path, map_location="cpu", mmap=mmap, weights_only=True)  # foreign sources: parts
-    return opened.parts or split_checkpoint(opened.obj, source=str(path))
+def _compare_rest(pa: CheckpointParts, pb: CheckpointParts, report: _Report) -> None:
+    """Epoch, step, scheduler and GradScaler: compared where both files have them, else listed as not compared."""
+    for part in ("epoch", "step", "scheduler", "scaler"):
+        x, y = getattr(pa, part), getattr(pb, part)
+        if x is not None and y is not None:
+            report.compare(part, "-", x, y)
+        elif (x is None) != (y is None):
+            report.not_compared.append(f"{part} (only {'B' if x is None else 'A'} has one)")
 
 
-def verify_checkpoints(a: PathLike, b: PathLike) -> dict[str, Any]:
-    """The ``verify --json`` report: model and optimizer state of ``a`` and ``b``, compared modulo prefixes.
+def _keys_held(obj: Any, part_keys: Mapping[str, str] | None) -> dict[str, str] | None:
+    """The entries of ``part_keys`` whose key ``obj`` holds (``verify --part`` names a key in either file)."""
+    if not part_keys or not isinstance(obj, Mapping):
+        return None
+    out = {}
+    for part, path in part_keys.items():
+        outer, _, inner = path.partition(".")
+        if path in obj or (inner and isinstance(obj.get(outer), Mapping) and inner in obj[outer]):
+            out[part] = path
+    return out or None
 
-    Local. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time.
+
+def _side(path: PathLike, parts: CheckpointParts) -> dict[str, Any]:
+    return {
+        "path": str(path),
+        "layout": parts.layout.value,
+        "prefix_style": prefix_style(parts.model),
+        "part_keys": dict(parts.keys),
+    }
+
+
+def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``verify --json`` report: the parts detected in ``a`` and ``b``, compared modulo prefixes.
+
+    Local. Model weights are compared under their canonical keys; the optimizer, epoch, step,
+    scheduler and GradScaler where both files have them (a part only one file has is listed in
+    ``not_compared``). ``part_keys`` (``verify --part``) names keys for parts in whichever file
+    holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time.
     """
-    pa, pb = _load(a), _load(b)
+    if part_keys:
+        check_part_keys(part_keys)
+    # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
+    opened_a, opened_b = (open_checkpoint(p, map_location="cpu", mmap=_mmap(p), weights_only=True) for p in (a, b))
+    obj_a, obj_b = opened_a.obj, opened_b.obj
+    held_a, held_b = _keys_held(obj_a, part_keys), _keys_held(obj_b, part_keys)
+    if part_keys:
+        unused = [
+            f"{part}={key}"
+            for part, key in part_keys.items()
+            if not (held_a or {}).get(part) and not (held_b or {}).get(part)
+        ]
+        if unused:
+            raise UsageError(
+                f"--part {preview(unused, quote=False)}: neither {str(a)!r} nor {str(b)!r} has that key",
+                hint="run `dist-resume inspect` on each file to see its keys",
+            )
+    pa = opened_a.parts or split_checkpoint(obj_a, source=str(a), part_keys=held_a)
+    pb = opened_b.parts or split_checkpoint(obj_b, source=str(b), part_keys=held_b)
     report = _Report()
     _compare_models(pa.model, pb.model, report)
     _compare_optimizers(pa.optimizer, pb.optimizer, report)
+    _compare_rest(pa, pb, report)
     return {
         "schema": SCHEMA,
-        "a": {"path": str(a), "layout": pa.layout.value, "prefix_style": prefix_style(pa.model)},
-        "b": {"path": str(b), "layout": pb.layout.value, "prefix_style": prefix_style(pb.model)},
+        "a": _side(a, pa),
+        "b": _side(b, pb),
         "equal": not report.differences,
         "compared": {
             "model_tensors": report.tensors["model"],
             "optimizer_tensors": report.tensors["optimizer"],
             "bytes": report.bytes,
         },
+        "not_compared": report.not_compared,
         "differences": report.differences,
     }
+
+
+def _mmap(path: PathLike) -> bool:
+    return is_foreign_source(path) or file_kind(check_file(path)) is not FileKind.LEGACY
+
+
+def _where(side: Mapping[str, Any]) -> str:
+    keys = describe_keys(side.get("part_keys") or {})
+    return f"{side['layout']}, prefix {side['prefix_style']}" + (f"; {keys}" if keys else "")
 
 
 def render_verify(report: dict[str, Any], limit: int = 20) -> str:
     """The human-readable form of a :func:`verify_checkpoints` report."""
     c = report["compared"]
-    head = (
-        f"{c['model_tensors']} model and {c['optimizer_tensors']} optimizer tensors compared "
-        f"(A: {report['a']['layout']}, prefix {report['a']['prefix_style']}; "
-        f"B: {report['b']['layout']}, prefix {report['b']['prefix_style']})"
-    )
+    head = f"{c['model_tensors']} model and {c['optimizer_tensors']} optimizer tensors compared"
+    lines = []
     if report["equal"]:
-        return f"equal: {head}"
-    diffs = report["differences"]
-    lines = [f"different: {len(diffs)} difference(s); {head}"]
-    shown = preview((f"{d['part']} {d['key']}: {d['problem']}" for d in diffs), limit, sep="\n  ", quote=False)
-    lines.append(f"  {shown}" + (" (--json lists all)" if len(diffs) > limit else ""))
+        lines.append(f"equal: {head}")
+    else:
+        diffs = report["differences"]
+        lines.append(f"different: {len(diffs)} difference{'s' if len(diffs) != 1 else ''}; {head}")
+    lines.append(f"  A: {_where(report['a'])}")
+    lines.append(f"  B: {_where(report['b'])}")
+    if report.get("not_compared"):
+        lines.append(f"  not compared: {', '.join(report['not_compared'])}")
+    if not report["equal"]:
+        diffs = report["differences"]
+        shown = preview(
+            (f"{d['part']}{'' if d['key'] == '-' else ' ' + d['key']}: {d['problem']}" for d in diffs),
+            limit,
+            sep="\n  ",
+            quote=False,
+        )
+        lines.append(f"  {shown}" + (" (--json lists all)" if len(diffs) > limit else ""))
     return "\n".join(lines)
