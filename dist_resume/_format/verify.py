@@ -92,7 +92,7 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
         )
     size = p.stat().st_size
     try:
-        with zipfile.ZipFile(p) as zf, open(p, "rb") as f:
+        with zipfile.ZipFile(p) as zf, open(p, "rb", buffering=0) as f:  # unbuffered: reads only the headers
             infos = zf.infolist()
             records = [_record(f, info, size) for info in infos]
     except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
