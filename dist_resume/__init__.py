@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
 from ._checkpoint.consensus import resolve_checkpoint
-from ._checkpoint.folder import CheckpointManager, latest_checkpoint
+from ._checkpoint.folder import CheckpointManager
+from ._checkpoint.listing import latest_checkpoint
 from ._checkpoint.restore import ResumeResult, resume
 from ._checkpoint.save import save_checkpoint
 from ._core.errors import (

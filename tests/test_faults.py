@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.folder import CHECKPOINT_NAME, CheckpointManager, checkpoint_name
+from dist_resume._checkpoint.folder import CheckpointManager
+from dist_resume._checkpoint.listing import CHECKPOINT_NAME, checkpoint_name
 from dist_resume._format.atomic import TEMP_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

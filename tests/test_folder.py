@@ -13,7 +13,8 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._checkpoint.consensus import resolve_checkpoint
-from dist_resume._checkpoint.folder import CheckpointManager, checkpoint_name, latest_checkpoint
+from dist_resume._checkpoint.folder import CheckpointManager
+from dist_resume._checkpoint.listing import checkpoint_name, latest_checkpoint
 from dist_resume._format.atomic import TEMP_NAME
 from dist_resume._format.integrity import archive_digest, inspect_checkpoint
 

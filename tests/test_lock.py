@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.folder import CheckpointManager, checkpoint_name
+from dist_resume._checkpoint.folder import CheckpointManager
+from dist_resume._checkpoint.listing import checkpoint_name
 from dist_resume._checkpoint.lock import LOCK_NAME
 from dist_resume._format.convert import remove_stale_temps
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.folder import checkpoint_name
+from dist_resume._checkpoint.listing import checkpoint_name
 from dist_resume._format.atomic import TEMP_NAME
 
 

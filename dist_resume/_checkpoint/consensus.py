@@ -19,7 +19,7 @@ from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._format.integrity import CheckpointInfo, archive_digest
-from .folder import find_latest
+from .listing import find_latest
 
 __all__ = ["ViewStatus", "RankView", "resolve_checkpoint"]
 

@@ -10,94 +10,27 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import weakref
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._core.errors import CheckpointError, CheckpointWriteError, NotACheckpointError
+from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0, logger
 from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
 from .._format.atomic import TEMP_NAME
-from .._format.integrity import CheckpointInfo, inspect_checkpoint
 from .async_save import AsyncSave, save_checkpoint_async, wait_pending
+from .listing import CHECKPOINT_NAME, checkpoint_name, latest_checkpoint, numbered_checkpoints
 from .lock import FolderLock
+from .restore import ResumeResult
 from .save import save_checkpoint
+from .start import start_run
 
-if TYPE_CHECKING:
-    from .restore import ResumeResult
-
-__all__ = ["CHECKPOINT_NAME", "checkpoint_name", "CheckpointManager", "latest_checkpoint", "find_latest"]
-
-CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
-
-
-def checkpoint_name(step: int) -> str:
-    """The file name of the checkpoint of ``step`` in a checkpoint folder: ``ckpt_00000100.pt``."""
-    return f"ckpt_{step:08d}.pt"
-
-
-def _numbered(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every file named like a checkpoint, oldest first; [] for a missing folder."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        raise CheckpointError(
-            f"cannot list checkpoint folder {str(folder)!r}: {err.strerror or err}; check that it is a readable folder"
-        ) from err
-    found = [(int(m.group(1)), folder / name) for name in names if (m := CHECKPOINT_NAME.match(name))]
-    return sorted(found)
-
-
-def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
-    info = inspect_checkpoint(path, verify=verify)
-    if info.step != step:
-        raise NotACheckpointError(
-            f"{str(path)!r} is named for step {step} but its metadata says step "
-            f"{info.step}; it was renamed or copied by hand: rename it to "
-            f"{checkpoint_name(info.step or 0)!r} or remove it"
-        )
-    return info
-
-
-def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
-    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
-    skipped: list[tuple[Path, Exception]] = []
-    for step, path in reversed(_numbered(folder)):
-        try:
-            return _check(path, step, verify), skipped
-        except (CheckpointError, OSError) as err:
-            skipped.append((path, err))
-            logger.warning("skipping checkpoint %s: %s", path, err)
-    return None, skipped
-
-
-def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
-    """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
-
-    Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
-    WARNING) with the reason. ``verify=True`` checks the CRC-32 of every record (reads each
-    candidate once); ``verify=False`` checks the zip structure and metadata only. Temporary files
-    of interrupted saves never count. Under torch.distributed use :func:`resume` (or
-    :func:`resolve_checkpoint`) with the folder instead, so that every rank agrees.
-
-    Example::
-
-        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
-        >>> mgr.save(100, model=torch.nn.Linear(2, 2))
-        PosixPath('ckpts/ckpt_00000100.pt')
-        >>> dist_resume.latest_checkpoint("ckpts")
-        PosixPath('ckpts/ckpt_00000100.pt')
-    """
-    info, _ = find_latest(Path(folder), verify)
-    return None if info is None else info.path
+__all__ = ["CheckpointManager"]
 
 
 def _check_step(step: Any) -> int:
@@ -212,7 +145,7 @@ class CheckpointManager:
             >>> [p.name for p in mgr.checkpoints()]
             ['ckpt_00000010.pt', 'ckpt_00000020.pt']
         """
-        return [path for _, path in _numbered(self.folder)]
+        return [path for _, path in numbered_checkpoints(self.folder)]
 
     def resume(
         self,
@@ -265,8 +198,6 @@ class CheckpointManager:
             >>> mgr.resume(model=model, optimizer=opt).step
             5
         """
-        from .start import start_run  # start imports restore, which imports this module
-
         options = dict(resume_kwargs, scheduler=scheduler, scaler=scaler, sampler=sampler, rng=rng)
         return start_run(self.folder, model=model, optimizer=optimizer, init_from=init_from, options=options)
 
@@ -372,7 +303,7 @@ class CheckpointManager:
                     logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
 
     def _rotate(self, new: Path, step: int) -> None:
-        numbered = _numbered(self.folder)
+        numbered = numbered_checkpoints(self.folder)
         later = [path.name for s, path in numbered if s > step]
         if later:
             logger.warning(

@@ -20,7 +20,7 @@ from .._dist.broadcast import DEFAULT_BUCKET_BYTES, broadcast_loaded
 from .._format.layout import CheckpointParts
 from .._format.open import is_foreign_source, open_checkpoint, parts_from_fields, parts_to_fields
 from .consensus import resolve_checkpoint
-from .folder import latest_checkpoint
+from .listing import latest_checkpoint
 
 __all__ = ["Loaded", "Prepared", "read_file", "read_folder", "read_broadcast"]
 

@@ -20,7 +20,7 @@ from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
-from .folder import _numbered
+from .listing import numbered_checkpoints
 from .restore import ResumeResult, resume
 
 __all__ = ["FolderState", "folder_state", "start_run"]
@@ -56,7 +56,7 @@ def folder_state(folder: Path) -> FolderState:
             f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
             "saves into (to resume from a single file use dist_resume.resume(path, ...))"
         )
-    return FolderState.HOLDS_CHECKPOINTS if _numbered(folder) else FolderState.NONE_YET
+    return FolderState.HOLDS_CHECKPOINTS if numbered_checkpoints(folder) else FolderState.NONE_YET
 
 
 def _every_rank_sees(path: Path, what: str) -> None:

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .._checkpoint.folder import CHECKPOINT_NAME, CheckpointManager
+from .._checkpoint.folder import CheckpointManager
+from .._checkpoint.listing import CHECKPOINT_NAME
 from .._checkpoint.lock import LOCK_NAME
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .._core.types import PathLike

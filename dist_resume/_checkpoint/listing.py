@@ -1,0 +1,87 @@
+"""What a checkpoint folder holds: ``ckpt_<step>.pt`` names, and the newest checkpoint that is complete and intact.
+
+A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
+name appears only through :func:`~dist_resume._format.atomic.atomic_write`'s rename (after the data is
+fsynced), and the file must pass :func:`~dist_resume._format.integrity.inspect_checkpoint` (zip
+structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
+Readers need no lock (see :mod:`~dist_resume._checkpoint.lock` for the writer's).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Final
+
+from .._core.errors import CheckpointError, NotACheckpointError
+from .._core.log import logger
+from .._core.types import PathLike
+from .._format.integrity import CheckpointInfo, inspect_checkpoint
+
+__all__ = ["CHECKPOINT_NAME", "checkpoint_name", "numbered_checkpoints", "find_latest", "latest_checkpoint"]
+
+CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step`` in a checkpoint folder: ``ckpt_00000100.pt``."""
+    return f"ckpt_{step:08d}.pt"
+
+
+def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every file named like a checkpoint, oldest first; [] for a missing folder."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot list checkpoint folder {str(folder)!r}: {err.strerror or err}; check that it is a readable folder"
+        ) from err
+    found = [(int(m.group(1)), folder / name) for name in names if (m := CHECKPOINT_NAME.match(name))]
+    return sorted(found)
+
+
+def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
+    info = inspect_checkpoint(path, verify=verify)
+    if info.step != step:
+        raise NotACheckpointError(
+            f"{str(path)!r} is named for step {step} but its metadata says step "
+            f"{info.step}; it was renamed or copied by hand: rename it to "
+            f"{checkpoint_name(info.step or 0)!r} or remove it"
+        )
+    return info
+
+
+def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
+    skipped: list[tuple[Path, Exception]] = []
+    for step, path in reversed(numbered_checkpoints(folder)):
+        try:
+            return _check(path, step, verify), skipped
+        except (CheckpointError, OSError) as err:
+            skipped.append((path, err))
+            logger.warning("skipping checkpoint %s: %s", path, err)
+    return None, skipped
+
+
+def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
+
+    Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
+    WARNING) with the reason. ``verify=True`` checks the CRC-32 of every record (reads each
+    candidate once); ``verify=False`` checks the zip structure and metadata only. Temporary files
+    of interrupted saves never count. Under torch.distributed use :func:`resume` (or
+    :func:`resolve_checkpoint`) with the folder instead, so that every rank agrees.
+
+    Example::
+
+        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> mgr.save(100, model=torch.nn.Linear(2, 2))
+        PosixPath('ckpts/ckpt_00000100.pt')
+        >>> dist_resume.latest_checkpoint("ckpts")
+        PosixPath('ckpts/ckpt_00000100.pt')
+    """
+    info, _ = find_latest(Path(folder), verify)
+    return None if info is None else info.path
