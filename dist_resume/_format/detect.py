@@ -19,13 +19,24 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any
 
 import torch
 
 from .._core.errors import NotACheckpointError, UsageError
 from .._core.text import preview
 from .._state.prefix import canonical_key, match_keys
+from .kinds import (
+    CONVENTIONAL,
+    EPOCH_NAMES,
+    PART_NAMES,
+    STEP_NAMES,
+    Entry,
+    as_int,
+    entries,
+    is_state_dict,
+    one_entry,
+)
 
 __all__ = [
     "PART_NAMES",
@@ -37,98 +48,6 @@ __all__ = [
     "is_state_dict",
     "as_int",
 ]
-
-PART_NAMES: Final = ("model", "optimizer", "scheduler", "scaler", "ema", "epoch", "step")
-EPOCH_NAMES: Final = ("epoch", "epochs_run", "finished_epoch", "current_epoch")
-STEP_NAMES: Final = ("step", "global_step", "iteration", "iter", "iter_num", "num_steps")
-_CONVENTIONAL: Final[dict[str, tuple[str, ...]]] = {
-    "ema": ("model_ema", "state_dict_ema", "ema", "ema_state_dict"),
-    "model": ("model_state_dict", "model", "state_dict"),
-    "optimizer": ("optimizer_state_dict", "optimizer", "optim", "optimizer_states"),
-    "scheduler": ("scheduler_state_dict", "lr_scheduler_state_dict", "scheduler", "lr_scheduler", "lr_schedulers"),
-    "scaler": ("scaler_state_dict", "scaler", "grad_scaler"),
-}
-_SCALER_SETTINGS: Final = ("growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_SAMPLER_KEYS: Final = frozenset({"epoch", "consumed", "num_samples"})
-
-
-def is_state_dict(obj: Any) -> bool:
-    """True for a mapping of string keys to tensors (``_extra_state`` entries may hold anything)."""
-    if not isinstance(obj, Mapping) or not obj:
-        return False
-    has_tensor = False
-    for key, value in obj.items():
-        if not isinstance(key, str):
-            return False
-        if isinstance(value, torch.Tensor):
-            has_tensor = True
-        elif not key.endswith("_extra_state"):
-            return False
-    return has_tensor
-
-
-def as_int(value: Any) -> int | None:
-    """``value`` as an int when it is a whole number (or a one-element tensor holding one), else None."""
-    if isinstance(value, torch.Tensor) and value.is_meta:  # read without data (dist-resume inspect)
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)) and float(value).is_integer():
-        return int(value)
-    return None
-
-
-def _one(value: Any) -> Any:
-    """Lightning keeps one entry per optimizer / scheduler in a list: a list of one is that entry."""
-    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
-
-
-def _is_rng(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.dtype == torch.uint8 and value.dim() == 1
-    if isinstance(value, Mapping):
-        return {"python", "torch"} <= set(value) or (bool(value) and all(map(_is_rng, value.values())))
-    return isinstance(value, (list, tuple)) and bool(value) and all(map(_is_rng, value))
-
-
-def _kind(value: Any) -> str | None:
-    """What an entry holds: model, ema, optimizer, scheduler, scaler, sampler, rng, or None."""
-    if _is_rng(value):
-        return "rng"
-    if is_state_dict(value):
-        return "ema" if "n_averaged" in value else "model"
-    one = _one(value)
-    if not isinstance(one, Mapping):
-        return None
-    keys = set(one)
-    if {"state", "param_groups"} <= keys:
-        return "optimizer"
-    if "last_epoch" in keys and ("base_lrs" in keys or "_last_lr" in keys):
-        return "scheduler"
-    if "scale" in keys and any(k in keys for k in _SCALER_SETTINGS):
-        return "scaler"
-    if _SAMPLER_KEYS <= keys and one is value:
-        return "sampler"
-    return None
-
-
-class _Entry(NamedTuple):
-    path: str  # "key", or "outer.inner" one level down
-    container: str | None  # "outer" one level down
-    name: str  # the key itself
-    value: Any
-    kind: str | None
-
-
-def _entries(obj: Mapping[str, Any]) -> list[_Entry]:
-    """Every top-level entry, then every entry of a plain dict one level down (not of a part)."""
-    out = [_Entry(str(k), None, str(k), v, _kind(v)) for k, v in obj.items()]
-    for top in list(out):
-        if isinstance(top.value, Mapping) and top.kind is None:
-            out += [_Entry(f"{top.path}.{k}", top.path, str(k), v, _kind(v)) for k, v in top.value.items()]
-    return out
 
 
 @dataclass(frozen=True)
@@ -149,7 +68,7 @@ def resolve_key(obj: Mapping[str, Any], path: str, part: str, source: str) -> An
         return obj[outer][inner]
     raise NotACheckpointError(
         f"part_keys names {path!r} for the {part}, but {source} has no such key; its keys are "
-        f"{preview((e.path for e in _entries(obj)), 12)} (use 'outer.inner' for a key one level down)"
+        f"{preview((e.path for e in entries(obj)), 12)} (use 'outer.inner' for a key one level down)"
     )
 
 
@@ -181,7 +100,7 @@ def _overridden(obj: Mapping[str, Any], part: str, path: str, source: str) -> An
         if number is None and not (isinstance(value, torch.Tensor) and value.is_meta):
             raise NotACheckpointError(f"part_keys names {path!r} for the {part}, but it holds {value!r}, not a number")
         return number
-    return _one(value)
+    return one_entry(value)
 
 
 def overrides(obj: Mapping[str, Any], part_keys: Mapping[str, str] | None, source: str) -> dict[str, Any]:
@@ -254,12 +173,12 @@ def detect_parts(
     """
     chosen = check_part_keys(part_keys)
     values = overrides(obj, chosen, source)
-    entries = _entries(obj)
+    every = entries(obj)
     taken = set(chosen.values())
     for part in ("ema", "model", "optimizer", "scheduler", "scaler", "sampler", "rng"):
         if part in chosen:
             continue
-        free = [e for e in entries if e.path not in taken]
+        free = [e for e in every if e.path not in taken]
         cands = {e.path: e.value for e in free if _candidate(part, e)}
         conv = _conventional(part, free)
         if part == "model":
@@ -272,16 +191,16 @@ def detect_parts(
             path = next(iter(cands)) if len(cands) == 1 else None
         if path is not None:
             value = next(e.value for e in free if e.path == path)
-            values[part] = [value] if part == "rng" and isinstance(value, Mapping) else _one(value)
+            values[part] = [value] if part == "rng" and isinstance(value, Mapping) else one_entry(value)
             chosen[part] = path
             taken.add(path)
-    model = next((e for e in entries if e.path == chosen.get("model")), None)
+    model = next((e for e in every if e.path == chosen.get("model")), None)
     homes = (None, model.container) if model is not None and model.container else (None,)
     for part, names in (("epoch", EPOCH_NAMES), ("step", STEP_NAMES)):
         for home in homes:
             found = [
                 (names.index(e.name.lower()), e.path, number)
-                for e in entries
+                for e in every
                 if e.container == home and e.name.lower() in names and (number := as_int(e.value)) is not None
             ]
             if found and part not in chosen:
@@ -289,33 +208,33 @@ def detect_parts(
     return Detected(values, chosen, _rest(obj, taken))
 
 
-def _candidate(part: str, entry: _Entry) -> bool:
+def _candidate(part: str, entry: Entry) -> bool:
     """Whether an entry's content makes it a candidate for ``part``."""
     if part == "model":  # EMA names are never the model; an AveragedModel's state is, under a model name
-        if not is_state_dict(entry.value) or entry.kind == "rng" or entry.name in _CONVENTIONAL["ema"]:
+        if not is_state_dict(entry.value) or entry.kind == "rng" or entry.name in CONVENTIONAL["ema"]:
             return False
-        return entry.kind == "model" or entry.name in _CONVENTIONAL["model"]
+        return entry.kind == "model" or entry.name in CONVENTIONAL["model"]
     if part == "ema":
-        return entry.kind == "ema" and entry.name not in _CONVENTIONAL["model"]
+        return entry.kind == "ema" and entry.name not in CONVENTIONAL["model"]
     if part == "rng":  # only the per-rank form this toolkit restores (one rng_state_dict() or a list of them)
         states = entry.value if isinstance(entry.value, (list, tuple)) else [entry.value]
         return entry.kind == "rng" and all(isinstance(v, Mapping) and {"python", "torch"} <= set(v) for v in states)
     return entry.kind == part
 
 
-def _conventional(part: str, free: list[_Entry]) -> str | None:
+def _conventional(part: str, free: list[Entry]) -> str | None:
     """The entry under a conventional name for ``part`` holding the right kind of value (shallowest, by priority).
 
     The same name in two containers is no convention: content decides (and finds them ambiguous).
     """
-    names = _CONVENTIONAL.get(part, ())
+    names = CONVENTIONAL.get(part, ())
     holders = {e.container for e in free if e.kind == part}  # "optimizer": {"g": ..., "d": ...} holds two
     kinds = {part, None, "model"} if part == "ema" else {part, None}
     found = []
     for e in free:
         if e.name not in names or e.path in holders:
             continue
-        if _candidate(part, e) if part == "model" else isinstance(_one(e.value), Mapping) and e.kind in kinds:
+        if _candidate(part, e) if part == "model" else isinstance(one_entry(e.value), Mapping) and e.kind in kinds:
             found.append(((e.container is not None, names.index(e.name)), e.path))
     found.sort()
     if not found or (len(found) > 1 and found[0][0] == found[1][0]):

@@ -9,7 +9,8 @@ from typing import Any, Final
 
 from .._core.errors import NotACheckpointError
 from .._core.text import article, preview
-from .detect import as_int, detect_parts, is_state_dict, overrides
+from .detect import detect_parts, overrides
+from .kinds import as_int, is_state_dict
 
 __all__ = [
     "FORMAT_NAME",

@@ -57,7 +57,8 @@ def _part_keys(items: Sequence[str] | None) -> dict[str, str] | None:
     """``--part model=MODEL_STATE`` (repeatable) as ``part_keys``; a malformed item is a usage error."""
     if not items:
         return None
-    from .._format.detect import PART_NAMES, check_part_keys
+    from .._format.detect import check_part_keys
+    from .._format.kinds import PART_NAMES
 
     out: dict[str, str] = {}
     for item in items:
