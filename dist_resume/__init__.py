@@ -38,7 +38,8 @@ from ._format.archive import ArchiveFinding, verify_archive
 from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
 from ._format.integrity import CheckpointInfo, inspect_checkpoint
 from ._format.layout import Layout
-from ._format.load import load_checkpoint, rank_map_location
+from ._format.load import rank_map_location
+from ._format.open import load_checkpoint
 from ._state.adapt import adapt_state_dict
 from ._state.devices import check_devices, device_report
 from ._state.optim import optimizer_to

@@ -25,7 +25,7 @@ from .archive import read_archive
 from .archive_build import read_safetensors_meta, write_archive
 from .convert_output import replace_folder, write_locked
 from .layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
-from .load import load_checkpoint
+from .open import load_checkpoint
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict
 from .safetensors_io import read_safetensors_header
 from .safetensors_write import write_safetensors_from_archive

@@ -28,7 +28,7 @@ from .._dist.env import rank_device
 from .archive import read_records, verify_archive
 from .sniff import FileKind, check_file, file_kind, unsafe_error
 
-__all__ = ["rank_map_location", "load_checkpoint", "load_torch_file"]
+__all__ = ["rank_map_location", "load_torch_file"]
 
 
 def rank_map_location(device: torch.device | str | int | None = None) -> torch.device:
@@ -57,34 +57,6 @@ def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
         f"checkpoint {str(path)!r} is damaged or truncated ({error_summary(err)}); "
         "most likely a save that was interrupted: resume from an earlier checkpoint"
     )
-
-
-def load_checkpoint(
-    path: PathLike,
-    *,
-    map_location: MapLocation = None,
-    mmap: bool = True,
-    weights_only: bool = True,
-    verify: bool = False,
-) -> Any:
-    """``torch.load`` with rank-aware placement and errors that name the file and the fix.
-
-    Local. A torch file is read by :func:`load_torch_file` (below). A foreign source (an HF Trainer
-    ``checkpoint-N/`` or Accelerate ``save_state`` folder, a DCP folder, a ``.safetensors`` file)
-    comes back as one dict, ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch",
-    "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
-    ``split_checkpoint`` reads and ``torch.save`` writes as it is. See docs/sources.md.
-
-    Example::
-
-        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
-        tensor([1., 1.])
-    """
-    from .open import open_checkpoint, parts_as_dict  # open reads torch files through this module
-
-    opened = open_checkpoint(path, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
-    return opened.obj if opened.parts is None else parts_as_dict(opened.parts)
 
 
 def load_torch_file(

@@ -26,6 +26,7 @@ from .safetensors_io import read_safetensors
 
 __all__ = [
     "Opened",
+    "load_checkpoint",
     "open_checkpoint",
     "foreign_kind",
     "is_foreign_source",
@@ -136,3 +137,29 @@ def parts_to_fields(parts: CheckpointParts) -> dict[str, Any]:
 def parts_from_fields(fields: dict[str, Any]) -> CheckpointParts:
     """The :class:`CheckpointParts` :func:`parts_to_fields` sent; its tensors are the very objects in ``fields``."""
     return CheckpointParts(**{**fields, "layout": Layout(fields["layout"])})
+
+
+def load_checkpoint(
+    path: PathLike,
+    *,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
+    verify: bool = False,
+) -> Any:
+    """``torch.load`` with rank-aware placement and errors that name the file and the fix.
+
+    Local. A torch file is read by :func:`load_torch_file` (below). A foreign source (an HF Trainer
+    ``checkpoint-N/`` or Accelerate ``save_state`` folder, a DCP folder, a ``.safetensors`` file)
+    comes back as one dict, ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch",
+    "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
+    ``split_checkpoint`` reads and ``torch.save`` writes as it is. See docs/sources.md.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
+        tensor([1., 1.])
+    """
+    opened = open_checkpoint(path, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
+    return opened.obj if opened.parts is None else parts_as_dict(opened.parts)

@@ -10,7 +10,7 @@ import torch
 
 from dist_resume._core.errors import CheckpointCorruptError
 from dist_resume._format.layout import split_checkpoint
-from dist_resume._format.load import load_checkpoint
+from dist_resume._format.open import load_checkpoint
 from dist_resume._format.safetensors_io import is_safetensors, read_safetensors
 from tests.interop._compare import assert_same
 from tests.interop.conftest import Saved
