@@ -1,0 +1,97 @@
+"""How ``dist-resume inspect`` reads a foreign source: its files, its parts, and what it leaves unread.
+
+A ``.safetensors`` file is read from its header alone (meta tensors, no tensor byte). A folder (HF
+Trainer, Accelerate, DCP) is read by the library's own reader, :func:`open_checkpoint`, on the CPU:
+torch files and safetensors memory-mapped (pages untouched, so no tensor data is read), a DCP folder
+through torch's DCP reader (which does read its tensors). The torch files of an HF Trainer or
+Accelerate folder are also read as meta-tensor archives, for their device tags and for the
+optimizer (the GPU ``step`` warning needs the saved tags); a DCP folder has no device tags. Files only an unsafe unpickler reads are never opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from .._core.errors import DistResumeError
+from .._format.archive import ArchiveContents, read_archive
+from .._format.integrity import source_files
+from .._format.layout import CheckpointParts, Layout
+from .._format.open import open_checkpoint
+from .._format.safetensors_io import DTYPES, read_safetensors_header
+from .._format.sniff import FileKind, file_kind
+from ._inspect_tensors import StorageOf, chain_storage_of, device_tags, loaded_storage_of
+
+__all__ = ["ForeignSource", "read_foreign_source", "SOURCE_META_KEYS"]
+
+_OPTIMIZER_FILES: Final = ("optimizer.pt", "optimizer.bin")
+_WHY: Final = {
+    "skipped_files": "never unpickled: only an unsafe unpickler reads it, and resume does not need it",
+    "not_read": "not read: resume does not restore it",
+    "more_models": "not read: resume restores the first model only",
+    "more_optimizers": "not read: resume restores the first optimizer only",
+    "more_schedulers": "not read: resume restores the first scheduler only",
+}
+SOURCE_META_KEYS: Final = frozenset({*_WHY, "files", "source_layout"})  # shown as files / not read, not as meta
+
+TENSOR_DATA_HEADER: Final = "not read (safetensors header only)"
+TENSOR_DATA_MMAP: Final = "not read (memory-mapped on the CPU; torch files' structure from their pickles)"
+TENSOR_DATA_DCP: Final = "read on the CPU (torch's DCP reader)"
+
+
+@dataclass(frozen=True)
+class ForeignSource:
+    """A foreign source as inspect sees it: its parts, files, unread files and where its tensors' bytes are."""
+
+    parts: CheckpointParts
+    files: list[dict[str, Any]]
+    not_read: list[dict[str, str]]
+    tensor_data: str
+    storage_of: StorageOf
+    device_tags: dict[str, dict[str, int]]
+
+
+def read_foreign_source(path: Path, layout: Layout) -> ForeignSource:
+    """Read ``path`` (a foreign ``layout``) for ``inspect``. Local; see the module docstring for what is read."""
+    files: list[dict[str, Any]] = [{"name": f.name, "size": f.stat().st_size} for f in source_files(path)]
+    if layout is Layout.SAFETENSORS:
+        return ForeignSource(_safetensors_parts(path), files, [], TENSOR_DATA_HEADER, loaded_storage_of, {})
+    parts = open_checkpoint(path, map_location="cpu", mmap=True).parts
+    if parts is None:  # open_checkpoint yields parts for every foreign source
+        raise DistResumeError(f"{str(path)!r} was not read as a {layout.value!r} source")
+    not_read = [{"name": name, "why": why} for key, why in _WHY.items() for name in parts.meta.get(key) or ()]
+    unread = {entry["name"] for entry in not_read}
+    archives: dict[str, ArchiveContents] = {}
+    for f in files if layout is not Layout.DCP else ():  # a .distcp file may start like a zip: it is not one
+        if f["name"] not in unread and (contents := _archive(path / f["name"])) is not None:
+            archives[f["name"]] = contents
+    storage_of: StorageOf = loaded_storage_of
+    optimizer_file = next((n for n in _OPTIMIZER_FILES if n in archives), None)
+    if optimizer_file is not None and parts.optimizer is not None:
+        parts = dataclasses.replace(parts, optimizer=archives[optimizer_file].obj)
+        storage_of = chain_storage_of(archives[optimizer_file].storage_of, loaded_storage_of)
+    tensor_data = TENSOR_DATA_DCP if layout is Layout.DCP else TENSOR_DATA_MMAP
+    return ForeignSource(parts, files, not_read, tensor_data, storage_of, device_tags(*archives.values()))
+
+
+def _archive(path: Path) -> ArchiveContents | None:
+    """A torch zip file of the folder read as meta tensors, or None (not a torch file, or not readable so)."""
+    if file_kind(path) is not FileKind.ZIP:
+        return None
+    try:
+        return read_archive(path)
+    except DistResumeError:  # open_checkpoint read the files resume needs; this one is described by name only
+        return None
+
+
+def _safetensors_parts(path: Path) -> CheckpointParts:
+    """A ``.safetensors`` file's weights as meta tensors, from its header alone."""
+    _, entries, metadata = read_safetensors_header(path)
+    ordered = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    model = {k: torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device="meta") for k, e in ordered}
+    meta = {"safetensors_metadata": metadata} if metadata else {}
+    return CheckpointParts(Layout.SAFETENSORS, model, meta=meta, keys={"model": path.name})
