@@ -10,9 +10,20 @@ from typing import Any, Final, TextIO
 
 import torch
 
-from .._core.errors import UsageError
+from .._core.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DistResumeError,
+    EnvironmentMismatchError,
+    KeyMismatchError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 
 __all__ = [
+    "report_error",
     "ExitCode",
     "UsageError",
     "SCHEMA_PREFIX",
@@ -109,3 +120,26 @@ class ProgressBar:
             self._stream.write("\n")
             self._stream.flush()
             self._shown = False
+
+
+_HINTS: tuple[tuple[type[BaseException], str], ...] = (
+    (CheckpointNotFoundError, "check the path"),
+    (CheckpointCorruptError, "the file is incomplete or damaged: use an earlier checkpoint"),
+    (UnsafeCheckpointError, "dist-resume only reads what torch.load(weights_only=True) accepts"),
+    (NotACheckpointError, "dist-resume reads checkpoints written by torch.save (zip format, torch >= 1.6)"),
+    (CheckpointWriteError, "check free space and permissions in the destination folder"),
+    (KeyMismatchError, "inspect the file with `dist-resume inspect` to see its keys"),
+    (EnvironmentMismatchError, "these variables are set by torchrun: unset them, or launch with torchrun"),
+    (DistResumeError, "run `dist-resume inspect` on the file for details"),
+)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def report_error(command: str, err: BaseException) -> None:
+    """One line on stderr: what failed, then a hint (a UsageError's own, else the one for its class)."""
+    hint = err.hint if isinstance(err, UsageError) else next(h for cls, h in _HINTS if isinstance(err, cls))
+    sys.stderr.write(f"dist-resume {command}: error: {_one_line(str(err))}\nhint: {hint}\n")
+    sys.stderr.flush()

@@ -1,0 +1,127 @@
+"""What each ``dist-resume`` subcommand does with its parsed arguments: one thin handler per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from .._core.errors import EnvironmentMismatchError
+from .._format.detect import check_part_keys
+from .._format.kinds import PART_NAMES
+from ._common import ExitCode, ProgressBar, UsageError, human_bytes, print_json, report_error
+
+__all__ = ["cmd_inspect", "cmd_convert", "cmd_verify", "cmd_list", "cmd_env", "part_keys_arg"]
+
+
+def part_keys_arg(items: Sequence[str] | None) -> dict[str, str] | None:
+    """``--part model=MODEL_STATE`` (repeatable) as ``part_keys``; a malformed item is a usage error."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        part, eq, key = item.partition("=")
+        if not eq or not part.strip() or not key.strip():
+            raise UsageError(
+                f"--part {item!r} is not PART=KEY",
+                hint=f"e.g. --part model=MODEL_STATE; the parts are {', '.join(PART_NAMES)}",
+            )
+        out[part.strip()] = key.strip()
+    return check_part_keys(out)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ._inspect import describe_checkpoint, render_inspect
+
+    report = describe_checkpoint(args.checkpoint, part_keys=part_keys_arg(args.part))
+    if args.json:
+        print_json(report)
+    elif not args.quiet:
+        print(render_inspect(report))
+    return ExitCode.OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .._format.convert import convert_checkpoint
+
+    if args.to is None and args.format is None:
+        raise UsageError(
+            "convert needs --to, --format or both",
+            "--to ddp|single re-keys the model; --format pt|safetensors|dcp picks the output format",
+        )
+    bar = ProgressBar.for_stderr("converting", quiet=args.quiet or args.json)
+    try:
+        result = convert_checkpoint(
+            args.src,
+            args.dst,
+            args.to,
+            format=args.format or "pt",
+            part_keys=part_keys_arg(args.part) or None,
+            force=args.force,
+            check_crc=args.check_crc,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    summary = {
+        "schema": "dist-resume/convert/1",
+        "src": str(result.src),
+        "dst": str(result.dst),
+        "to": result.to.value if result.to is not None else None,
+        "format": result.format.value,
+        "layout": result.layout.value,
+        "prefix_before": result.prefix_before,
+        "prefix_after": result.prefix_after,
+        "model_keys": result.model_keys,
+        "renamed_keys": result.renamed_keys,
+        "param_names": result.param_names,
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+    }
+    if args.json:
+        print_json(summary)
+    elif not args.quiet:
+        print(
+            f"wrote {result.dst} ({result.format.value}, {human_bytes(result.bytes_written)}, "
+            f"{result.seconds:.2f}s): {result.layout.value}, "
+            f"model keys {result.prefix_before} -> {result.prefix_after} ({result.renamed_keys} of "
+            f"{result.model_keys} renamed)"
+            + (f", optimizer param_names re-keyed ({result.param_names})" if result.param_names else "")
+        )
+    return ExitCode.OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ._verify import render_verify, verify_checkpoints
+
+    report = verify_checkpoints(args.a, args.b, part_keys=part_keys_arg(args.part))
+    if args.json:
+        print_json(report)
+    elif not args.quiet:
+        print(render_verify(report))
+    return ExitCode.OK if report["equal"] else ExitCode.DIFFERENT
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from ._list import list_folder, render_list
+
+    report = list_folder(args.folder, verify=args.verify)
+    if args.json:
+        print_json(report)
+    elif not args.quiet:
+        print(render_list(report))
+    return ExitCode.OK
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from ._env import environment_report, render_env
+
+    report = environment_report()
+    distributed = bool(report["rank_info"] and report["rank_info"]["is_distributed"])
+    if args.json:
+        print_json(report, compact=distributed)  # one line per rank: ranks' outputs do not interleave
+    elif not args.quiet:
+        print(render_env(report), flush=True)
+    if report["problems"]:
+        report_error("env", EnvironmentMismatchError(report["problems"][0]))
+        return ExitCode.INPUT
+    return ExitCode.OK

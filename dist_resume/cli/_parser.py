@@ -1,0 +1,143 @@
+"""The ``dist-resume`` argument parser: subcommands, their options, and the exit statuses they document."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from ._commands import cmd_convert, cmd_env, cmd_inspect, cmd_list, cmd_verify
+
+__all__ = ["PROG", "EPILOG", "build_parser"]
+
+PROG = "dist-resume"
+EPILOG = """\
+exit status:
+  0  success (verify: the checkpoints are equal)
+  1  verify: the checkpoints differ (the differences are listed)
+  2  usage or input error: bad arguments; a missing, empty, truncated, damaged, unsafe or
+     unrecognised checkpoint; SRC == DST; DST exists without --force; inconsistent torchrun variables
+  3  the output could not be written (permissions, disk full, missing folder); DST is untouched
+  4  internal error (a bug: please report it with the traceback)
+  130 interrupted
+
+dist-resume reads only what torch.load(weights_only=True) accepts and never runs code from a file.
+--json output carries a "schema" field ("dist-resume/<command>/1") that changes only with the format.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``dist-resume``."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, convert and compare PyTorch checkpoints; show what torchrun set.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from .._core.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_: str, json_help: str | None
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            parents=[common],
+            help=help_,
+            description=help_,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if json_help:
+            p.add_argument("--json", action="store_true", help=json_help)
+        p.set_defaults(func=func)
+        return p
+
+    p = add(
+        "inspect",
+        cmd_inspect,
+        "what a checkpoint holds: layout, which key each part came from, prefixes, tensors per dtype, "
+        "device tags, optimizer and its hyper-parameters, metadata, warnings (reads no tensor data)",
+        "print the report as JSON (schema dist-resume/inspect/1)",
+    )
+    p.add_argument("checkpoint", type=Path, metavar="CKPT")
+    p.add_argument(
+        "--part",
+        action="append",
+        metavar="PART=KEY",
+        help="take PART (model, optimizer, scheduler, scaler, ema, epoch, step) from KEY ('outer.inner' one "
+        "level down) instead of detecting it; repeatable",
+    )
+    p = add(
+        "convert",
+        cmd_convert,
+        "re-key model keys and optimizer param_names for a single-process or a DDP model, and/or write "
+        "another format (.pt, .safetensors, DCP folder); .pt <-> .safetensors copies tensor bytes as they are",
+        "print a JSON summary (schema dist-resume/convert/1)",
+    )
+    p.add_argument("src", type=Path, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
+    p.add_argument("dst", type=Path, metavar="DST")
+    p.add_argument(
+        "--to",
+        choices=["ddp", "single"],
+        help="ddp: keys as DistributedDataParallel/DataParallel expect ('module.' added); "
+        "single: keys of the plain model ('module.'/'_orig_mod.' removed in every nesting)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["pt", "safetensors", "dcp"],
+        help="pt (default): a torch zip file (a .pt source keeps its layout; others become dist_resume files); "
+        "safetensors: model weights only, plain keys unless --to ddp; dcp: a torch.distributed.checkpoint "
+        "folder {'model', 'optim'} keyed by FQN, for dcp.load/set_state_dict",
+    )
+    p.add_argument(
+        "--part",
+        action="append",
+        default=[],
+        metavar="PART=KEY",
+        help="which entry holds a part, where detection should not decide (e.g. model=MODEL_STATE, "
+        "optimizer=state.opt); repeatable",
+    )
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--check-crc",
+        action="store_true",
+        help="check the CRC32 of every record of SRC first (reads the whole file once more)",
+    )
+    p = add(
+        "verify",
+        cmd_verify,
+        "compare the parts detected in two checkpoints (model weights under canonical keys; optimizer, "
+        "epoch, step, scheduler, GradScaler where both have them): keys, shapes, dtypes, bitwise values; "
+        "exit 0 equal, 1 different",
+        "print the report as JSON (schema dist-resume/verify/1)",
+    )
+    p.add_argument("a", type=Path, metavar="A")
+    p.add_argument("b", type=Path, metavar="B")
+    p.add_argument(
+        "--part",
+        action="append",
+        metavar="PART=KEY",
+        help="take PART from KEY in whichever file holds KEY, instead of detecting it; repeatable",
+    )
+    p = add(
+        "list",
+        cmd_list,
+        "a checkpoint folder's checkpoints (step, epoch, size, age, world size, valid or damaged and why), "
+        "temporary files left by killed saves, and the one resume would pick; also an HF Trainer output folder",
+        "print the report as JSON (schema dist-resume/list/1)",
+    )
+    p.add_argument("folder", type=Path, metavar="DIR")
+    p.add_argument("--verify", action="store_true", help="check the CRC32 of every record (reads every file once)")
+    add(
+        "env",
+        cmd_env,
+        "what torchrun set, this process's RankInfo, device and default backend "
+        "(e.g. `torchrun ... -m dist_resume env`)",
+        "print the report as JSON (schema dist-resume/env/1)",
+    )
+    return parser
