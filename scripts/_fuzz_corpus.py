@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,26 +38,43 @@ def trained() -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRSc
 
 
 def build_corpus(folder: Path) -> dict[str, Path]:
-    """Write the seed files; return name -> path (a folder for ``manager``)."""
+    """Write the seed files; return name -> path (a folder for ``manager`` and the foreign folders)."""
     import dist_resume as dr
 
     folder.mkdir(parents=True, exist_ok=True)
     model, opt, sched, scaler = trained()
+    sd, osd = model.state_dict(), opt.state_dict()
     out: dict[str, Path] = {}
     out["own"] = dr.save_checkpoint(
         folder / "own.pt", model=model, optimizer=opt, scheduler=sched, scaler=scaler, step=7, epoch=1, rng=True
     )
-    for name, obj in (
-        ("bare", model.state_dict()),
-        ("model_optimizer", {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}),
-        ("state_dict", {"state_dict": model.state_dict()}),
-        (
-            "model_state_dict",
-            {"model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "epoch": 1},
-        ),
+    lightning = {  # the keys a Lightning Trainer writes (a LightningModule whose layers are fc1 and fc2)
+        "epoch": 1,
+        "global_step": 3,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": sd,
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"current": {"completed": 1}}}},
+        "callbacks": {},
+        "optimizer_states": [osd],
+        "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {"lr": 0.1},
+    }
+    for name, obj, suffix in (
+        ("bare", sd, ".pt"),
+        ("model_optimizer", {"model": sd, "optimizer": osd, "epoch": 1}, ".pt"),
+        ("state_dict", {"state_dict": sd}, ".pt"),
+        ("model_state_dict", {"model_state_dict": sd, "optimizer_state_dict": osd, "epoch": 1}, ".pt"),
+        ("lightning", lightning, ".ckpt"),
+        ("snapshot", {"MODEL_STATE": sd, "EPOCHS_RUN": 3}, ".pt"),  # the PyTorch DDP tutorial's snapshot
     ):
-        torch.save(obj, folder / f"{name}.pt")
-        out[name] = folder / f"{name}.pt"
+        torch.save(obj, folder / f"{name}{suffix}")
+        out[name] = folder / f"{name}{suffix}"
+    out["safetensors"] = _safetensors(folder / "bare.pt", folder / "model.safetensors")
+    out["hf"] = _hf_trainer(folder / "checkpoint-3", sd, osd, sched.state_dict())
+    out["hf_sharded"] = _hf_sharded(folder / "sharded" / "checkpoint-3", sd)
+    out["accelerate"] = _accelerate(folder / "accelerate", sd, osd, sched.state_dict())
+    out["dcp"] = _dcp(folder / "dcp", sd, osd)
     manager = folder / "manager"
     if manager.exists():
         shutil.rmtree(manager)
@@ -65,6 +85,79 @@ def build_corpus(folder: Path) -> dict[str, Path]:
     return out
 
 
+def _safetensors(src: Path, dst: Path) -> Path:
+    """A ``.safetensors`` file written by dist_resume's own writer (the safetensors package is not needed)."""
+    import dist_resume as dr
+
+    dr.convert_checkpoint(src, dst, format="safetensors", force=True)
+    return dst
+
+
+def _fresh(folder: Path) -> Path:
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _trainer_state(folder: Path) -> None:
+    state = {"global_step": 3, "epoch": 1.0, "max_steps": 10, "log_history": [{"loss": 0.5, "step": 3}]}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def _hf_trainer(folder: Path, sd: dict[str, Any], osd: dict[str, Any], ssd: dict[str, Any]) -> Path:
+    """The files of an HF Trainer ``checkpoint-N/``, written here: running the real transformers Trainer
+    would take seconds per corpus build and pull a large dependency into the fuzz run."""
+    _fresh(folder)
+    torch.save(sd, folder / "weights.pt")
+    _safetensors(folder / "weights.pt", folder / "model.safetensors")
+    (folder / "weights.pt").unlink()
+    torch.save(osd, folder / "optimizer.pt")
+    torch.save(ssd, folder / "scheduler.pt")
+    _trainer_state(folder)
+    return folder
+
+
+def _hf_sharded(folder: Path, sd: dict[str, Any]) -> Path:
+    """An HF Trainer checkpoint whose weights are two safetensors shards and their index."""
+    _fresh(folder)
+    keys = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
+    weight_map: dict[str, str] = {}
+    for shard, names in shards.items():
+        torch.save({k: sd[k] for k in names}, folder / "part.pt")
+        _safetensors(folder / "part.pt", folder / shard)
+        weight_map.update(dict.fromkeys(names, shard))
+    (folder / "part.pt").unlink()
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    _trainer_state(folder)
+    return folder
+
+
+def _accelerate(folder: Path, sd: dict[str, Any], osd: dict[str, Any], ssd: dict[str, Any]) -> Path:
+    """The files of an Accelerate ``save_state`` folder (one model, one optimizer, one scheduler)."""
+    _fresh(folder)
+    torch.save(sd, folder / "weights.pt")
+    _safetensors(folder / "weights.pt", folder / "model.safetensors")
+    (folder / "weights.pt").unlink()
+    torch.save(osd, folder / "optimizer.bin")
+    torch.save(ssd, folder / "scheduler.bin")
+    return folder
+
+
+def _dcp(folder: Path, sd: dict[str, Any], osd: dict[str, Any]) -> Path:
+    """A torch.distributed.checkpoint folder of ``{"model", "optim"}``, saved without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    _fresh(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd, "optim": osd}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
 RESTORES = {
     "own": ("model", "optimizer", "scheduler", "scaler"),
     "manager": ("model", "optimizer", "scheduler", "scaler"),
@@ -72,8 +165,15 @@ RESTORES = {
     "model_state_dict": ("model", "optimizer"),
     "bare": ("model",),
     "state_dict": ("model",),
+    "lightning": ("model", "optimizer", "scheduler"),
+    "snapshot": ("model",),
+    "safetensors": ("model",),
+    "hf": ("model", "optimizer", "scheduler"),
+    "hf_sharded": ("model",),
+    "accelerate": ("model", "optimizer", "scheduler"),
+    "dcp": ("model", "optimizer"),
 }
-"""What resume is given for each corpus file: what the unmutated file holds (so it succeeds)."""
+"""What resume is given for each corpus item: what the unmutated item holds (so it succeeds)."""
 
 
 def newest_file(folder: Path) -> Path:
@@ -173,3 +273,88 @@ def mutate(original: bytes, path: Path, other: bytes, rng: random.Random) -> tup
         if hi - lo > 4:
             struct.pack_into("<I", data, rng.randrange(lo, hi - 4), rng.choice(_EXTREMES))
     return kind, bytes(data)
+
+
+def members(folder: Path) -> list[str]:
+    """The files of a folder corpus item a case may mutate or delete (a manager folder: its newest checkpoint)."""
+    if any(p.name.startswith("ckpt_") for p in folder.iterdir()):
+        return [newest_file(folder).name]
+    return sorted(p.name for p in folder.iterdir() if p.is_file())
+
+
+def _generic(data: bytearray, other: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """Byte-level damage of a file with no zip structure: flips, truncation, splice, a 4-byte extreme."""
+    kind = rng.choice(["flip", "flip", "truncate", "splice", "field4"])
+    if not data:
+        return "empty", bytes(other[: rng.randrange(1, 64)])
+    if kind == "flip":
+        _flip(data, 0, len(data), rng, rng.choice((1, 2, 8)))
+    elif kind == "truncate":
+        return kind, bytes(data[: rng.randrange(len(data))])
+    elif kind == "splice":
+        return kind, bytes(data[: rng.randrange(len(data))] + other[rng.randrange(len(other)) :])
+    elif len(data) >= 4:
+        struct.pack_into("<I", data, rng.randrange(len(data) - 3), rng.choice(_EXTREMES))
+    return kind, bytes(data)
+
+
+_ODD_VALUES: tuple[Any, ...] = (None, -1, 0, 2**63, 2**64 + 1, 1e308, "x", "", [], {}, [1, 2], {"a": 1}, True, "F64")
+
+
+def _damage_json(value: Any, rng: random.Random) -> Any:
+    """``value`` (parsed JSON) with one leaf replaced, one key deleted or one key renamed."""
+    if isinstance(value, dict) and value and rng.random() < 0.7:
+        key = rng.choice(sorted(value))
+        roll = rng.random()
+        if roll < 0.15:
+            return {k: v for k, v in value.items() if k != key}
+        if roll < 0.25:
+            return {(k + "_" if k == key else k): v for k, v in value.items()}
+        return {**value, key: _damage_json(value[key], rng)}
+    if isinstance(value, list) and value and rng.random() < 0.7:
+        i = rng.randrange(len(value))
+        return [*value[:i], _damage_json(value[i], rng), *value[i + 1 :]]
+    if isinstance(value, int) and not isinstance(value, bool) and rng.random() < 0.5:
+        return value + rng.choice((1, -1, 7, 1 << 40))
+    return rng.choice(_ODD_VALUES)
+
+
+def _json_mutation(data: bytes, other: bytes, rng: random.Random) -> tuple[str, bytes]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return _generic(bytearray(data), other, rng)
+    if rng.random() < 0.7:
+        return "json", json.dumps(_damage_json(value, rng)).encode()
+    return _generic(bytearray(data), other, rng)
+
+
+def _safetensors_mutation(data: bytes, other: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """Damage of a safetensors file: its header JSON (re-framed or not), its length field, or its bytes."""
+    (size,) = struct.unpack_from("<Q", data, 0)
+    header, body = data[8 : 8 + size], data[8 + size :]
+    roll = rng.random()
+    if roll < 0.45:
+        damaged = json.dumps(_damage_json(json.loads(header), rng)).encode()
+        if rng.random() < 0.85:  # keep the frame consistent so the header parser sees the damage
+            return "st-header", struct.pack("<Q", len(damaged)) + damaged + body
+        return "st-header-raw", data[:8] + damaged + body
+    if roll < 0.6:
+        value = rng.choice((0, 1, size - 1, size + 1, len(data), 2**32, 2**63, 2**64 - 1))
+        return "st-length", struct.pack("<Q", value) + data[8:]
+    if roll < 0.75:
+        buf = bytearray(data)
+        _flip(buf, 8, 8 + size, rng, rng.choice((1, 2)))
+        return "st-header-bytes", bytes(buf)
+    return _generic(bytearray(data), other, rng)
+
+
+def mutate_file(original: bytes, path: Path, other: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """One seeded mutation of any corpus file, by what it is: a torch zip, safetensors, JSON, other bytes."""
+    if original[:4] == b"PK\x03\x04":
+        return mutate(original, path, other, rng)
+    if path.suffix == ".safetensors":
+        return _safetensors_mutation(original, other, rng)
+    if path.suffix == ".json":
+        return _json_mutation(original, other, rng)
+    return _generic(bytearray(original), other, rng)

@@ -25,7 +25,28 @@ PATHS = (
     "cli verify",
     "cli convert",
 )
-FOLDER_PATHS = ("resume folder", "latest_checkpoint")
+PT_PATHS = (  # a torch file to the other formats
+    "convert_checkpoint safetensors",
+    "convert_checkpoint dcp",
+    "cli convert safetensors",
+    "cli convert dcp",
+)
+INIT_FROM = "manager resume init_from"
+FOLDER_PATHS = ("resume folder", "latest_checkpoint", "cli list", "manager resume")
+FOREIGN_FOLDER_PATHS = ("cli list",)
+
+
+def paths_for(corpus: str, source: Path) -> tuple[str, ...]:
+    """The read paths a case of corpus item ``corpus`` (lying at ``source``) goes through."""
+    if corpus == "manager":
+        return FOLDER_PATHS
+    if source.is_dir():
+        return (*PATHS, *FOREIGN_FOLDER_PATHS, INIT_FROM)
+    if source.suffix == ".safetensors":
+        return (*PATHS, INIT_FROM)
+    return (*PATHS, *PT_PATHS, INIT_FROM)
+
+
 AS_HEADROOM = 4 << 30  # address space a case may add before allocation fails (protects the machine)
 
 
@@ -114,6 +135,18 @@ def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus
         dr.latest_checkpoint(target)
     elif path_kind == "convert_checkpoint":
         dr.convert_checkpoint(target, out, dr.KeyForm.DDP, force=True)
+    elif path_kind == "convert_checkpoint safetensors":
+        dr.convert_checkpoint(target, scratch / "out.safetensors", format="safetensors", force=True)
+    elif path_kind == "convert_checkpoint dcp":
+        dr.convert_checkpoint(target, scratch / "out_dcp", dr.KeyForm.SINGLE, format="dcp", force=True)
+    elif path_kind == "manager resume":
+        with dr.CheckpointManager(target) as mgr:
+            mgr.resume(map_location="cpu", **objects())
+    elif path_kind == INIT_FROM:
+        with dr.CheckpointManager(scratch / "run") as mgr:
+            wanted = {k: v for k, v in objects().items() if k in ("model", "optimizer")}
+            if mgr.resume(init_from=target, map_location="cpu", **wanted) is None:
+                raise RuntimeError("CheckpointManager.resume(init_from=...) started fresh")
     elif path_kind == "verify_archive":
         dr.verify_archive(target)
     else:
@@ -121,6 +154,15 @@ def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus
             "cli inspect": ["inspect", str(target)],
             "cli verify": ["verify", str(original), str(target)],
             "cli convert": ["convert", str(target), str(out), "--to", "ddp", "--force"],
+            "cli convert safetensors": [
+                "convert",
+                str(target),
+                str(scratch / "o.safetensors"),
+                "--format",
+                "safetensors",
+            ],
+            "cli convert dcp": ["convert", str(target), str(scratch / "o_dcp"), "--format", "dcp", "--force"],
+            "cli list": ["list", str(target), "--verify"],
         }[path_kind]
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):

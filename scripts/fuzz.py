@@ -36,8 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _fuzz_corpus import build_corpus, mutate, newest_file
-from _fuzz_worker import FOLDER_PATHS, PATHS, worker_main
+from _fuzz_corpus import build_corpus, members, mutate_file
+from _fuzz_worker import paths_for, worker_main
 
 BAD = ("escape", "crash", "hang", "memory")
 MEMORY_SLACK_KIB = 256 << 10
@@ -52,7 +52,14 @@ class Case:
     path: str
     data: bytes
     original: Path
+    member: str = ""  # the file of a folder case that was mutated (or deleted)
+    deleted: bool = False
     target: Path = field(default=Path())
+
+    @property
+    def source_file(self) -> Path:
+        """The unmutated file this case's bytes came from."""
+        return self.original / self.member if self.member else self.original
 
 
 @dataclass
@@ -96,13 +103,20 @@ class Pool:
         self.started += 1
 
     def _submit(self, w: _Worker, case: Case) -> None:
-        if case.corpus == "manager":
-            case.target = w.scratch / "folder"
-            shutil.rmtree(case.target, ignore_errors=True)
+        for old in w.scratch.iterdir():  # what the previous case wrote (outputs, folders)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+        if case.member:
+            case.target = w.scratch / case.original.name
             shutil.copytree(case.original, case.target)
-            newest_file(case.target).write_bytes(case.data)
+            if case.deleted:
+                (case.target / case.member).unlink()
+            else:
+                (case.target / case.member).write_bytes(case.data)
         else:
-            case.target = w.scratch / "case.pt"
+            case.target = w.scratch / f"case{case.original.suffix}"
             case.target.write_bytes(case.data)
         w.case, w.deadline = case, time.monotonic() + self.timeout
         w.conn.send(
@@ -167,16 +181,24 @@ class Pool:
 
 
 def make_cases(corpus: dict[str, Path], n: int, seed: int) -> list[Case]:
-    blobs = {name: (newest_file(p) if p.is_dir() else p) for name, p in corpus.items()}
-    data = {name: p.read_bytes() for name, p in blobs.items()}
+    files = {
+        name: [p / m for m in members(p)] if p.is_dir() else [p] for name, p in sorted(corpus.items())
+    }  # fmt: skip
+    every = [f for fs in files.values() for f in fs]
+    data = {f: f.read_bytes() for f in every}
     cases = []
     for i in range(n):
         rng = random.Random(f"{seed}:{i}")
         name = rng.choice(sorted(corpus))
-        other = data[rng.choice(sorted(corpus))]
-        mutation, mutated = mutate(data[name], blobs[name], other, rng)
-        path = rng.choice(FOLDER_PATHS if name == "manager" else PATHS)
-        cases.append(Case(i, name, mutation, path, mutated, corpus[name] if name == "manager" else blobs[name]))
+        source = rng.choice(files[name])
+        member = source.name if corpus[name].is_dir() else ""
+        other = data[rng.choice(every)]
+        if member and name != "manager" and rng.random() < 0.08:
+            mutation, mutated, deleted = "delete", b"", True
+        else:
+            (mutation, mutated), deleted = mutate_file(data[source], source, other, rng), False
+        path = rng.choice(paths_for(name, corpus[name]))
+        cases.append(Case(i, name, mutation, path, mutated, corpus[name], member, deleted))
     return cases
 
 
@@ -188,15 +210,11 @@ def signature(case: Case, result: dict[str, Any]) -> tuple[str, ...]:
     return (case.path, result["outcome"], result.get("type", ""), where, message)
 
 
-def _original_bytes(case: Case) -> bytes:
-    return (newest_file(case.original) if case.corpus == "manager" else case.original).read_bytes()
-
-
 def minimise(pool: Pool, case: Case, sig: tuple[str, ...], budget: int = 48) -> tuple[bytes, int]:
     """Revert as many changed bytes as possible while the case keeps the same signature (ddmin-like)."""
-    original = _original_bytes(case)
+    original = case.source_file.read_bytes()
     data = case.data
-    if len(data) != len(original):
+    if case.deleted or len(data) != len(original):
         return data, 0
     diff = [i for i in range(len(data)) if data[i] != original[i]]
     chunks = [diff]
@@ -213,7 +231,7 @@ def minimise(pool: Pool, case: Case, sig: tuple[str, ...], budget: int = 48) -> 
             if bytes(candidate) == original:
                 next_chunks.append(chunk)
                 continue
-            trial = Case(case.id, case.corpus, case.mutation, case.path, bytes(candidate), case.original)
+            trial = Case(case.id, case.corpus, case.mutation, case.path, bytes(candidate), case.original, case.member)
             tries += 1
             ((_, result),) = pool.run([trial])
             if result["outcome"] in BAD and signature(trial, result) == sig:
@@ -255,8 +273,10 @@ def replay(manifest: Path, jobs: int, timeout: float, out: Path | None) -> int:
                 e["corpus"],
                 e["mutation"],
                 e["path"],
-                (manifest.parent / e["file"]).read_bytes(),
+                (manifest.parent / e["file"]).read_bytes() if e.get("file") else b"",
                 corpus[e["corpus"]],
+                e.get("member", "") or (members(corpus[e["corpus"]])[0] if corpus[e["corpus"]].is_dir() else ""),
+                bool(e.get("deleted", False)),
             )
             for i, e in enumerate(entries)
         ]
@@ -279,6 +299,38 @@ def replay(manifest: Path, jobs: int, timeout: float, out: Path | None) -> int:
     return 1 if any(row["now"] in BAD for row in rows) else 0
 
 
+def check_corpus(jobs: int, timeout: float) -> int:
+    """Run every unmutated corpus item through each of its paths: each must succeed (1 if any does not)."""
+    work = Path(tempfile.mkdtemp(prefix="fuzz_check_"))
+    try:
+        corpus = build_corpus(work / "corpus")
+        cases = []
+        for name, source in sorted(corpus.items()):
+            member = members(source)[0] if source.is_dir() else ""
+            data = (source / member if member else source).read_bytes()
+            for path in paths_for(name, source):
+                cases.append(Case(len(cases), name, "none", path, data, source, member))
+        pool = Pool(jobs, timeout, work / "scratch")
+        try:
+            results = sorted(pool.run(cases), key=lambda cr: cr[0].id)
+        finally:
+            pool.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # inspect_checkpoint reads dist_resume's own files only; `dist-resume inspect` refuses foreign sources today
+    bad = [
+        (c, r)
+        for c, r in results
+        if r["outcome"] != "success" and not (r["outcome"] == "refused" and "inspect" in c.path)
+    ]
+    for case, result in bad:
+        print(
+            f"{case.corpus:>16}  {case.path:<32} {result['outcome']}: {result.get('type', '')} {result.get('message', '')}"
+        )
+    print(f"{len(results)} unmutated cases, {len(bad)} not successful")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1000)
@@ -288,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds one case may take")
     parser.add_argument("--no-minimise", action="store_true")
     parser.add_argument("--replay", type=Path, default=None, help="run the cases of a manifest.json (tests/fuzz_cases)")
+    parser.add_argument("--check-corpus", action="store_true", help="every unmutated corpus item must succeed")
     args = parser.parse_args(argv)
+    if args.check_corpus:
+        return check_corpus(args.jobs, args.timeout)
     if args.replay is not None:
         return replay(args.replay, args.jobs, args.timeout, args.out)
     start = time.monotonic()
@@ -315,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                 data, changed = (case.data, -1) if args.no_minimise else minimise(pool, case, sig)
                 repro.mkdir(exist_ok=True)
                 name = f"{n:03d}-{re.sub(r'[^a-z0-9]+', '_', case.path)}-{result['outcome']}"
-                (repro / f"{name}.pt").write_bytes(data)
+                suffix = case.source_file.suffix or ".bin"
+                if not case.deleted:
+                    (repro / f"{name}{suffix}").write_bytes(data)
                 note = {
                     "seed": args.seed,
                     "case": case.id,
@@ -324,10 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                     "path": case.path,
                     "count": count,
                     "changed_bytes": changed,
-                    "file": f"{name}.pt",
+                    "file": "" if case.deleted else f"{name}{suffix}",
+                    "member": case.member,
+                    "deleted": case.deleted,
                     **result,
                 }
-                (repro / f"{name}.json").write_text(json.dumps(note, indent=1))
+                (repro / f"{name}.note.json").write_text(json.dumps(note, indent=1))  # a member may be .json
                 notes.append(note)
         finally:
             pool.close()

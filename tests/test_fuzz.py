@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+import dist_resume as dr
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
 CASES = 1000  # about 25 s with 2 workers on 2 cores (scripts/fuzz.py reports the time)
 
 
@@ -68,3 +75,60 @@ def test_kept_fuzz_reproducers_are_refused_cleanly(tmp_path: Path) -> None:
         f"{r['file']} ({r['path']}): {r['now']} {r['now_type']}" for r in rows if r["now"] not in ("success", "refused")
     ]
     assert not still_bad, "\n".join(still_bad)
+
+
+# ------------------------------------------------ the escapes the interop formats' corpus found (unit level)
+
+FUZZ_CASES = REPO_ROOT / "tests" / "fuzz_cases"
+
+
+@pytest.mark.parametrize("name", ["14-assertionerror_load_torch_file.pt", "21-runtimeerror_version_load_torch_file.pt"])
+def test_a_damaged_torch_file_raw_torch_error_is_a_corrupt_checkpoint(name: str) -> None:
+    with pytest.raises(dr.CheckpointCorruptError, match="damaged"):
+        dr.load_checkpoint(FUZZ_CASES / name, map_location="cpu")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "15-memoryerror_read_dcp_metadata.metadata",
+        "16-overflowerror_read_dcp_metadata.metadata",
+        "17-keyerror_read_dcp_metadata.metadata",
+        "22-memoryerror_read_dcp_metadata.metadata",
+    ],
+)
+def test_damaged_dcp_metadata_is_refused_without_a_huge_allocation(tmp_path: Path, name: str) -> None:
+    from dist_resume._format.dcp import read_dcp_metadata
+
+    shutil.copy(FUZZ_CASES / name, tmp_path / ".metadata")
+    with pytest.raises(dr.CheckpointCorruptError, match=r"\.metadata' is damaged"):
+        read_dcp_metadata(tmp_path)
+
+
+def test_a_safetensors_dtype_that_is_not_a_string_is_corruption(tmp_path: Path) -> None:
+    shutil.copy(FUZZ_CASES / "18-typeerror_check_entry.safetensors", tmp_path / "m.safetensors")
+    with pytest.raises(dr.CheckpointCorruptError, match="has dtype"):
+        dr.load_checkpoint(tmp_path / "m.safetensors", map_location="cpu")
+
+
+@pytest.mark.parametrize("name", ["23-typeerror_read_sharded_unhashable.json", "24-typeerror_read_sharded_order.json"])
+def test_a_shard_index_mapping_to_a_non_name_is_corruption(tmp_path: Path, name: str) -> None:
+    from _fuzz_corpus import _hf_sharded
+
+    folder = _hf_sharded(tmp_path / "checkpoint-3", {"a.w": torch.ones(2), "b.w": torch.ones(3), "c.w": torch.ones(1)})
+    shutil.copy(FUZZ_CASES / name, folder / "model.safetensors.index.json")
+    with pytest.raises(dr.CheckpointCorruptError, match="not shard file names"):
+        dr.load_checkpoint(folder, map_location="cpu")
+
+
+def test_every_unmutated_corpus_item_succeeds_on_its_paths() -> None:
+    """The worker's resume targets match each corpus item: otherwise the slice above would fuzz refusals only."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "fuzz.py"), "--check-corpus", "--jobs", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -86,7 +86,13 @@ def classify_load_error(err: BaseException) -> LoadFailure:
         return LoadFailure.NOT_TORCH_ARCHIVE
     # PyTorchStreamReader on a truncated zip ("failed finding central directory"), and the storage
     # size checks when a truncated file is memory-mapped or read ("... storage ... bytes ...")
-    if "PytorchStreamReader" in text or "zip archive" in text or "storage" in text.lower():
+    # ("inline_container.cc": the same reader's other checks, e.g. "Couldn't parse the version ZZ")
+    if (
+        "PytorchStreamReader" in text
+        or "zip archive" in text
+        or "inline_container.cc" in text
+        or "storage" in text.lower()
+    ):
         return LoadFailure.DAMAGED
     return LoadFailure.OTHER
 

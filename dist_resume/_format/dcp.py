@@ -18,6 +18,8 @@ import dataclasses
 import io
 import itertools
 import pickle
+import pickletools
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, Final
@@ -79,8 +81,13 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
     """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes. Local."""
     meta_path = Path(path) / _METADATA
     try:
-        with open(meta_path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
+        data = meta_path.read_bytes()
+        # every counted length must fit in the file: the C unpickler allocates a BINBYTES8/FRAME length
+        # it reads before it reads the bytes (8 damaged bytes ask for exabytes); genops reads, never allocates
+        for _ in pickletools.genops(data):
+            pass
+        f = io.BytesIO(data)
+        metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
     except FileNotFoundError as err:
         raise NotACheckpointError(f"{str(path)!r} is not a DCP folder: it has no {_METADATA} file") from err
     except pickle.UnpicklingError as err:
@@ -90,7 +97,7 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
                 "pass weights_only=False"
             ) from err
         raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
-    except (EOFError, ValueError, TypeError, AttributeError) as err:
+    except (EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError, OverflowError, struct.error) as err:
         raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
     if not isinstance(metadata, Metadata):
         raise NotACheckpointError(f"{str(meta_path)!r} holds {article(type(metadata).__name__)}, not DCP Metadata")

@@ -178,6 +178,12 @@ def _read_sharded(folder: Path, index_name: str, opts: dict[str, Any]) -> dict[s
     weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
     if not isinstance(weight_map, Mapping) or not weight_map:
         raise CheckpointCorruptError(f"{str(folder / index_name)!r} has no 'weight_map'; re-save the model")
+    odd = [f"{k!r}: {v!r}" for k, v in weight_map.items() if not (isinstance(k, str) and isinstance(v, str))]
+    if odd:  # JSON keys are strings; a damaged file can map a key to a number, list or object
+        raise CheckpointCorruptError(
+            f"{str(folder / index_name)!r} maps tensors to things that are not shard file names: "
+            f"{preview(odd)}; copy the whole checkpoint folder"
+        )
     shards = sorted(set(weight_map.values()))
     bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
     missing = [s for s in shards if s not in bad and not (folder / s).is_file()]

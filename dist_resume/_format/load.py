@@ -107,7 +107,7 @@ def load_torch_file(
         raise _corrupt(p, err) from err
     except (EOFError, zipfile.BadZipFile, ValueError) as err:
         raise _corrupt(p, err) from err
-    except (KeyError, IndexError, TypeError, AttributeError, OverflowError, struct.error) as err:
+    except (KeyError, IndexError, TypeError, AttributeError, OverflowError, AssertionError, struct.error) as err:
         # a damaged data.pkl makes torch's tensor rebuilding fail with arbitrary errors; only those
         # raised inside torch count as damage (a map_location callable's own bug propagates)
         if not is_damaged_pickle_error(err):

@@ -114,6 +114,8 @@ def read_safetensors_header(path: PathLike) -> tuple[int, dict[str, Any], dict[s
 def _check_entry(p: Path, key: str, entry: Any, data_len: int) -> tuple[int, int]:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
         raise _bad(p, f"entry {key!r} lacks dtype, shape or data_offsets")
+    if not isinstance(entry["dtype"], str):
+        raise _bad(p, f"entry {key!r} has dtype {entry['dtype']!r}")
     dtype = DTYPES.get(entry["dtype"])
     if dtype is None:
         raise NotACheckpointError(

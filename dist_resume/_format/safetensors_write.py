@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import NotACheckpointError
+from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .archive import ArchiveContents, Record
 from .archive_write import copy_range, write_all
 from .safetensors_io import DTYPES
@@ -45,8 +45,13 @@ def _byteorder(contents: ArchiveContents) -> str:
     name = f"{contents.archive_name}/byteorder"
     if not any(r.name == name for r in contents.records):
         return "little"  # torch.save wrote no byteorder record before 1.12: little-endian machines only
-    with zipfile.ZipFile(contents.path) as zf:
-        return zf.read(name).decode("ascii", "replace").strip()
+    try:
+        with zipfile.ZipFile(contents.path) as zf:
+            return zf.read(name).decode("ascii", "replace").strip()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointCorruptError(
+            f"checkpoint {str(contents.path)!r}: its {name!r} record is damaged ({err}); resume from an earlier checkpoint"
+        ) from err
 
 
 def _source_range(
