@@ -22,7 +22,7 @@ import pickletools
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,6 +39,7 @@ from .._core.types import MapLocation, PathLike
 from .._state.optim_keys import normalize_optimizer_state
 from .layout import CheckpointParts, Layout, split_checkpoint
 from .load import rank_map_location
+from .verify import check_zip_bytes
 
 __all__ = ["is_dcp_folder", "read_dcp", "read_dcp_metadata", "normalize_optimizer_state"]
 
@@ -110,6 +111,20 @@ class _Reader(FileSystemReader):
     def __init__(self, path: Path, weights_only: bool) -> None:
         super().__init__(path)
         self._folder, self._weights_only = path, weights_only
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        """One entry's bytes, checked like a torch file before torch.load sees them: torch's zip reader trusts
+        the sizes in each entry's directory and would allocate whatever a damaged field claims."""
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if len(data) != sinfo.length:
+            raise CheckpointCorruptError(
+                f"DCP folder {str(self._folder)!r}: an entry of {sinfo.relative_path!r} runs past the end of the file "
+                f"({sinfo.offset} + {sinfo.length} bytes); the folder is truncated or damaged"
+            )
+        if data[:4] == b"PK\x03\x04":
+            check_zip_bytes(data, f"DCP folder {str(self._folder)!r}: an entry of {sinfo.relative_path!r}")
+        return io.BytesIO(data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self._folder, weights_only=self._weights_only)

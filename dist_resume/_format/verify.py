@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import io
 import mmap
 import struct
 import zipfile
@@ -28,6 +29,7 @@ __all__ = [
     "FindingKind",
     "ArchiveFinding",
     "read_records",
+    "check_zip_bytes",
     "verify_archive",
 ]
 
@@ -123,6 +125,20 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
             "torch.save"
         )
     return archive_name, records
+
+
+def check_zip_bytes(data: bytes, what: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``data`` (an in-memory torch.save archive, e.g. one tensor of a
+    DCP ``.distcp`` file) passes the checks :func:`read_records` makes, before torch's C++ reader trusts its sizes."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            view = io.BytesIO(data)
+            for info in zf.infolist():
+                _record(view, info, len(data))
+    except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
+        raise CheckpointCorruptError(
+            f"{what} is damaged ({type(err).__name__}: {str(err)[:200]}); resume from an earlier checkpoint"
+        ) from err
 
 
 # deflate cannot expand data more than about 1032:1; a larger uncompressed size is a damaged field

@@ -107,3 +107,19 @@ def _save_two_ranks(rank: int, world_size: int, folder: str) -> dict[str, object
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=folder)
     return {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}}
+
+
+def test_a_size_field_set_to_an_extreme_in_a_distcp_entry_is_refused_before_torch_allocates(
+    dcp_plain: Saved, tmp_path: Path
+) -> None:
+    """Each tensor of a .distcp file is a torch.save archive; torch's zip reader trusts its directory's sizes and
+    would allocate what a damaged field claims (found by scripts/fuzz.py). The slice is checked first."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_plain.path, folder)
+    distcp = next(folder.glob("*.distcp"))
+    data = bytearray(distcp.read_bytes())
+    central = data.index(b"PK\x01\x02")  # the first entry's central directory record
+    data[central + 20 : central + 28] = b"\xff\xff\xff\x7f" * 2  # compressed and uncompressed size
+    distcp.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="DCP folder .* is damaged"):
+        read_dcp(folder)
