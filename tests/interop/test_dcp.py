@@ -121,5 +121,5 @@ def test_a_size_field_set_to_an_extreme_in_a_distcp_entry_is_refused_before_torc
     central = data.index(b"PK\x01\x02")  # the first entry's central directory record
     data[central + 20 : central + 28] = b"\xff\xff\xff\x7f" * 2  # compressed and uncompressed size
     distcp.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match="DCP folder .* is damaged"):
+    with pytest.raises(CheckpointCorruptError, match=r"DCP folder .* is damaged"):
         read_dcp(folder)
