@@ -37,6 +37,7 @@ __all__ = [
     "discarding_sparse_checks",
     "error_summary",
     "is_damaged_pickle_error",
+    "is_out_of_memory",
     "is_garbled_pickle",
     "meta_typed_storage",
     "storage_class_for",
@@ -133,6 +134,13 @@ def is_damaged_pickle_error(err: BaseException) -> bool:
         frames.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
     return len(frames) > 1 and all(_inside_torch_or_stdlib(f) for f in frames[1:])
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch's allocators report exhaustion as RuntimeError ("DefaultCPUAllocator: can't allocate memory",
+    "CUDA out of memory"; checked on torch 2.13): a real shortage, never a sign of a damaged file."""
+    text = str(err).lower()
+    return "out of memory" in text or "can't allocate memory" in text
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,9 @@ import dataclasses
 import io
 import itertools
 import pickle
-import pickletools
-import struct
 import warnings
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -34,76 +32,22 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .._core import torch_compat
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
-from .._core.text import article
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
 from .._state.optim_keys import normalize_optimizer_state
+from .dcp_metadata import METADATA as _METADATA
+from .dcp_metadata import read_dcp_metadata
 from .layout import CheckpointParts, Layout, split_checkpoint
 from .load import rank_map_location
 from .verify import check_zip_bytes
 
-__all__ = ["is_dcp_folder", "read_dcp", "read_dcp_metadata", "normalize_optimizer_state"]
-
-_METADATA: Final = ".metadata"
-_ALLOWED: Final = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
+__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state"]
 
 
 def is_dcp_folder(path: PathLike) -> bool:
     """True when ``path`` is a folder with a ``.metadata`` file and ``*.distcp`` files. Local."""
     folder = Path(path)
     return (folder / _METADATA).is_file() and any(folder.glob("*.distcp"))
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP metadata")
-
-
-def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
-    """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes. Local."""
-    meta_path = Path(path) / _METADATA
-    try:
-        data = meta_path.read_bytes()
-        # every counted length must fit in the file: the C unpickler allocates a BINBYTES8/FRAME length
-        # it reads before it reads the bytes (8 damaged bytes ask for exabytes); genops reads, never allocates
-        for _ in pickletools.genops(data):
-            pass
-        f = io.BytesIO(data)
-        metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
-    except FileNotFoundError as err:
-        raise NotACheckpointError(f"{str(path)!r} is not a DCP folder: it has no {_METADATA} file") from err
-    except pickle.UnpicklingError as err:
-        if "is not part of DCP metadata" in str(err):
-            raise UnsafeCheckpointError(
-                f"{str(meta_path)!r} holds more than DCP metadata ({err}); if you trust the folder, "
-                "pass weights_only=False"
-            ) from err
-        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
-    except (EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError, OverflowError, struct.error) as err:
-        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
-    if not isinstance(metadata, Metadata):
-        raise NotACheckpointError(f"{str(meta_path)!r} holds {article(type(metadata).__name__)}, not DCP Metadata")
-    return metadata
 
 
 class _Reader(FileSystemReader):

@@ -22,6 +22,7 @@ from .._core.torch_compat import (
     classify_load_error,
     error_summary,
     is_damaged_pickle_error,
+    is_out_of_memory,
 )
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
@@ -131,6 +132,8 @@ def load_torch_file(
                 "record); point to a .pt/.pth file saved with torch.save"
             ) from err
         if failure is LoadFailure.DAMAGED:
+            raise _corrupt(p, err) from err
+        if is_damaged_pickle_error(err) and not is_out_of_memory(err):  # e.g. "requires_grad must be a bool"
             raise _corrupt(p, err) from err
         raise
     except OSError as err:
