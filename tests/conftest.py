@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers import save_with_device_tag
 
@@ -34,3 +35,20 @@ def cuda_tagged_save() -> Callable[..., None]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}"]
+
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """A clean torchrun-free environment; ``env(RANK=1, ...)`` sets variables for this test only."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+
+    def set_vars(**values: object) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, str(value))
+
+    return set_vars

@@ -10,22 +10,6 @@ import torch.distributed as dist
 
 import dist_resume as dr
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture
-def env(monkeypatch):
-    """A clean torchrun-free environment; ``env(RANK=1, ...)`` sets variables for this test only."""
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized()
-
-    def set_vars(**values):
-        for name, value in values.items():
-            monkeypatch.setenv(name, str(value))
-
-    return set_vars
-
 
 def test_single_process_defaults(env):
     info = dr.rank_info()

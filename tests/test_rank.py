@@ -5,26 +5,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch.distributed as dist
 
 import dist_resume as dr
 from dist_resume._core import log as _log
 from dist_resume._core.rank import global_rank, rank_and_world
 from dist_resume._exact import rng as _rng
 from tests.models import single_rank_group
-
-
-@pytest.fixture
-def env(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized()
-
-    def set_vars(**values):
-        for name, value in values.items():
-            monkeypatch.setenv(name, str(value))
-
-    return set_vars
 
 
 def test_defaults_without_launcher(env):

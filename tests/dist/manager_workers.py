@@ -10,17 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_resume as dr
+from tests.dist.consensus_workers import filled
 
 Outcome = tuple[Any, ...]
-
-
-def filled(value: float) -> nn.Module:
-    """A small model whose parameters all equal ``value``."""
-    model = nn.Linear(4, 3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
