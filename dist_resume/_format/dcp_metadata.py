@@ -10,6 +10,7 @@ offsets into the folder's files.
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 import pickle
@@ -59,10 +60,21 @@ def _check_opcodes(data: bytes) -> None:
             raise ValueError(f"memo index {arg} at opcode {count}")
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What ``getattr`` may do in DCP metadata: some Python releases pickle an enum member (DCP's
+    ``_MEM_FORMAT_ENCODING``) as ``getattr(EnumClass, "NAME")``; only an allowed enum's member comes back."""
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__name__ in _ALLOWED.get(cls.__module__, ())
+    if not (allowed and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of DCP metadata")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if name == "getattr" and module in ("builtins", "__builtin__"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP metadata")
