@@ -76,7 +76,9 @@ def main() -> None:
                 checks[key] = _check(name, path, expected[name], broadcast)
             except Exception as err:  # reported, not raised: the other checks still run
                 checks[key] = f"{type(err).__name__}: {err}"
-    print("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "checks": checks}), flush=True)
+    line = "RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "checks": checks}) + "\n"
+    sys.stdout.write(line)  # one write, line included: the ranks' lines never interleave
+    sys.stdout.flush()
     torch.distributed.destroy_process_group()
 
 
