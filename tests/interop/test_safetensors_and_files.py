@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dist_resume as dr
 from dist_resume._core.errors import CheckpointCorruptError
 from dist_resume._format.layout import split_checkpoint
 from dist_resume._format.open import load_checkpoint
@@ -98,3 +99,27 @@ def test_torchvision_timm_style_file_keeps_args_and_ema(torchvision_timm_file: S
     # the detector takes the first conventional EMA name (torchvision's model_ema); timm's copy stays in extra
     assert_same(dict(parts.ema), torchvision_timm_file.extra["ema"], "model_ema")
     assert "n_averaged" in parts.ema and "state_dict_ema" in parts.extra and parts.keys["ema"] == "model_ema"
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "module."])
+def test_torchvision_timm_style_file_resumes_with_its_ema(torchvision_timm_file: Saved, wrap: bool) -> None:
+    """model, AdamW's two groups, StepLR, epoch, args and the AveragedModel EMA (with n_averaged), into a plain
+    model and a DDP-shaped one (DataParallel gives the same ``module.`` keys on a CPU)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from tests.interop.conftest import _tiny
+
+    inner = _tiny()
+    model = torch.nn.DataParallel(inner) if wrap else inner
+    decay = [p for n, p in inner.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in inner.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}])
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    ema = AveragedModel(_tiny())
+    res = dr.resume(torchvision_timm_file.path, model=model, optimizer=opt, scheduler=sched, ema=ema)
+    assert {"model", "optimizer", "scheduler", "ema"} <= set(res.restored)
+    assert res.epoch == 1 and res.extra["args"] == torchvision_timm_file.extra["args"]
+    assert_same(inner.state_dict(), torchvision_timm_file.model, "model")
+    assert_same(ema.state_dict(), torchvision_timm_file.extra["ema"], "ema")  # n_averaged included
+    assert_same(opt.state_dict()["state"], torchvision_timm_file.optimizer["state"], "optimizer state")
+    assert sched.state_dict() == torchvision_timm_file.scheduler
