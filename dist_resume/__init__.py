@@ -34,12 +34,12 @@ from ._core.version import __version__
 from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._exact.sampler import ResumableDistributedSampler
-from ._format.archive import ArchiveFinding, verify_archive
 from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
 from ._format.integrity import CheckpointInfo, inspect_checkpoint
 from ._format.layout import Layout
 from ._format.load import rank_map_location
 from ._format.open import load_checkpoint
+from ._format.verify import ArchiveFinding, FindingKind, verify_archive
 from ._state.adapt import adapt_state_dict
 from ._state.devices import check_devices, device_report
 from ._state.optim import optimizer_to
@@ -80,6 +80,7 @@ __all__ = [
     "inspect_checkpoint",
     "verify_archive",
     "ArchiveFinding",
+    "FindingKind",
     "convert_checkpoint",
     "ConvertResult",
     "KeyForm",

@@ -20,8 +20,9 @@ from dist_resume import (
     load_checkpoint,
 )
 from dist_resume._format import archive_write as _archive_write
-from dist_resume._format.archive import FindingKind, read_archive, read_records, verify_archive
+from dist_resume._format.archive import read_archive
 from dist_resume._format.archive_write import dump_pickle, rewrite_archive
+from dist_resume._format.verify import FindingKind, read_records, verify_archive
 from tests.helpers import save_with_device_tag
 
 

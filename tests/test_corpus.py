@@ -23,7 +23,7 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._checkpoint.listing import checkpoint_name
-from dist_resume._format.archive import read_records
+from dist_resume._format.verify import read_records
 
 
 class Net(nn.Module):

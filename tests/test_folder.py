@@ -132,7 +132,7 @@ def test_verify_false_skips_only_the_crc_check(tmp_path: Path) -> None:
 
 def _flip_byte_in_tensor_record(path: Path) -> None:
     """Flip one bit inside the first tensor record: the zip structure stays intact, its CRC does not."""
-    from dist_resume._format.archive import read_records
+    from dist_resume._format.verify import read_records
 
     _, records = read_records(path)
     record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)

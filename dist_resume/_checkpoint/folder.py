@@ -1,8 +1,8 @@
 """Checkpoint folders: numbered checkpoints, rotation, the latest valid one.
 
 A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
-name appears only through :func:`~dist_resume._atomic.atomic_write`'s rename (after the data is
-fsynced), and the file must pass :func:`~dist_resume._integrity.inspect_checkpoint` (zip
+name appears only through :func:`~dist_resume._format.atomic.atomic_write`'s rename (after the data is
+fsynced), and the file must pass :func:`~dist_resume._format.integrity.inspect_checkpoint` (zip
 structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
 """
 

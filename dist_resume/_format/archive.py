@@ -27,20 +27,9 @@ from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
 from .sniff import unsafe_error
-from .verify import LOCAL_HEADER as LOCAL_HEADER
-from .verify import LOCAL_SIGNATURE as LOCAL_SIGNATURE
-from .verify import ArchiveFinding, FindingKind, Record, read_records, verify_archive
+from .verify import Record, read_records
 
-__all__ = [
-    "Record",
-    "StorageInfo",
-    "ArchiveContents",
-    "FindingKind",
-    "ArchiveFinding",
-    "read_records",
-    "read_archive",
-    "verify_archive",
-]
+__all__ = ["StorageInfo", "ArchiveContents", "read_archive"]
 
 
 @dataclass(frozen=True, slots=True)

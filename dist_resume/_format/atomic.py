@@ -99,7 +99,7 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
 
     Example::
 
-        >>> dist_resume._atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
+        >>> dist_resume._format.atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
         PosixPath('w.pt')
     """
     dest = Path(path)

@@ -27,7 +27,7 @@ from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
 from .._core.text import article
 from .._core.types import PathLike
 from .._state.prefix import prefix_style
-from .archive import read_archive, verify_archive
+from .archive import read_archive
 from .archive_write import dump_pickle, rewrite_archive
 from .convert_formats import (
     Converted,
@@ -44,6 +44,7 @@ from .foreign import detect_folder, read_folder
 from .layout import split_checkpoint
 from .rekey import KeyForm, target_key
 from .safetensors_io import is_safetensors
+from .verify import verify_archive
 
 __all__ = [
     "KeyForm",

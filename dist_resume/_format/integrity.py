@@ -1,7 +1,7 @@
 """Is this file a complete dist_resume checkpoint, and is it the same file another rank sees?
 
 The byte-level checks (zip structure, the CRC-32 of every record, a refusing unpickler that reads
-no tensor data) live in :mod:`dist_resume._archive`; this module adds what a checkpoint folder
+no tensor data) live in :mod:`dist_resume._format.archive`; this module adds what a checkpoint folder
 needs on top: the dist_resume metadata, and a cheap digest that identifies one save.
 """
 
@@ -14,11 +14,12 @@ from pathlib import Path
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.types import PathLike
-from .archive import ArchiveFinding, FindingKind, read_archive, read_records, verify_archive
+from .archive import read_archive
 from .foreign import foreign_kind, trainer_progress
 from .layout import FORMAT_NAME, Key, Layout
 from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
 from .sniff import FileKind, file_kind
+from .verify import ArchiveFinding, FindingKind, read_records, verify_archive
 
 __all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_source", "source_files"]
 
@@ -46,7 +47,7 @@ def archive_digest(path: PathLike) -> str:
     CRC-32 of ``data.pkl`` covers the pickled structure and torch's per-save
     ``.data/serialization_id`` record makes every save distinct, so two saves of equal tensors
     still differ. It identifies a file; it does not check its bytes (that is
-    :func:`~dist_resume._archive.verify_archive`).
+    :func:`~dist_resume._format.verify.verify_archive`).
 
     Example::
 

@@ -26,8 +26,8 @@ from .._core.torch_compat import (
 )
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
-from .archive import read_records, verify_archive
 from .sniff import FileKind, check_file, file_kind, unsafe_error
+from .verify import read_records, verify_archive
 
 __all__ = ["rank_map_location", "load_torch_file"]
 
