@@ -198,15 +198,15 @@ def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Pa
     previous, failures = 2, []
     outcomes: Counter[str] = Counter()
     phases: Counter[str] = Counter()
-    for trial in range(TRIALS):
-        new = 3 + trial
-        # over [0, 2 x the first two saves' median]: kills land before, during and after the write
-        kill_after = statistics.median(durations[:2]) * 2 * (trial + rng.random()) / TRIALS
+    before, after = 0.0, statistics.median(durations[:2]) * 2  # kill times known to land before / after the write
+
+    def trial(new: int, kill_after: float) -> None:
+        nonlocal previous, before, after
         stale = {n for n in os.listdir(folder) if TEMP_NAME.match(n)}
         took = _run_child(folder, new, kill_after, _save_async_child)
-        durations += [took] if took is not None else []
+        durations.extend([took] if took is not None else [])
         fresh = {n for n in os.listdir(folder) if TEMP_NAME.match(n)} - stale
-        phases[
+        phase = (
             "finished"
             if took is not None
             else "killed after the rename"
@@ -214,13 +214,28 @@ def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Pa
             else "killed mid-write"
             if fresh
             else "killed before writing"
-        ] += 1
+        )
+        phases[phase] += 1
+        if phase == "killed before writing":
+            before = max(before, kill_after)
+        elif phase != "killed mid-write":
+            after = min(after, kill_after if took is None else took)
         outcome, problems = _check_folder(folder, previous, new, ASYNC_WIDTH)
         outcomes[outcome] += 1
-        failures += [f"trial {trial} (kill at {kill_after:.3f}s): {p}" for p in problems]
+        failures.extend(f"step {new} (kill at {kill_after:.3f}s): {p}" for p in problems)
         previous = new if outcome == "new" else previous
+
+    for i in range(TRIALS):
+        # stratified over [0, 2 x the first two saves' median]: kills land before, during and after the write
+        trial(3 + i, statistics.median(durations[:2]) * 2 * (i + rng.random()) / TRIALS)
+    extra = 0
+    while phases["killed mid-write"] == 0 and extra < 12 and after > before:
+        # the write window lies between the latest kill that came too early and the earliest that came too late:
+        # aim inside it (the machine's speed moves it, so a fixed schedule alone can miss it)
+        trial(3 + TRIALS + extra, before + (after - before) * rng.uniform(0.3, 0.7))
+        extra += 1
     print(
-        f"\nasync fault injection: {TRIALS} SIGKILL trials of save_async / save_checkpoint_async "
+        f"\nasync fault injection: {TRIALS} SIGKILL trials (+{extra} aimed) of save_async / save_checkpoint_async "
         f"(uninterrupted: median {statistics.median(durations):.2f}s); {len(failures)} failures; "
         f"latest() returned {dict(outcomes)}; kills: {dict(phases)}"
     )
