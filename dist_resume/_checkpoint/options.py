@@ -68,8 +68,17 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
         for name in sorted((set(saved) | set(live)) - _GROUP_BOOKKEEPING):
             old, new = saved.get(name, "absent"), live.get(name, "absent")
             if not _same(old, new):
-                out.append(f"group {i} {name}: checkpoint {old!r}, this optimizer {new!r}")
+                out.append(f"group {i} {name}: checkpoint {_shown(old)}, this optimizer {_shown(new)}")
     return out
+
+
+def _shown(value: Any) -> str:
+    """A hyperparameter as a person reads it: ``0.0003``, not ``0.00030000000000000003``."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, tuple) and all(isinstance(v, float) for v in value):
+        return "(" + ", ".join(f"{v:.6g}" for v in value) + ")"
+    return repr(value)
 
 
 def _same(a: Any, b: Any) -> bool:
