@@ -39,7 +39,6 @@ from .convert_formats import (
     safetensors_to_pt,
 )
 from .convert_output import check_paths, remove_stale_temps, write_locked
-from .dcp import is_dcp_folder, read_dcp
 from .foreign import detect_folder, read_folder
 from .layout import split_checkpoint
 from .rekey import KeyForm, target_key
@@ -84,7 +83,7 @@ class _Source(enum.Enum):
 
 def _source_kind(src: Path) -> _Source:
     if src.is_dir():
-        if is_dcp_folder(src) or detect_folder(src) is not None:
+        if detect_folder(src) is not None:  # HF Trainer, Accelerate or DCP
             return _Source.FOLDER
         raise UsageError(
             f"SRC {str(src)!r} is a folder of no kind dist_resume knows",
@@ -144,8 +143,7 @@ def convert_checkpoint(
     elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
         done = safetensors_to_pt(src_path, dst_path, form, progress)
     elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:
-        reader = read_dcp if is_dcp_folder(src_path) else read_folder
-        done = parts_to_pt(reader(src_path, map_location="cpu"), dst_path, form, source)
+        done = parts_to_pt(read_folder(src_path, map_location="cpu"), dst_path, form, source)
     else:
         raise _unsupported(kind, fmt)
     return ConvertResult(
