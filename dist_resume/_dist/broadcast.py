@@ -11,7 +11,16 @@ import torch.distributed as dist
 
 from .._core.errors import CheckpointError, DistResumeError, StateMismatchError
 from .._core.tree import map_tensors
-from .comm import RESTART_HINT, Outcome, all_gather_objects, collective_step, comm_device, relabel, run_on_rank0
+from .comm import (
+    RESTART_HINT,
+    Outcome,
+    all_gather_objects,
+    collective_step,
+    comm_device,
+    relabel,
+    released_by_backend,
+    run_on_rank0,
+)
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "agree_across_ranks"]
 
@@ -81,8 +90,10 @@ def _send_tensors(
                 offset += length
         sent += 1
         verb = "sending" if rank0 else "receiving"
+        chunk = bucket[:used]
         with collective_step(f"{verb} the broadcast checkpoint (bucket {sent} of {total})", CheckpointError, hint):
-            dist.broadcast(bucket[:used], src=0)
+            with released_by_backend(chunk):
+                dist.broadcast(chunk, src=0)
         if not rank0:
             offset = 0
             for dst, start, length in pending:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import pickle
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,11 +24,12 @@ import torch.distributed as dist
 from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .._core.log import logger
-from .._core.torch_compat import CommFailure, classify_comm_error, comm_error_summary
+from .._core.torch_compat import CommFailure, classify_comm_error, comm_error_summary, tensor_owners
 from .env import is_distributed
 
 __all__ = [
     "comm_device",
+    "released_by_backend",
     "broadcast_object",
     "all_gather_objects",
     "RESTART_HINT",
@@ -46,6 +48,36 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+# How long to wait for gloo's worker thread to let go of a finished collective's tensors: it does within
+# microseconds; the bound only keeps an unexpected extra owner from stalling the caller.
+_RELEASE_WAIT_S = 1.0
+
+
+@contextmanager
+def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
+    """Local: run synchronous collectives on ``tensors`` inside; leave once the backend's threads own none of them.
+
+    Under gloo a collective returns while the backend's worker thread still holds its tensors for a moment;
+    a tensor Python drops first is later freed by that thread, which then needs the GIL and aborts the
+    process if the interpreter is exiting (:func:`dist_resume._core.torch_compat.tensor_owners` says more).
+    Waiting here, with the GIL released, means every dist_resume collective is over when it returns, so a
+    script may exit right after one. Other backends are left as they are.
+    """
+    if not tensors or dist.get_backend() != "gloo":
+        yield
+        return
+    before = [tensor_owners(t) for t in tensors]
+    yield
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    pause = 1e-6
+    while any(tensor_owners(t) > n for t, n in zip(tensors, before)):
+        if time.monotonic() > deadline:
+            logger.debug("gloo still holds a finished collective's tensors after %.1f s", _RELEASE_WAIT_S)
+            return
+        time.sleep(pause)  # releases the GIL: the worker may need it to let go
+        pause = min(pause * 2, 1e-3)
+
+
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -61,10 +93,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     device = comm_device()
     payload = _encode(obj, device) if dist.get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
+    with released_by_backend(size):
+        dist.broadcast(size, src=src)
     n = int(size.item())
     buf = payload if payload is not None else torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src)
+    with released_by_backend(buf):
+        dist.broadcast(buf, src=src)
     return obj if dist.get_rank() == src else _decode(buf, n)
 
 
@@ -74,13 +108,16 @@ def all_gather_objects(obj: Any) -> list[Any]:
     payload = _encode(obj, device)
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
+    own_size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    with released_by_backend(own_size, *sizes):
+        dist.all_gather(sizes, own_size)
     counts = [int(s.item()) for s in sizes]
     longest = max(counts)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(bufs, padded)
+    with released_by_backend(padded, *bufs):
+        dist.all_gather(bufs, padded)
     return [_decode(buf, n) for buf, n in zip(bufs, counts)]
 
 
