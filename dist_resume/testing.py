@@ -169,7 +169,8 @@ def run_ranks(
     a rank started survives.
 
     Raises :class:`RankFailure` naming every rank that raised (with its traceback), exited without a
-    result or outlived the deadline; ``ValueError`` for a local function or inconsistent timeouts.
+    result or outlived the deadline; ``ValueError`` for a local function, inconsistent timeouts or a
+    ``tmp_dir`` that is not an existing folder.
 
     Example::
 
@@ -186,6 +187,8 @@ def run_ranks(
     per_node = nproc_per_node or world_size
     if world_size < 1 or world_size % per_node:
         raise ValueError(f"world_size={world_size} is not a positive multiple of nproc_per_node={per_node}")
+    if tmp_dir is not None and not Path(tmp_dir).is_dir():  # the ranks would wait on their FileStore forever
+        raise ValueError(f"tmp_dir={str(tmp_dir)!r} is not an existing folder; create it first or leave tmp_dir unset")
     with tempfile.TemporaryDirectory(prefix="run_ranks.") as own_dir:
         store_path = str(Path(tmp_dir if tmp_dir is not None else own_dir) / f"filestore-{uuid.uuid4().hex}")
         return _launch(

@@ -44,7 +44,9 @@ def test_without_a_process_group_on_spawn_with_pids_reported(tmp_path):
     assert got == [(0, 2), (1, 2)] and sorted(seen) == [0, 1] and all(pid > 0 for pid in seen.values())
 
 
-def test_rejects_inconsistent_timeouts_and_local_functions():
+def test_rejects_inconsistent_timeouts_local_functions_and_a_missing_tmp_dir(tmp_path):
+    with pytest.raises(ValueError, match="is not an existing folder"):  # before any rank starts and waits
+        testing.run_ranks(_rank_id, 2, tmp_dir=tmp_path / "missing")
     with pytest.raises(ValueError, match="pg_timeout < deadline"):
         testing.run_ranks(_rank_id, 2, timeout=10, pg_timeout=10)
     with pytest.raises(ValueError, match="multiple of nproc_per_node"):
