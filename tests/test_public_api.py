@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import pickle
 
@@ -21,6 +22,11 @@ def test_every_exported_name_exists_once():
     missing = [n for n in dist_resume.__all__ if not hasattr(dist_resume, n)]
     assert missing == []
     assert isinstance(dist_resume.__version__, str)
+
+
+def test_the_installed_version_is_the_package_version():
+    # pyproject.toml reads it from dist_resume/_core/version.py: one owner, never two numbers
+    assert importlib.metadata.version("dist-resume") == dist_resume.__version__
 
 
 @pytest.mark.parametrize("obj", FUNCTIONS + CLASSES, ids=lambda o: o.__name__)
