@@ -61,16 +61,18 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
     a tensor Python drops first is later freed by that thread, which then needs the GIL and aborts the
     process if the interpreter is exiting (:func:`dist_resume._core.torch_compat.tensor_owners` says more).
     Waiting here, with the GIL released, means every dist_resume collective is over when it returns, so a
-    script may exit right after one. Other backends are left as they are.
+    script may exit right after one. Only CPU tensors under a gloo backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``)
+    are waited for; other backends and devices are left as they are.
     """
-    if not tensors or dist.get_backend() != "gloo":
+    cpu = [t for t in tensors if t.device.type == "cpu"]
+    if not cpu or "gloo" not in dist.get_backend():
         yield
         return
-    before = [tensor_owners(t) for t in tensors]
+    before = [tensor_owners(t) for t in cpu]
     yield
     deadline = time.monotonic() + _RELEASE_WAIT_S
     pause = 1e-6
-    while any(tensor_owners(t) > n for t, n in zip(tensors, before)):
+    while any(tensor_owners(t) > n for t, n in zip(cpu, before)):
         if time.monotonic() > deadline:
             logger.debug("gloo still holds a finished collective's tensors after %.1f s", _RELEASE_WAIT_S)
             return
