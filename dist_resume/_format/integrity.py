@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.errors import CheckpointError, NotACheckpointError
 from .._core.types import PathLike
 from .archive import read_archive
 from .foreign import foreign_kind, trainer_progress
 from .layout import FORMAT_NAME, Key, Layout
 from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
 from .sniff import FileKind, file_kind
-from .verify import ArchiveFinding, FindingKind, read_records, verify_archive
+from .verify import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_archive
 
 __all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_source", "source_files"]
 
@@ -161,10 +161,10 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
                 record = f"{where}: {finding.record}" if where and finding.record else where or finding.record
                 findings.append(ArchiveFinding(record, finding.problem, finding.kind))
     if findings and strict:
-        shown = "; ".join(str(f) for f in findings[:3])
-        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
-        raise CheckpointCorruptError(
-            f"checkpoint {str(p)!r} failed its integrity check: {shown}{more}; the files were damaged after they "
-            "were written (disk, copy or transfer): copy the checkpoint again, or resume from an earlier one"
+        raise integrity_failure(
+            repr(str(p)),
+            findings,
+            "the files were damaged after they were written (disk, "
+            "copy or transfer): copy the checkpoint again, or resume from an earlier one",
         )
     return findings

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.text import preview
 from .._core.types import PathLike
 from .sniff import FileKind, check_file, file_kind
 
@@ -211,13 +212,19 @@ def verify_archive(
     else:
         findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
     if findings and strict:
-        shown = "; ".join(str(f) for f in findings[:3])
-        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
-        raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} failed its integrity check: {shown}{more}; the file was damaged after it "
-            "was written (disk, copy or transfer): resume from an earlier checkpoint or copy it again"
+        raise integrity_failure(
+            _name(p),
+            findings,
+            "the file was damaged after it was written (disk, copy or "
+            "transfer): resume from an earlier checkpoint or copy it again",
         )
     return findings
+
+
+def integrity_failure(name: str, findings: list[ArchiveFinding], advice: str) -> CheckpointCorruptError:
+    """The one refusal for a checkpoint whose integrity check found ``findings``: the first three, then ``advice``."""
+    shown = preview(findings, 3, sep="; ", quote=False)
+    return CheckpointCorruptError(f"checkpoint {name} failed its integrity check: {shown}; {advice}")
 
 
 def _structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:

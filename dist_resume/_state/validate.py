@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError, StateMismatchError
-from .._core.text import article
+from .._core.text import article, preview
 
 __all__ = ["check_dtypes", "check_scheduler", "check_scaler", "check_rng_states"]
 
@@ -25,7 +25,7 @@ def check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, sou
         if strict or not cast_ok:
             problems.append(f"{key}: checkpoint {value.dtype}, model {want.dtype}")
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = preview(problems, 5, sep="; ", quote=False)
         raise KeyMismatchError(
             f"{source}: dtypes differ ({shown}); convert the model (model.to(dtype)) to the checkpoint's dtype "
             "before resuming, or pass strict=False to cast floating-point tensors on load",
