@@ -196,6 +196,68 @@ def test_pt_to_dcp_without_param_names_and_with_buffers_is_refused(tmp_path):
     assert not (tmp_path / "dcp").exists()
 
 
+def _layerwise(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))  # two same-shaped weights
+    opt = torch.optim.AdamW([{"params": [model[1].weight], "lr": 1e-2}, {"params": [model[0].weight], "lr": 5e-3}])
+    model(torch.randn(3, 8)).square().sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_pt_to_dcp_never_pairs_unnamed_state_by_position_across_groups(tmp_path):
+    # layer-wise learning rates list the last layer first: pairing by model order would swap the
+    # two layers' Adam moments silently (the shapes are equal), so the export is refused
+    model, opt = _layerwise(0)
+    src = tmp_path / "lw.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    with pytest.raises(UsageError, match="2 group") as err:
+        convert_checkpoint(src, tmp_path / "dcp", format="dcp")
+    assert "named_parameters" in err.value.hint
+    assert not (tmp_path / "dcp").exists()
+
+
+def _one_group(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 8)).square().sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_pt_to_dcp_never_pairs_by_position_a_model_read_from_a_foreign_reader(tmp_path):
+    # a model converted from safetensors / an HF folder has the file's key order (sorted), not the module's
+    model, opt = _one_group(0)
+    src = tmp_path / "a.pt"
+    meta = {"source_layout": "hf-trainer"}
+    torch.save(
+        {
+            "format": "dist_resume",
+            "format_version": 1,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "meta": meta,
+        },
+        src,
+    )
+    with pytest.raises(UsageError, match="carry no names"):
+        convert_checkpoint(src, tmp_path / "dcp", format="dcp")
+
+
+def test_pt_to_dcp_pairs_one_unnamed_group_by_position_when_shapes_fit(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _one_group(0)
+    src, dst = tmp_path / "a.pt", tmp_path / "dcp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    convert_checkpoint(src, dst, format="dcp")
+    state = {"optim.state.1.weight.exp_avg": torch.zeros(2, 4)}
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.load(state, checkpoint_id=str(dst), no_dist=True)
+    assert torch.equal(state["optim.state.1.weight.exp_avg"], opt.state[model[1].weight]["exp_avg"])
+
+
 # --- detected layouts, --part, Namespace -----------------------------------------------------------
 
 

@@ -141,7 +141,31 @@ def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progre
     return Converted(Layout.BARE, before, prefix_style(model), len(model), renamed, 0, written)
 
 
-def _dsd_optimizer(optimizer: Any, model_keys: list[str], source: str) -> dict[str, Any] | None:
+def _pairs_by_position(
+    optimizer: Mapping[str, Any], groups: list[Any], ids: list[Any], model: Mapping[str, Any], meta: Mapping[str, Any]
+) -> bool:
+    """Whether unnamed optimizer state can be paired with the model's keys by position, with no guess.
+
+    Only ``torch.optim.X(model.parameters())`` lists parameters in state-dict order: one group, as
+    many parameters as model entries (so no buffers), every state tensor shaped like its model
+    tensor, and a model read from a torch file (a foreign reader's key order is the file's, e.g.
+    sorted, not the module's). Decay/no-decay groups or layer-wise learning rates reorder them.
+    """
+    if len(groups) != 1 or len(ids) != len(model) or meta.get("source_layout") or meta.get("source_format"):
+        return False
+    shapes = {i: tuple(t.shape) for i, t in zip(ids, model.values()) if isinstance(t, torch.Tensor)}
+    for pid, state in optimizer["state"].items():
+        if pid not in shapes or not isinstance(state, Mapping):
+            return False
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[pid]:
+                return False
+    return True
+
+
+def _dsd_optimizer(
+    optimizer: Any, model: Mapping[str, Any], meta: Mapping[str, Any], source: str
+) -> dict[str, Any] | None:
     """An optimizer state dict in DSD's ``get_state_dict`` form: state and ``params`` keyed by canonical FQN."""
     if optimizer is None:
         return None
@@ -154,12 +178,13 @@ def _dsd_optimizer(optimizer: Any, model_keys: list[str], source: str) -> dict[s
         names = [canonical_key(n) for g in named for n in g]
     elif all(isinstance(p, str) for p in ids):
         names = [canonical_key(p) for p in ids]  # already DSD's form
-    elif len(ids) == len(model_keys):
-        names = list(model_keys)  # no buffers: parameters in state-dict order
+    elif _pairs_by_position(optimizer, groups, ids, model, meta):
+        names = list(model)  # one group, no buffers, every state shape fits: parameters in state-dict order
     else:
         raise UsageError(
-            f"{source}: the optimizer's {len(ids)} parameters carry no names (no 'param_names') and the model has "
-            f"{len(model_keys)} entries, so which state belongs to which parameter is unknown",
+            f"{source}: the optimizer's {len(ids)} parameters in {len(groups)} group(s) carry no names (no "
+            f"'param_names'), and the model's {len(model)} entries do not pair with them by position beyond doubt, "
+            "so which state belongs to which parameter is unknown",
             "build the optimizer from model.named_parameters() (torch >= 2.5 stores param_names) and save again, "
             "or convert to --format pt and restore with dist_resume",
         )
@@ -192,7 +217,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
     before = prefix_style(parts.model)
     model, renamed = _rekeyed(parts.model, KeyForm.SINGLE, source)
     state: dict[str, Any] = {"model": model}
-    optim = _dsd_optimizer(parts.optimizer, list(model), source)
+    optim = _dsd_optimizer(parts.optimizer, model, parts.meta, source)
     if optim is not None:
         state["optim"] = optim
     for name in ("scheduler", "scaler", "step", "epoch"):
