@@ -83,14 +83,25 @@ def test_verify_catches_a_flipped_byte(tmp_path: Path, capsys: pytest.CaptureFix
     folder = _folder(tmp_path)
     _flip_tensor_byte(folder / checkpoint_name(20))
     assert torch.load(folder / checkpoint_name(20), weights_only=True)  # torch.load itself does not notice
-    _, out, _ = _run(capsys, str(folder), "--json")
-    assert json.loads(out)["pick"] == checkpoint_name(20)  # the structure alone looks fine
     code, out, _ = _run(capsys, str(folder), "--json", "--verify")
     report = json.loads(out)
     assert code == 0 and report["verified"] is True
     assert report["checkpoints"][1]["status"] == "damaged" and "CRC" in report["checkpoints"][1]["reason"]
     assert report["pick"] == checkpoint_name(10)
     assert dr.latest_checkpoint(folder) == folder / checkpoint_name(10)  # the pick is resume's
+
+
+def test_the_pick_is_resumes_even_without_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # resume CRC-checks the newest checkpoints before it picks; list must not name one resume would skip
+    folder = _folder(tmp_path)
+    (folder / checkpoint_name(30)).unlink()
+    _flip_tensor_byte(folder / checkpoint_name(20))
+    _, out, _ = _run(capsys, str(folder), "--json")
+    report = json.loads(out)
+    assert report["verified"] is False and report["pick"] == checkpoint_name(10)
+    assert report["checkpoints"][1]["status"] == "damaged" and "CRC" in report["checkpoints"][1]["reason"]
+    result = dr.CheckpointManager(folder).resume(model=nn.Linear(4, 4))
+    assert result is not None and result.path.name == report["pick"]
 
 
 def test_a_folder_whose_checkpoints_are_all_damaged_says_resume_raises(

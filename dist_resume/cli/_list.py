@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._checkpoint.folder import CheckpointManager
-from .._checkpoint.listing import CHECKPOINT_NAME
+from .._checkpoint.listing import CHECKPOINT_NAME, find_latest
 from .._checkpoint.lock import LOCK_NAME
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .._core.types import PathLike
@@ -85,6 +85,16 @@ def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: (e["step"], e["name"]))
 
 
+def _crc_check_newest(folder: Path, checkpoints: list[dict[str, Any]]) -> None:
+    """Mark damaged the newest checkpoints that ``resume`` (which checks every CRC) would skip."""
+    _, skipped = find_latest(folder, verify=True)
+    reasons = {path.name: err for path, err in skipped}
+    for entry in checkpoints:
+        if entry["status"] == "valid" and (err := reasons.get(entry["name"])) is not None:
+            reason = str(err).replace(str(folder / entry["name"]), entry["name"])
+            entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
+
+
 def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
     """The report of ``dist-resume list``. Local; reads each checkpoint's zip directory and pickle (and with
     ``verify`` every record's CRC-32), never loads tensor data."""
@@ -100,6 +110,8 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
         kind, checkpoints = "hf-trainer-output", hf
     elif not checkpoints and (foreign := detect_folder(folder)) is not None:
         kind = foreign.value  # one foreign checkpoint: `dist-resume inspect` and resume() read it as a whole
+    if kind == "checkpoint-manager" and not verify:
+        _crc_check_newest(folder, checkpoints)  # resume checks CRCs newest first: say what it will skip
     valid = [e for e in checkpoints if e["status"] == "valid"]
     pick = valid[-1]["name"] if valid else None
     if pick is not None:
