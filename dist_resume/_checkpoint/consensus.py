@@ -18,6 +18,7 @@ from .._core.errors import (
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
+from .._format.foreign import checkpoint_subfolders, unrecognised_folder
 from .._format.integrity import CheckpointInfo, archive_digest
 from .listing import find_latest
 
@@ -36,6 +37,8 @@ def _choose(folder: Path) -> CheckpointInfo:
             f"intact ({reasons}; first: {skipped[0][1]}); restore a good checkpoint into it, or pass a "
             "checkpoint file to resume() explicitly"
         )
+    if checkpoint_subfolders(folder):  # the parent of checkpoints (an HF output_dir): a wrong path, not a first run
+        raise unrecognised_folder(folder)
     others = sorted(os.listdir(folder))
     found = f"; it holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}" if others else " (it is empty)"
     raise CheckpointNotFoundError(

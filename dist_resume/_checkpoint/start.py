@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError
+from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
+from .._format.foreign import checkpoint_subfolders, foreign_kind, unrecognised_folder
 from .listing import numbered_checkpoints
 from .restore import ResumeResult, resume
 
@@ -56,7 +57,36 @@ def folder_state(folder: Path) -> FolderState:
             f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
             "saves into (to resume from a single file use dist_resume.resume(path, ...))"
         )
-    return FolderState.HOLDS_CHECKPOINTS if numbered_checkpoints(folder) else FolderState.NONE_YET
+    if numbered_checkpoints(folder):
+        return FolderState.HOLDS_CHECKPOINTS
+    kind = foreign_kind(folder)
+    if kind is not None or checkpoint_subfolders(folder):  # starting fresh here would drop that run
+        what = (
+            f"it is itself a checkpoint (layout {kind.value!r})"
+            if kind is not None
+            else str(unrecognised_folder(folder))
+        )
+        raise NotACheckpointError(
+            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: {what}; a CheckpointManager saves into a "
+            "folder of its own: give it a new folder and pass that checkpoint as init_from="
+        )
+    return FolderState.NONE_YET
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
+            "saves into (to resume from a single file use dist_resume.resume(path, ...))"
+        )
+    if numbered_checkpoints(folder):
+        return FolderState.HOLDS_CHECKPOINTS
+    if foreign_kind(folder) is not None or checkpoint_subfolders(folder):
+        # an HF/Accelerate/DCP checkpoint, or the parent of some: starting fresh here would drop that run
+        raise NotACheckpointError(
+            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt but "
+            + ("is itself a foreign checkpoint" if foreign_kind(folder) else "holds checkpoint folders one level down")
+            + f" ({unrecognised_folder(folder) if not foreign_kind(folder) else foreign_kind(folder).value}); "  # type: ignore[union-attr]
+            "a CheckpointManager saves into a folder of its own: pass that checkpoint as init_from= and a new folder"
+        )
+    return FolderState.NONE_YET
 
 
 def _every_rank_sees(path: Path, what: str) -> None:

@@ -39,7 +39,7 @@ from .convert_formats import (
     safetensors_to_pt,
 )
 from .convert_output import check_paths, remove_stale_temps, write_locked
-from .foreign import detect_folder, read_folder
+from .foreign import checkpoint_subfolders, detect_folder, read_folder, unrecognised_folder
 from .layout import split_checkpoint
 from .rekey import KeyForm, target_key
 from .safetensors_io import is_safetensors
@@ -85,6 +85,8 @@ def _source_kind(src: Path) -> _Source:
     if src.is_dir():
         if detect_folder(src) is not None:  # HF Trainer, Accelerate or DCP
             return _Source.FOLDER
+        if checkpoint_subfolders(src):  # an HF output_dir: name the checkpoint folders inside
+            raise unrecognised_folder(src)
         raise UsageError(
             f"SRC {str(src)!r} is a folder of no kind dist_resume knows",
             "give a .pt/.ckpt/.safetensors file, an HF Trainer or Accelerate folder, or a DCP folder",

@@ -32,6 +32,7 @@ __all__ = [
     "is_manager_folder",
     "trainer_progress",
     "foreign_kind",
+    "checkpoint_subfolders",
 ]
 
 
@@ -128,8 +129,29 @@ def read_folder(
     raise unrecognised_folder(folder)
 
 
+def checkpoint_subfolders(folder: Path) -> list[Path]:
+    """The folders directly inside ``folder`` that are checkpoints (foreign or ``CheckpointManager``), oldest first.
+
+    Local. An HF Trainer ``output_dir`` holds ``checkpoint-N/`` folders: they sort by N.
+    """
+    if not folder.is_dir():
+        return []
+    subs = [p for p in folder.iterdir() if p.is_dir() and (detect_folder(p) is not None or is_manager_folder(p))]
+    return sorted(subs, key=lambda p: (int(m.group(1)) if (m := _HF_STEP_DIR.match(p.name)) else -1, p.name))
+
+
 def unrecognised_folder(folder: Path) -> NotACheckpointError:
-    """The error for a folder no reader recognises: what it holds, and which folders dist_resume reads. Local."""
+    """The error for a folder no reader recognises: what it holds, and which folders dist_resume reads. Local.
+
+    A folder that holds checkpoint folders one level down (an HF Trainer ``output_dir``) says so and
+    names the newest: resuming from the parent is a wrong path, never "nothing to resume".
+    """
+    subs = checkpoint_subfolders(folder)
+    if subs:
+        return NotACheckpointError(
+            f"{str(folder)!r} is not a checkpoint itself but holds {len(subs)} checkpoint folder(s) one level down: "
+            f"{preview((p.name + '/' for p in subs), 8)}; pass one of them, e.g. the newest: {str(subs[-1])!r}"
+        )
     found = sorted(_names(folder)) if folder.is_dir() else []
     return NotACheckpointError(
         f"{str(folder)!r} is not a checkpoint folder dist_resume recognises (files: "

@@ -29,6 +29,7 @@ __all__ = [
     "load_checkpoint",
     "open_checkpoint",
     "foreign_kind",
+    "source_kind",
     "is_foreign_source",
     "parts_as_dict",
     "parts_to_fields",
@@ -50,6 +51,22 @@ class Opened:
 def is_foreign_source(path: PathLike) -> bool:
     """True when :func:`open_checkpoint` reads ``path`` with a foreign reader (it yields parts). Local."""
     return foreign_kind(path) is not None
+
+
+def source_kind(path: PathLike) -> Layout | None:
+    """The foreign layout of ``path``, or None for a torch file; a folder no reader takes raises. Local.
+
+    A ``CheckpointManager`` folder or an empty one raises :class:`CheckpointNotFoundError` (pass it
+    to ``resume``); any other folder :class:`NotACheckpointError`, naming its files and the known
+    folders, or the checkpoint folders it holds one level down (an HF Trainer ``output_dir``).
+    """
+    p = Path(path)
+    kind = foreign_kind(p)
+    if kind is None and p.is_dir():
+        if is_manager_folder(p) or not any(p.iterdir()):  # check_file's error says what to pass instead
+            load_torch_file(p)
+        raise unrecognised_folder(p)
+    return kind
 
 
 def open_checkpoint(
@@ -77,12 +94,8 @@ def open_checkpoint(
         ('hf-trainer', 500)
     """
     p = Path(path)
-    kind = foreign_kind(p)
+    kind = source_kind(p)
     if kind is None:
-        if p.is_dir():
-            if is_manager_folder(p) or not any(p.iterdir()):  # check_file's error says what to pass instead
-                load_torch_file(p)
-            raise unrecognised_folder(p)
         return Opened(
             p, obj=load_torch_file(p, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
         )

@@ -126,7 +126,11 @@ _HINTS: tuple[tuple[type[BaseException], str], ...] = (
     (CheckpointNotFoundError, "check the path"),
     (CheckpointCorruptError, "the file is incomplete or damaged: use an earlier checkpoint"),
     (UnsafeCheckpointError, "dist-resume only reads what torch.load(weights_only=True) accepts"),
-    (NotACheckpointError, "dist-resume reads checkpoints written by torch.save (zip format, torch >= 1.6)"),
+    (
+        NotACheckpointError,
+        "dist-resume reads torch.save files (zip format), HF Trainer, Accelerate and DCP folders and .safetensors "
+        "files; --part PART=KEY names the key of a part it cannot tell",
+    ),
     (CheckpointWriteError, "check free space and permissions in the destination folder"),
     (KeyMismatchError, "inspect the file with `dist-resume inspect` to see its keys"),
     (EnvironmentMismatchError, "these variables are set by torchrun: unset them, or launch with torchrun"),

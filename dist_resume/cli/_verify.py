@@ -12,7 +12,7 @@ from .._core.text import preview
 from .._core.types import PathLike
 from .._format.detect import check_part_keys
 from .._format.layout import CheckpointParts, describe_keys, split_checkpoint
-from .._format.open import is_foreign_source, open_checkpoint
+from .._format.open import open_checkpoint, source_kind
 from .._format.sniff import FileKind, check_file, file_kind
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
@@ -200,7 +200,7 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
 
 
 def _mmap(path: PathLike) -> bool:
-    return is_foreign_source(path) or file_kind(check_file(path)) is not FileKind.LEGACY
+    return source_kind(path) is not None or file_kind(check_file(path)) is not FileKind.LEGACY
 
 
 def _where(side: Mapping[str, Any]) -> str:

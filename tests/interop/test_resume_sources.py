@@ -249,3 +249,29 @@ def test_cli_verify_compares_a_foreign_folder_with_a_torch_file(hf_checkpoint: S
     torch.save({"model": other, "optimizer": hf_checkpoint.optimizer}, tmp_path / "other.pt")
     report = verify_checkpoints(hf_checkpoint.path, tmp_path / "other.pt")
     assert not report["equal"] and report["differences"][0]["key"] == key
+
+
+def test_the_parent_of_checkpoint_folders_names_them_and_is_never_a_first_run(
+    hf_checkpoint: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # an HF Trainer output_dir holds checkpoint-N/: resuming from it is a wrong path, and code that
+    # catches CheckpointNotFoundError to start fresh must not throw the run away
+    from dist_resume.cli import main
+
+    output_dir = hf_checkpoint.path.parent
+    model = _tiny()
+    calls: list[Callable[[], Any]] = [
+        lambda: dr.resume(output_dir, model=model),
+        lambda: dr.load_checkpoint(output_dir),
+        lambda: dr.CheckpointManager(output_dir).resume(model=model),
+    ]
+    for call in calls:
+        with pytest.raises(dr.NotACheckpointError, match="checkpoint-2/") as err:
+            call()
+        assert not isinstance(err.value, dr.CheckpointNotFoundError)
+        assert repr(str(hf_checkpoint.path)) in str(err.value)  # names the folder to pass
+    for argv in (["inspect", str(output_dir)], ["convert", str(output_dir), str(output_dir / "x.pt"), "--to", "ddp"]):
+        assert main(argv) == 2
+        assert "checkpoint-2/" in capsys.readouterr().err
+    with pytest.raises(dr.NotACheckpointError, match="itself a checkpoint"):
+        dr.CheckpointManager(hf_checkpoint.path).resume(model=model)  # would save ckpt_*.pt into the HF folder
