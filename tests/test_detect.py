@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -68,13 +69,14 @@ def test_free_naming_with_ddp_prefixed_model(trained):
     assert parts.layout is Layout.DETECTED
     assert parts.model is obj["net"] and parts.optimizer is obj["opt"]
     assert parts.scheduler is obj["sched"] and parts.scaler is obj["amp"]
-    assert parts.keys == {"model": "net", "optimizer": "opt", "scheduler": "sched", "scaler": "amp"}
-    assert parts.step is None  # `it` is not a step name: left alone, in extra
-    assert parts.extra == {"it": 500, "best": 0.5}
+    assert parts.keys == {"model": "net", "optimizer": "opt", "scheduler": "sched", "scaler": "amp", "step": "it"}
+    assert parts.step == 500  # `it`, the shortest step name scripts use (lowest priority)
+    assert parts.extra == {"it": 500, "best": 0.5}  # numbers are read, not restored: they stay in extra
 
 
 @pytest.mark.parametrize(
-    "name, part", [("EPOCH", "epoch"), ("Current_Epoch", "epoch"), ("ITER", "step"), ("num_steps", "step")]
+    "name, part",
+    [("EPOCH", "epoch"), ("Current_Epoch", "epoch"), ("ITER", "step"), ("num_steps", "step"), ("It", "step")],
 )
 def test_counter_names_in_any_case(trained, name, part):
     parts = split_checkpoint({"weights": trained[0].state_dict(), name: 11})
@@ -159,7 +161,7 @@ def test_part_keys_name_that_does_not_exist(trained):
     assert "'MODEL_STATE', 'EPOCHS_RUN', 'state', 'state.opt'" in msg
     with pytest.raises(dr.NotACheckpointError, match="holds int, not a state dict"):
         split_checkpoint(obj, part_keys={"model": "EPOCHS_RUN"})
-    with pytest.raises(dr.NotACheckpointError, match="not a number"):
+    with pytest.raises(dr.NotACheckpointError, match="not a whole number"):
         split_checkpoint(obj, part_keys={"epoch": "state"})
 
 
@@ -326,3 +328,101 @@ def test_values_that_are_not_parts_stay_in_extra(trained):
     assert parts.model is obj["model.pt"] and parts.keys == {"model": "model.pt"}  # a dotted top-level key
     assert parts.ema is None and parts.scaler is None and parts.step is None and parts.epoch is None
     assert parts.extra == {k: v for k, v in obj.items() if k != "model.pt"}
+
+
+def test_counters_one_level_down_outside_the_model_dict(trained):
+    model, opt, _ = trained
+    obj = {"net": model.state_dict(), "opt": opt.state_dict(), "progress": {"epoch": 3, "global_step": 100}}
+    parts = split_checkpoint(obj)
+    assert (parts.epoch, parts.step) == (3, 100)
+    assert parts.keys["epoch"] == "progress.epoch" and parts.keys["step"] == "progress.global_step"
+
+
+def test_counters_at_the_top_win_over_those_one_level_down(trained):
+    obj = {"net": trained[0].state_dict(), "epoch": 2, "progress": {"epoch": 3}}
+    assert split_checkpoint(obj).epoch == 2
+
+
+@pytest.mark.parametrize(
+    "obj_counters",
+    [{"Epoch": 3, "epoch": 4}, {"a": {"epoch": 3}, "b": {"epoch": 4}}],
+    ids=["case", "two-dicts"],
+)
+def test_counters_of_equal_rank_that_disagree_are_an_error_never_a_guess(trained, obj_counters):
+    obj = {"net": trained[0].state_dict(), **obj_counters}
+    with pytest.raises(dr.NotACheckpointError, match="could each be the epoch, with different numbers") as err:
+        split_checkpoint(obj)
+    assert "part_keys={'epoch':" in str(err.value)
+    first = next(iter(obj_counters))
+    path = first if first == "Epoch" else "a.epoch"
+    assert split_checkpoint(obj, part_keys={"epoch": path}).epoch == 3
+
+
+def test_counters_of_equal_rank_that_agree_are_one_number(trained):
+    assert split_checkpoint({"net": trained[0].state_dict(), "Epoch": 3, "epoch": 3}).epoch == 3
+
+
+def test_part_keys_on_a_state_dict_for_a_counter_says_what_it_holds_briefly(trained):
+    obj = {"net": trained[0].state_dict(), "epoch": 1}
+    with pytest.raises(dr.NotACheckpointError, match=r"holds \w*Dict with \d+ entries, not a whole number") as err:
+        split_checkpoint(obj, part_keys={"epoch": "net"})
+    assert "tensor(" not in str(err.value)
+
+
+def test_load_checkpoint_part_keys_gives_the_parts_view_of_a_torch_file(trained, tmp_path):
+    model, opt, _ = trained
+    path = tmp_path / "snap.pt"
+    torch.save({"W": model.state_dict(), "V": model.state_dict(), "opt": opt.state_dict(), "it": 7}, path)
+    view = dr.load_checkpoint(path, part_keys={"model": "W"})
+    assert set(view["model"]) == set(model.state_dict()) and view["optimizer"]["param_groups"]
+    assert view["step"] == 7 and view["meta"]["layout"] == "detected"
+    assert view["meta"]["part_keys"] == {"model": "W", "optimizer": "opt", "step": "it"}
+    assert set(view["extra"]) == {"V", "it"}
+    assert set(dr.load_checkpoint(path)) == {"W", "V", "opt", "it"}  # without part_keys: the file as it is
+    with pytest.raises(dr.NotACheckpointError, match="no such key; its keys are 'W', 'V', 'opt', 'it'"):
+        dr.load_checkpoint(path, part_keys={"model": "MODEL"})
+    with pytest.raises(dr.NotACheckpointError, match="could each be the model"):
+        dr.load_checkpoint(path, part_keys={})  # the view with nothing named: detection alone, which refuses to guess
+
+
+def test_a_part_two_entries_could_be_is_refused_only_when_it_is_restored(trained, tmp_path):
+    # a GAN file: two models, two optimizers; resuming the generator alone must not trip over the optimizers
+    model, opt, _ = trained
+    path = tmp_path / "gan.pt"
+    torch.save(
+        {"G": model.state_dict(), "D": model.state_dict(), "opt_G": opt.state_dict(), "opt_D": opt.state_dict()}, path
+    )
+    fresh = TinyNet(seed=4)
+    result = dr.resume(path, model=fresh, part_keys={"model": "G"})
+    assert result.restored == ("model",) and result.part_keys == {"model": "G"}
+    assert set(result.extra) == {"D", "opt_G", "opt_D"}
+    with pytest.raises(dr.NotACheckpointError, match="could each be the optimizer: 'opt_G', 'opt_D'"):
+        dr.resume(path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()), part_keys={"model": "G"})
+    with pytest.raises(dr.NotACheckpointError, match="could each be the optimizer"):
+        split_checkpoint(torch.load(path, weights_only=True), part_keys={"model": "G"})  # every part wanted
+
+
+def test_mingpt_snapshot_resumes_into_a_wrapped_model_and_names_its_keys(trained, tmp_path, caplog):
+    model, opt, _ = trained
+    path = tmp_path / "snapshot.pt"
+    torch.save({"model_state": model.state_dict(), "optimizer_state": opt.state_dict(), "finished_epoch": 2}, path)
+    fresh = nn.DataParallel(TinyNet(seed=5))  # keys under module., like DDP
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        result = dr.resume(path, model=fresh, optimizer=fresh_opt)
+    assert result.restored == ("model", "optimizer") and result.epoch == 2
+    keys = {"model": "model_state", "optimizer": "optimizer_state", "epoch": "finished_epoch"}
+    assert result.part_keys == keys
+    assert "model <- 'model_state', optimizer <- 'optimizer_state', epoch <- 'finished_epoch'" in caplog.text
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_known_layout_with_one_part_under_another_name_logs_every_key(trained, tmp_path, caplog):
+    model, opt, _ = trained
+    path = tmp_path / "a.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "Epoch": 3}, path)
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        fresh = TinyNet(seed=2)
+        result = dr.resume(path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters(), lr=0.01))
+    assert result.part_keys == {"model": "model", "optimizer": "opt", "epoch": "Epoch"}
+    assert "optimizer <- 'opt', epoch <- 'Epoch'" in caplog.text

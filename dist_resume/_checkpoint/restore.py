@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from .._core.log import log_rank0
 from .._core.types import MapLocation, PathLike
 from .._dist.broadcast import agree_across_ranks
 from .._dist.env import is_distributed
+from .._format.kinds import CONVENTIONAL
 from .._format.layout import FORMAT_NAME, CheckpointParts, Key, Layout, split_checkpoint
 from .._state.prefix import model_key_map
 from .options import OptimizerHparams, allowed_missing
@@ -38,6 +38,8 @@ class ResumeResult:
     model keys loaded of ``len(model.state_dict())``, ``applied["optimizer"]`` the parameters whose state
     was restored of the optimizer's parameters, ``applied["ema"]`` the EMA keys loaded of its total; a part
     not passed, or absent from the file, has no entry. ``extra`` holds the file's other entries (e.g. ``args``).
+    ``part_keys`` names the key each part came from in a torch file (``{"model": "MODEL_STATE", "epoch":
+    "EPOCHS_RUN"}``; ``"state.net"`` one level down): what ``part_keys=`` would pass to choose the same.
     """
 
     path: Path
@@ -51,6 +53,7 @@ class ResumeResult:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)
+    part_keys: dict[str, str] = field(default_factory=dict)
 
 
 def resume(
@@ -85,9 +88,12 @@ def resume(
     the other ranks through torch.distributed broadcasts in bounded buckets (for node-local disks,
     and to spare the filesystem N identical reads), with the same validation on every rank and no
     rank applying anything unless all of them validated.
-    Reads this toolkit's files and the common foreign layouts (a bare state dict,
-    ``{"model", "optimizer"}``, ``{"state_dict"}``, ``{"model_state_dict", "optimizer_state_dict"}``),
-    with any ``module.``/``_orig_mod.`` prefixes, into a plain or wrapped model on any device.
+    Reads this toolkit's files, a bare state dict, any dict whose parts are recognised by name or
+    content (``{"MODEL_STATE", "EPOCHS_RUN"}`` of PyTorch's DDP tutorial, Lightning ``.ckpt``,
+    ``{"net", "opt", "it"}``; two candidates for a part it restores are an error naming them, and
+    ``part_keys`` chooses), HF Trainer / Accelerate / DCP folders and ``.safetensors`` files (see
+    docs/sources.md), with any ``module.``/``_orig_mod.`` prefixes, into a plain or wrapped model
+    on any device.
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its GPU (``map_location`` overrides). Keys, shapes, dtypes,
@@ -155,7 +161,9 @@ def resume(
         ema=ema,
         key_prefix=key_prefix,
     )
-    split = partial(_split, model=model, key_prefix=key_prefix, part_keys=part_keys)
+    given = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "ema": ema, "sampler": sampler}
+    wanted = {"model", *(part for part, obj in given.items() if obj is not None), *(("rng",) if rng else ())}
+    split = partial(_split, model=model, key_prefix=key_prefix, part_keys=part_keys, wanted=wanted)
     if broadcast_from_rank0 and is_distributed():
         if map_location is not None:
             raise ValueError(
@@ -193,26 +201,35 @@ def resume(
         list(plan.missing_keys),
         list(plan.unexpected_keys),
         dict(plan.applied),
+        dict(parts.keys),
     )
 
 
-def _split(obj: Any, source: str, *, model: nn.Module, key_prefix: str | None, part_keys: Any) -> CheckpointParts:
-    """``split_checkpoint`` with what layout detection can use: the entries named by ``part_keys``, and the
-    model's canonical keys (under ``key_prefix``) to pick the entry that fits."""
-    kwargs: dict[str, Any] = {}
-    if part_keys is not None:
-        kwargs["part_keys"] = part_keys
-    if "model_keys" in _SPLIT_PARAMETERS:  # the content-based detector takes it
-        kwargs["model_keys"] = [(key_prefix or "") + k for k in model_key_map(model)]
-    return split_checkpoint(obj, source, **kwargs)
+def _split(
+    obj: Any, source: str, *, model: nn.Module, key_prefix: str | None, part_keys: Any, wanted: set[str]
+) -> CheckpointParts:
+    """``split_checkpoint`` with what layout detection can use: the entries named by ``part_keys``, the
+    model's canonical keys (under ``key_prefix``) to pick the entry that fits, and the parts to restore."""
+    model_keys = [(key_prefix or "") + k for k in model_key_map(model)]
+    return split_checkpoint(obj, source, model_keys=model_keys, part_keys=part_keys, wanted=wanted)
 
 
-_SPLIT_PARAMETERS: Final = frozenset(inspect.signature(split_checkpoint).parameters)
+_COUNTERS: Final = {"step": ("global_step",)}  # Lightning's and HF Trainer's name for it
+_FOREIGN: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP, Layout.SAFETENSORS)  # parts named by files
 
 
 def _key_sources(parts: CheckpointParts) -> str:
-    """``"; model <- 'MODEL_STATE', ..."`` when the parts were recognised by content (a known layout says nothing)."""
-    return f"; {parts.describe_keys()}" if parts.layout is Layout.DETECTED and parts.keys else ""
+    """``"; model <- 'MODEL_STATE', ..."`` when some part of a torch file came from a key not named for it.
+
+    A known layout under its own names (``model``, ``optimizer``, ``epoch``) says nothing; one part
+    under another name (``{"model", "opt", "Epoch"}``) and every detected layout name them all.
+    """
+    if parts.layout in _FOREIGN or not parts.keys:
+        return ""
+    named = all(
+        key in (part, *CONVENTIONAL.get(part, ()), *_COUNTERS.get(part, ())) for part, key in parts.keys.items()
+    )
+    return "" if named and parts.layout is not Layout.DETECTED else f"; {parts.describe_keys()}"
 
 
 def _plan(loaded: Loaded, split: Callable[..., CheckpointParts], build: Callable[..., RestorePlan]) -> RestorePlan:

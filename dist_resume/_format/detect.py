@@ -98,9 +98,22 @@ def _overridden(obj: Mapping[str, Any], part: str, path: str, source: str) -> An
     if part in ("epoch", "step"):
         number = as_int(value)
         if number is None and not (isinstance(value, torch.Tensor) and value.is_meta):
-            raise NotACheckpointError(f"part_keys names {path!r} for the {part}, but it holds {value!r}, not a number")
+            raise NotACheckpointError(
+                f"part_keys names {path!r} for the {part}, but it holds {_held(value)}, not a whole number"
+            )
         return number
     return one_entry(value)
+
+
+def _held(value: Any) -> str:
+    """A short description of a value for an error (a state dict's repr would fill the screen)."""
+    if isinstance(value, (int, float, str)) and len(repr(value)) <= 40:
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__}" + (
+        f" with {len(value)} entries" if isinstance(value, (Mapping, list, tuple)) else ""
+    )
 
 
 def overrides(obj: Mapping[str, Any], part_keys: Mapping[str, str] | None, source: str) -> dict[str, Any]:
@@ -165,11 +178,15 @@ def detect_parts(
     *,
     model_keys: Collection[str] | None = None,
     part_keys: Mapping[str, str] | None = None,
+    wanted: Collection[str] | None = None,
 ) -> Detected:
     """Find model, optimizer, scheduler, scaler, EMA, sampler, RNG, epoch and step in ``obj``. Local.
 
     Raises :class:`NotACheckpointError` when two entries could each be the same part, or when a key
-    named in ``part_keys`` is absent; :class:`UsageError` for an unknown part name.
+    named in ``part_keys`` is absent; :class:`UsageError` for an unknown part name. ``wanted`` names
+    the parts the caller will use (``resume``: the objects it was given); two candidates for a part
+    outside it (a GAN file's two optimizers, resumed without an optimizer) are left in ``extra``
+    instead of refused. The model, epoch and step are always wanted.
     """
     chosen = check_part_keys(part_keys)
     values = overrides(obj, chosen, source)
@@ -186,7 +203,9 @@ def detect_parts(
         elif conv is not None:
             path = conv
         elif len(cands) > 1 and part not in ("sampler", "rng"):
-            raise _ambiguous(part, list(cands), source, model_hint=False)
+            if wanted is None or part in wanted:
+                raise _ambiguous(part, list(cands), source, model_hint=False)
+            path = None
         else:
             path = next(iter(cands)) if len(cands) == 1 else None
         if path is not None:
@@ -194,18 +213,41 @@ def detect_parts(
             values[part] = [value] if part == "rng" and isinstance(value, Mapping) else one_entry(value)
             chosen[part] = path
             taken.add(path)
-    model = next((e for e in every if e.path == chosen.get("model")), None)
-    homes = (None, model.container) if model is not None and model.container else (None,)
     for part, names in (("epoch", EPOCH_NAMES), ("step", STEP_NAMES)):
-        for home in homes:
-            found = [
-                (names.index(e.name.lower()), e.path, number)
-                for e in every
-                if e.container == home and e.name.lower() in names and (number := as_int(e.value)) is not None
-            ]
-            if found and part not in chosen:
-                _, chosen[part], values[part] = min(found)
+        if part not in chosen and (counter := _counter(part, names, every, chosen.get("model"), source)) is not None:
+            chosen[part], values[part] = counter
     return Detected(values, chosen, _rest(obj, taken))
+
+
+def _counter(
+    part: str, names: tuple[str, ...], every: list[Entry], model_path: str | None, source: str
+) -> tuple[str, int] | None:
+    """Where the epoch (or step) is: top level first, then beside the model, then in any other plain dict.
+
+    In the first place that has one, the name earliest in ``names`` wins (``epoch`` before
+    ``finished_epoch``); names of equal rank (``Epoch`` and ``epoch``, ``a.step`` and ``b.step``)
+    holding different numbers are an error, never a guess.
+    """
+    model_home = next((e.container for e in every if e.path == model_path), None)
+    found = [
+        (names.index(e.name.lower()), e.container, e.path, number)
+        for e in every
+        if e.name.lower() in names and (number := as_int(e.value)) is not None
+    ]
+    for tier in (lambda c: c is None, lambda c: c is not None and c == model_home, lambda c: c is not None):
+        here = [f for f in found if tier(f[1])]
+        if not here:
+            continue
+        best = min(rank for rank, *_ in here)
+        first = [(path, number) for rank, _, path, number in here if rank == best]
+        if len({number for _, number in first}) > 1:
+            shown = ", ".join(f"{path!r} = {number}" for path, number in first)
+            raise NotACheckpointError(
+                f"{source} has {len(first)} entries that could each be the {part}, with different numbers: "
+                f"{shown}; dist_resume does not guess: choose one with part_keys={{{part!r}: {first[0][0]!r}}}"
+            )
+        return first[0]
+    return None
 
 
 def _candidate(part: str, entry: Entry) -> bool:

@@ -23,7 +23,7 @@ __all__ = [
 
 PART_NAMES: Final = ("model", "optimizer", "scheduler", "scaler", "ema", "epoch", "step")
 EPOCH_NAMES: Final = ("epoch", "epochs_run", "finished_epoch", "current_epoch")
-STEP_NAMES: Final = ("step", "global_step", "iteration", "iter", "iter_num", "num_steps")
+STEP_NAMES: Final = ("step", "global_step", "iteration", "iter", "iter_num", "num_steps", "it")
 CONVENTIONAL: Final[dict[str, tuple[str, ...]]] = {
     "ema": ("model_ema", "state_dict_ema", "ema", "ema_state_dict"),
     "model": ("model_state_dict", "model", "state_dict"),

@@ -129,6 +129,7 @@ def split_checkpoint(
     *,
     model_keys: Collection[str] | None = None,
     part_keys: Mapping[str, str] | None = None,
+    wanted: Collection[str] | None = None,
 ) -> CheckpointParts:
     """Recognise the layout of a loaded checkpoint and split it into its parts. Local.
 
@@ -136,7 +137,9 @@ def split_checkpoint(
     name and content (see :mod:`dist_resume._format.detect`): ``model_keys`` (the live model's
     state dict keys) pick the entry that fits the model when several could; ``part_keys`` (e.g.
     ``{"model": "MODEL_STATE"}``, ``"state.model"`` one level down) overrides detection for the
-    parts it names. Works on tensors read without data (meta).
+    parts it names; ``wanted`` (the parts the caller restores; default all) lets a part outside it
+    that two entries could each be stay unread rather than refused. Works on tensors read without
+    data (meta).
 
     Raises :class:`NotACheckpointError` naming the keys when no model is found, when two entries
     could each be the same part, or when a key in ``part_keys`` is absent.
@@ -156,7 +159,7 @@ def split_checkpoint(
             f"{source} holds {article(type(obj).__name__)}, not a state dict or a dict of them; "
             "save model.state_dict() (or a dict holding it) rather than the module itself"
         )
-    found = detect_parts(obj, source, model_keys=model_keys, part_keys=part_keys)
+    found = detect_parts(obj, source, model_keys=model_keys, part_keys=part_keys, wanted=wanted)
     model_key = found.keys.get("model")
     if model_key is None:
         raise NotACheckpointError(

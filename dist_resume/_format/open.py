@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from .._core.errors import UsageError
 from .._core.log import log_rank0
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
 from .foreign import foreign_kind, is_manager_folder, read_folder, unrecognised_folder
 from .integrity import verify_source
-from .layout import CheckpointParts, Layout
+from .layout import CheckpointParts, Layout, split_checkpoint
 from .load import load_torch_file
 from .safetensors_io import read_safetensors
 
@@ -126,12 +128,13 @@ def _log_first_only(path: Path, parts: CheckpointParts) -> None:
 def parts_as_dict(parts: CheckpointParts) -> dict[str, Any]:
     """A foreign source's parts as the dict ``load_checkpoint`` returns. Local.
 
-    ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch", "meta"}``, each only when
+    ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch", "sampler", "rng", "extra",
+    "meta"}``, each only when
     the source has it: the form :func:`split_checkpoint` reads back into the same parts (as its
     ``model+optimizer`` layout) and ``torch.save`` can write as it is.
     """
     out: dict[str, Any] = {"model": dict(parts.model)}
-    for name in ("optimizer", "scheduler", "scaler", "ema", "step", "epoch"):
+    for name in ("optimizer", "scheduler", "scaler", "ema", "step", "epoch", "sampler", "rng", "extra"):
         value = getattr(parts, name)
         if value is not None:
             out[name] = value
@@ -159,6 +162,7 @@ def load_checkpoint(
     mmap: bool = True,
     weights_only: bool = True,
     verify: bool = False,
+    part_keys: Mapping[str, str] | None = None,
 ) -> Any:
     """``torch.load`` with rank-aware placement and errors that name the file and the fix.
 
@@ -168,11 +172,29 @@ def load_checkpoint(
     "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
     ``split_checkpoint`` reads and ``torch.save`` writes as it is. See docs/sources.md.
 
+    ``part_keys`` (e.g. ``{"model": "MODEL_STATE"}``, ``"state.net"`` one level down) asks for that
+    same parts view of a torch file, its parts recognised as ``resume`` does and named where given;
+    the view's ``meta["part_keys"]`` says which key each part came from. A key the file lacks is a
+    :class:`NotACheckpointError` listing the keys it has. A foreign source's files name its parts,
+    so ``part_keys`` is a :class:`UsageError` there.
+
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
         >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
         tensor([1., 1.])
     """
+    if part_keys is not None and source_kind(path) is not None:
+        raise UsageError(
+            f"part_keys names keys of a torch file, but {str(path)!r} is a foreign source whose files name its parts",
+            hint="call load_checkpoint without part_keys",
+        )
     opened = open_checkpoint(path, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
-    return opened.obj if opened.parts is None else parts_as_dict(opened.parts)
+    if opened.parts is not None:
+        return parts_as_dict(opened.parts)
+    if part_keys is None:
+        return opened.obj
+    parts = split_checkpoint(opened.obj, f"checkpoint {str(path)!r}", part_keys=part_keys)
+    view = parts_as_dict(parts)
+    view["meta"] = {**view.get("meta", {}), "layout": parts.layout.value, "part_keys": dict(parts.keys)}
+    return view
