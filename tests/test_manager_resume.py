@@ -128,3 +128,33 @@ def test_resume_kwargs_reach_resume(tmp_path: Path) -> None:
     res = mgr.resume(model=bigger, strict=False)
     assert res is not None and res.step == 3 and res.missing_keys == ["1.weight", "1.bias"]
     mgr.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"allow_mising": "scheduler"}, TypeError),
+        ({"allow_missing": "schedular"}, dr.UsageError),
+        ({"optimizer_hparams": "mine"}, dr.UsageError),
+    ],
+    ids=["unknown-keyword", "unknown-part", "bad-hparams"],
+)
+def test_a_mistyped_option_fails_on_the_first_run_not_after_the_first_preemption(
+    tmp_path: Path, kwargs: dict[str, str], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        dr.CheckpointManager(tmp_path / "run").resume(model=_model(0.0), **kwargs)  # an empty folder: a first run
+
+
+def test_init_from_logs_what_it_did(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source, source_opt = _trained(3.0, lr=0.1)
+    torch.save({"model": source.state_dict()}, tmp_path / "weights.pt")  # weights only
+    model, opt = _trained(0.0, lr=0.7)
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        res = dr.CheckpointManager(tmp_path / "run").resume(
+            model=model, optimizer=opt, init_from=tmp_path / "weights.pt", allow_missing="optimizer"
+        )
+    assert res is not None and res.restored == ("model",) and res.skipped == ("optimizer",)
+    assert "initialised model from" in caplog.text and "model and optimizer" not in caplog.text
+    assert "the checkpoint's values replace" not in caplog.text  # init_from keeps this run's hyperparameters
+    assert opt.param_groups[0]["lr"] == 0.7

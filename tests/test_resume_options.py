@@ -153,7 +153,40 @@ def test_optimizer_hparams_current_with_a_restored_scheduler_warns_that_it_will_
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, optimizer_hparams="current")
     assert opt2.param_groups[0]["lr"] == 5e-2 and opt2.param_groups[0]["initial_lr"] == 5e-2
-    assert any("sets lr from its own saved state at its next step()" in r.getMessage() for r in caplog.records)
+    assert any("recomputes lr at its next step() from its own saved state" in r.getMessage() for r in caplog.records)
+
+
+def test_optimizer_hparams_current_with_the_same_lr_and_a_scheduler_does_not_warn(tmp_path, caplog):
+    model, opt, sched = _trained(lr=1e-3, scheduler=True)
+    path = tmp_path / "c.pt"
+    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=2)
+    model2, opt2, sched2 = _fresh(lr=1e-3, scheduler=True)
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]  # the same lr as the file's, wherever the schedule is
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, optimizer_hparams="current")
+    assert not [r for r in caplog.records if "recomputes lr" in r.getMessage()]
+
+
+def test_a_differing_lr_with_a_restored_scheduler_says_the_scheduler_sets_it(tmp_path, caplog):
+    model, opt, sched = _trained(lr=1e-3, scheduler=True)
+    path = tmp_path / "c.pt"
+    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=2)
+    model2, opt2, sched2 = _fresh(lr=5e-2, scheduler=True)
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2)
+    lines = [r.getMessage() for r in caplog.records if "group 0 lr:" in r.getMessage()]
+    assert lines and all("an LR scheduler sets it; the scheduler is restored too" in m for m in lines)
+
+
+def test_rng_true_on_a_file_without_rng_state_raises_unless_allowed(tmp_path):
+    model, opt, _ = _trained()
+    path = _plain_file(tmp_path, model, opt)  # save_checkpoint always stores RNG state; a plain file has none
+    fresh = _fresh()[0]  # seeds torch's RNG: take the streams after it
+    before = torch.get_rng_state()
+    with pytest.raises(dr.StateMismatchError, match=r"no rng state but rng=True was passed.*allow_missing=\('rng',\)"):
+        dr.resume(path, model=fresh, rng=True)
+    result = dr.resume(path, model=fresh, rng=True, allow_missing="rng")
+    assert result.skipped == ("rng",) and torch.equal(torch.get_rng_state(), before)
 
 
 def test_optimizer_hparams_unknown_value_is_a_usage_error(tmp_path):

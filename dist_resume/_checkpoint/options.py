@@ -72,6 +72,11 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
     return out
 
 
+def lr_differs(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether some group's ``lr`` differs between the checkpoint and the live optimizer."""
+    return any(not _same(s.get("lr"), g.get("lr")) for s, g in zip(saved_groups, live_groups))
+
+
 def _shown(value: Any) -> str:
     """A hyperparameter as a person reads it: ``0.0003``, not ``0.00030000000000000003``."""
     if isinstance(value, float):
@@ -106,15 +111,27 @@ def strip_name_prefix(saved_optimizer: Any, key_prefix: str) -> Any:
 
 
 def choose_hparams(
-    opt_sd: dict[str, Any], optimizer: torch.optim.Optimizer, hparams: OptimizerHparams, notices: list[tuple[int, str]]
+    opt_sd: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    hparams: OptimizerHparams,
+    notices: list[tuple[int, str]],
+    scheduled: bool = False,
 ) -> tuple[dict[str, Any], tuple[int, int]]:
     """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
-    ``(parameters with saved state, parameters)``."""
+    ``(parameters with saved state, parameters)``. ``scheduled``: an LR scheduler is restored too, so
+    a differing ``lr`` is most likely its doing (a warm-up sets it when the scheduler is built), and
+    the line says so."""
     changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
     if changes:
         whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
+        why = " (an LR scheduler sets it; the scheduler is restored too)"
         notices.extend(
-            (logging.INFO, f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}") for c in changes
+            (
+                logging.INFO,
+                f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}"
+                + (why if scheduled and c.split()[2] in ("lr:", "initial_lr:") else ""),
+            )
+            for c in changes
         )
     if hparams is OptimizerHparams.CURRENT:
         groups = []

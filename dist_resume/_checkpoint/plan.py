@@ -30,6 +30,7 @@ from .options import (
     OptimizerHparams,
     allowed_missing,
     choose_hparams,
+    lr_differs,
     optimizer_applied,
     strip_name_prefix,
 )
@@ -196,7 +197,8 @@ def plan_restore(
             )
         saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
-        optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices)
+        scheduled = scheduler is not None and parts.scheduler is not None
+        optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices, scheduled)
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)
@@ -209,7 +211,8 @@ def plan_restore(
         check_sampler_state(sampler, parts.sampler, source)
     elif sampler is None and parts.sampler is not None:
         notices.append((logging.WARNING, _NO_SAMPLER.format(source=source)))
-    if rng:
+    has_rng = rng and present(parts.rng, "rng", "to keep the current RNG streams")
+    if has_rng:
         check_rng_states(parts.rng, global_rank(), source)
     saved_ema = getattr(parts, "ema", None)
     saved_ema = ema_entry if saved_ema is None else saved_ema
@@ -217,7 +220,8 @@ def plan_restore(
     if ema is not None and present(saved_ema, "ema"):
         ema_state = adapt_ema_state(saved_ema, ema, strict=strict, source=source)
         applied["ema"] = (len(ema_state), len(ema.state_dict()))
-    if hparams is OptimizerHparams.CURRENT and optimizer_state is not None and has_scheduler:
+    kept_lr = optimizer_state is not None and hparams is OptimizerHparams.CURRENT and parts.optimizer is not None
+    if kept_lr and has_scheduler and lr_differs(parts.optimizer["param_groups"], optimizer.param_groups):  # type: ignore[union-attr]
         notices.append((logging.WARNING, _SCHEDULER_OVERRIDES.format(source=source)))
     wanted = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler, "ema": ema}
     done = {
@@ -227,7 +231,7 @@ def plan_restore(
         "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
-        "rng": rng and parts.rng is not None,
+        "rng": has_rng,
     }
     skipped = [name for name in wanted if wanted[name] is not None and not done[name]]
     if rng and not done["rng"]:
@@ -260,9 +264,10 @@ _NO_SAMPLER: Final = (
     "pass sampler=... (a ResumableDistributedSampler) to continue where it stopped"
 )
 _SCHEDULER_OVERRIDES: Final = (
-    "{source}: optimizer_hparams='current' kept this optimizer's lr, but the restored LR scheduler sets lr "
-    "from its own saved state at its next step(); rebuild the scheduler, or allow_missing=('scheduler',) and "
-    "pass no scheduler, to keep the new lr"
+    "{source}: optimizer_hparams='current' kept this optimizer's lr, which differs from the checkpoint's, but the "
+    "restored LR scheduler recomputes lr at its next step() from its own saved state (base_lrs, last_epoch), so "
+    "the kept lr may not last; to schedule from the new lr, pass no scheduler (allow_missing=('scheduler',)) and "
+    "build a fresh one"
 )
 
 
@@ -283,9 +288,14 @@ def _present(
     if what in allowed:
         return False
     if strict:
+        passed, instead = (
+            ("rng=True was passed", "rng=False")
+            if what == "rng"
+            else (f"{article(what)} was passed", f"do not pass the {what}")
+        )
         raise StateMismatchError(
-            f"{source} ({parts.layout.value} layout) has no {what} state but {article(what)} was passed; "
-            f"pass allow_missing=({what!r},) {why}, or do not pass the {what}"
+            f"{source} ({parts.layout.value} layout) has no {what} state but {passed}; "
+            f"pass allow_missing=({what!r},) {why}, or {instead}"
         )
     notices.append(
         (

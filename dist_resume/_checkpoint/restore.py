@@ -110,8 +110,7 @@ def resume(
     - ``allow_missing``: names of parts that may be absent from the file (``"optimizer"``,
       ``"scheduler"``, ``"scaler"``, ``"sampler"``, ``"rng"``, ``"ema"``, or ``"all"``). Each absent allowed
       part is left as it is and listed in ``ResumeResult.skipped``; a part passed but absent and not
-      allowed raises :class:`StateMismatchError`. (With ``rng=True`` a file without RNG state always
-      leaves the streams as they are.)
+      allowed raises :class:`StateMismatchError`; ``rng=True`` counts as passing the RNG part.
     - ``optimizer_hparams``: ``"checkpoint"`` (torch's rule, the default) takes each group's ``lr``,
       ``betas``, ``weight_decay``, ... from the file; ``"current"`` restores the per-parameter state
       but keeps the live optimizer's group hyperparameters (``initial_lr`` too). Either way each value
@@ -134,8 +133,8 @@ def resume(
     and position, split over the ranks present now; ``rng=True`` makes each rank restore its own
     saved RNG streams (python, torch CPU, its CUDA device, numpy). When the world size changed,
     ranks missing from the checkpoint derive theirs from the saved seed, their rank and the step,
-    and rank 0 logs it at WARNING. A file without RNG state leaves the streams as they are
-    (logged at INFO). Both are validated before anything changes and listed in ``restored``.
+    and rank 0 logs it at WARNING. A file without RNG state raises unless
+    ``allow_missing`` names ``"rng"`` (then the streams are left as they are). Both are validated before anything changes and listed in ``restored``.
 
     Example::
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
 from .._format.foreign import checkpoint_subfolders, foreign_kind, unrecognised_folder
 from .listing import numbered_checkpoints
+from .options import OptimizerHparams, allowed_missing
 from .restore import ResumeResult, resume
 
 __all__ = ["FolderState", "folder_state", "start_run"]
@@ -103,6 +105,16 @@ def _every_rank_sees(path: Path, what: str) -> None:
         )
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Raise now for keywords ``resume`` would refuse (unknown names, bad ``allow_missing`` / ``optimizer_hparams``)."""
+    try:
+        inspect.signature(resume).bind_partial("path", model=None, **options)
+    except TypeError as err:
+        raise TypeError(f"CheckpointManager.resume(): {err} (the keywords resume() takes are passed through)") from None
+    allowed_missing(options.get("allow_missing", ()))
+    OptimizerHparams.parse(options.get("optimizer_hparams", "checkpoint"))
+
+
 def start_run(
     folder: Path,
     *,
@@ -112,6 +124,7 @@ def start_run(
     options: dict[str, Any],
 ) -> ResumeResult | None:
     """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed."""
+    _check_options(options)  # a typo must fail on the first run, not on the first restart after a preemption
     state: FolderState = run_on_rank0(lambda: folder_state(folder), fallback=CheckpointError)
     broadcast = bool(options.get("broadcast_from_rank0"))
     if state is FolderState.HOLDS_CHECKPOINTS:
@@ -137,20 +150,13 @@ def _init(
     source: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: dict[str, Any]
 ) -> ResumeResult:
     """Model and optimizer state from another run; the live optimizer keeps its own hyperparameters."""
-    kept = (
-        [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
-        if (optimizer is not None)
-        else []
-    )
     loaded = {k: v for k, v in options.items() if k not in _OWN_RUN_ONLY}
+    loaded["optimizer_hparams"] = "current"  # this run's lr, betas, weight_decay, initial_lr...
     result = resume(source, model=model, optimizer=optimizer, **loaded)
-    if optimizer is not None:
-        for group, hparams in zip(optimizer.param_groups, kept, strict=True):
-            group.update(hparams)  # this run's lr, betas, weight_decay, initial_lr...
     log_rank0(
         logging.INFO,
         "initialised %s from %s (step %s of that run); this run starts at step 0",
-        "model and optimizer" if optimizer is not None else "model",
+        " and ".join(result.restored),
         result.path,
         result.step,
     )
