@@ -155,3 +155,24 @@ def test_an_hf_trainer_output_folder_lists_each_checkpoint_with_its_step(
     assert (
         out.splitlines()[-1] == f"newest complete: checkpoint-1000/ (step 1000): resume from {tmp_path}/checkpoint-1000"
     )
+
+
+def test_a_folder_of_other_files_is_not_called_empty_and_lists_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "model_final.pt")
+    (tmp_path / "notes.txt").write_text("hi")
+    code, out, _ = _run(capsys, str(tmp_path))
+    assert code == 0
+    assert "no checkpoints, 0 checkpoint(s)" in out.splitlines()[0] and "empty" not in out
+    assert "other files (not listed as checkpoints): 'model_final.pt', 'notes.txt'" in out
+    assert "pass a file to resume(path)" in out
+
+
+def test_a_parent_of_checkpoint_folders_says_to_pass_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inner = tmp_path / "dcp_step_5"
+    inner.mkdir()
+    (inner / ".metadata").write_bytes(b"x")
+    (inner / "__0_0.distcp").write_bytes(b"x")
+    _, out, _ = _run(capsys, str(tmp_path))
+    assert "holds checkpoint folders one level down ('dcp_step_5/')" in out and "starts fresh" not in out

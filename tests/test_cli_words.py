@@ -151,7 +151,7 @@ def test_verify_tutorial_snapshot_equals_dist_resume_file_of_the_same_state(
     net, _, path = saved
     snapshot = _tutorial(tmp_path / "snapshot.pt", nn.DataParallel(net).module)
     code, out, _ = run("verify", snapshot, path)
-    assert code == ExitCode.OK and out.startswith("equal: 4 model and 0 optimizer tensors compared")
+    assert code == ExitCode.OK and out.startswith("equal: 4 model tensors compared")
     assert "A: detected, prefix none; model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'" in out
     assert "not compared: optimizer (only B has one), step (only B has one)" in out
 
@@ -226,3 +226,13 @@ def test_library_messages_use_an_before_vowels(tmp_path: Path) -> None:
     torch.save({"model": net.state_dict()}, tmp_path / "plain.pt")
     with pytest.raises(dist_resume.DistResumeError, match="but an optimizer was passed"):
         dist_resume.resume(tmp_path / "plain.pt", model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_hyperparameters_read_as_a_person_writes_them_and_close_floats_show_every_digit() -> None:
+    from dist_resume.cli._compare import compare_values
+    from dist_resume.cli._inspect_render import _group_line
+
+    assert "lr=1e-06" in _group_line(0, {"lr": 1.0000000000000002e-06, "betas": (0.9, 0.999), "foreach": None})
+    assert compare_values(1e-05, 1.0000000000000002e-06) == "A float 1e-05, B float 1e-06"
+    close = compare_values(1e-06, 1.0000000000000002e-06)
+    assert close is not None and "1.0000000000000002e-06" in close and "|a-b|" in close

@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from .._core.errors import KeyMismatchError
+from .._core.text import article
 from .._state.adapt import adapt_state_dict
 from .._state.prefix import add_prefix, canonical_state_dict
 from .._state.validate import check_dtypes
@@ -47,7 +48,7 @@ def adapt_ema_state(saved: Any, ema: nn.Module, *, strict: bool, source: str) ->
     ``strict``).
     """
     if not isinstance(saved, Mapping):
-        raise KeyMismatchError(f"{source}: the EMA entry is a {type(saved).__name__}, not a state dict")
+        raise KeyMismatchError(f"{source}: the EMA entry is {article(type(saved).__name__)}, not a state dict")
     weights = OrderedDict((k, v) for k, v in saved.items() if k != N_AVERAGED)
     meta = getattr(saved, "_metadata", None)
     if meta is not None:

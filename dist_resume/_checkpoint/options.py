@@ -10,6 +10,7 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import UsageError
+from .._core.text import shown
 
 __all__ = [
     "OPTIONAL_PARTS",
@@ -68,22 +69,13 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
         for name in sorted((set(saved) | set(live)) - _GROUP_BOOKKEEPING):
             old, new = saved.get(name, "absent"), live.get(name, "absent")
             if not _same(old, new):
-                out.append(f"group {i} {name}: checkpoint {_shown(old)}, this optimizer {_shown(new)}")
+                out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")
     return out
 
 
 def lr_differs(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> bool:
     """Whether some group's ``lr`` differs between the checkpoint and the live optimizer."""
     return any(not _same(s.get("lr"), g.get("lr")) for s, g in zip(saved_groups, live_groups))
-
-
-def _shown(value: Any) -> str:
-    """A hyperparameter as a person reads it: ``0.0003``, not ``0.00030000000000000003``."""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, tuple) and all(isinstance(v, float) for v in value):
-        return "(" + ", ".join(f"{v:.6g}" for v in value) + ")"
-    return repr(value)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["preview", "article"]
+__all__ = ["preview", "article", "shown"]
 
 
 def preview(items: Iterable[Any], n: int = 5, *, sep: str = ", ", quote: bool = True, count: bool = False) -> str:
@@ -37,3 +37,18 @@ def article(word: str) -> str:
     acronym = len(head) > 1 and head[:2].isupper()  # spelled out: "an SGD", "an LBFGS", "a GradScaler"
     vowel_sound = head[:1].upper() in "AEFHILMNORSX" if acronym else head[:1].lower() in "aeio"
     return f"{'an' if vowel_sound else 'a'} {word}"
+
+
+def shown(value: Any) -> str:
+    """A hyperparameter as a person reads it: ``0.0003``, not ``0.00030000000000000003`` (6 significant digits).
+
+    Example::
+
+        >>> shown(1.0000000000000002e-06), shown((0.9, 0.999)), shown("cpu")
+        ('1e-06', '(0.9, 0.999)', "'cpu'")
+    """
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, tuple) and value and all(isinstance(v, float) for v in value):
+        return "(" + ", ".join(f"{v:.6g}" for v in value) + ")"
+    return repr(value)

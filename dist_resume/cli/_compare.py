@@ -7,7 +7,7 @@ from typing import Any, Final
 
 import torch
 
-from .._core.text import preview
+from .._core.text import preview, shown
 
 __all__ = ["same_bits", "max_abs_diff", "compare_values", "key_difference"]
 
@@ -82,7 +82,7 @@ def _describe_dtype(t: torch.Tensor) -> str:
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}{tuple(value.shape)}"
-    return f"{type(value).__name__} {value!r}"[:80]
+    return f"{type(value).__name__} {shown(value)}"[:80]
 
 
 def compare_values(a: Any, b: Any) -> str | None:
@@ -103,6 +103,8 @@ def compare_values(a: Any, b: Any) -> str | None:
         if len(a) != len(b):
             return f"A has {len(a)} items, B {len(b)}"
         return next((f"[{i}]: {d}" for i, (x, y) in enumerate(zip(a, b)) if (d := compare_values(x, y))), None)
+    if isinstance(a, float) and isinstance(b, float) and a != b and shown(a) == shown(b):
+        return f"A float {a!r}, B float {b!r} (|a-b| = {abs(a - b):.3g})"  # equal to 6 digits: show them all
     try:
         return None if bool(a == b) else f"A {_describe(a)}, B {_describe(b)}"
     except Exception:  # objects whose == is not a plain bool

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._core.text import preview
+from .._core.text import preview, shown
 from .._format.layout import describe_keys
 from ._common import human_bytes
 
@@ -19,8 +19,10 @@ def _yes(flag: Any) -> str:
 
 
 def _group_line(i: int, group: Mapping[str, Any]) -> str:
-    shown = " ".join(f"{k}={v}" for k, v in group.items() if v is not None)
-    return f"             group {i}: {shown or '-'}"
+    values = " ".join(
+        f"{k}={shown(v) if isinstance(v, (float, tuple)) else v}" for k, v in group.items() if v is not None
+    )
+    return f"             group {i}: {values or '-'}"
 
 
 def _kind(opt: Mapping[str, Any]) -> str:

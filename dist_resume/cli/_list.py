@@ -14,10 +14,11 @@ from .._checkpoint.folder import CheckpointManager
 from .._checkpoint.listing import CHECKPOINT_NAME, find_latest
 from .._checkpoint.lock import LOCK_NAME
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
+from .._core.text import preview
 from .._core.types import PathLike
 from .._format.archive import read_archive
 from .._format.atomic import TEMP_NAME
-from .._format.foreign import detect_folder
+from .._format.foreign import checkpoint_subfolders, detect_folder
 from .._format.integrity import inspect_checkpoint
 from .._format.layout import Key
 from ._common import SCHEMA_PREFIX, human_bytes
@@ -105,7 +106,15 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
         raise UsageError(f"{str(folder)!r} is a file, not a folder", f"run `dist-resume inspect {folder}` on a file")
     now = time.time()
     checkpoints = [_checkpoint(p, verify, now) for p in CheckpointManager(folder).checkpoints()]
-    kind = "checkpoint-manager" if checkpoints else "empty"
+    others = sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name != LOCK_NAME
+        and not TEMP_NAME.match(p.name)
+        and not CHECKPOINT_NAME.match(p.name)
+        and not _HF_STEP_DIR.match(p.name)
+    )
+    kind = "checkpoint-manager" if checkpoints else "empty" if not others else "no checkpoints"
     if not checkpoints and (hf := _hf_output(folder, now)):
         kind, checkpoints = "hf-trainer-output", hf
     elif not checkpoints and (foreign := detect_folder(folder)) is not None:
@@ -118,18 +127,14 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
         why = None
     elif checkpoints:
         why = "every checkpoint is damaged: resume raises CheckpointCorruptError"
-    elif kind == "empty":
+    elif subs := checkpoint_subfolders(folder):
+        why = f"it holds checkpoint folders one level down ({preview((s.name + '/' for s in subs), 4)}): pass one to resume()"
+    elif kind in ("empty", "no checkpoints"):
         why = "no checkpoint: CheckpointManager.resume starts fresh (or from init_from)"
+        if others:
+            why += "; the other files are not checkpoints of a CheckpointManager (pass a file to resume(path))"
     else:
         why = f"the folder itself is {kind} checkpoint: pass it to resume()"
-    others = sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.name != LOCK_NAME
-        and not TEMP_NAME.match(p.name)
-        and not CHECKPOINT_NAME.match(p.name)
-        and not _HF_STEP_DIR.match(p.name)
-    )
     return {
         "schema": SCHEMA,
         "folder": str(folder),
@@ -168,6 +173,8 @@ def render_list(report: dict[str, Any]) -> str:
     if temps:
         lines.append("temporary files left by interrupted saves (the next save into this folder removes them):")
         lines += [f"  {t['name']}  {human_bytes(t['bytes'])}  {_age_text(t['age_seconds'])}" for t in temps]
+    if report["other_files"]:
+        lines.append(f"other files (not listed as checkpoints): {preview(report['other_files'], 8)}")
     if report["pick"] is not None:
         picked = next(e for e in rows if e["name"] == report["pick"])
         if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder

@@ -211,7 +211,8 @@ def _where(side: Mapping[str, Any]) -> str:
 def render_verify(report: dict[str, Any], limit: int = 20) -> str:
     """The human-readable form of a :func:`verify_checkpoints` report."""
     c = report["compared"]
-    head = f"{c['model_tensors']} model and {c['optimizer_tensors']} optimizer tensors compared"
+    optim = f" and {c['optimizer_tensors']} optimizer" if c["optimizer_tensors"] else ""
+    head = f"{c['model_tensors']} model{optim} tensors compared"
     lines = []
     if report["equal"]:
         lines.append(f"equal: {head}")
