@@ -236,3 +236,15 @@ def test_hyperparameters_read_as_a_person_writes_them_and_close_floats_show_ever
     assert compare_values(1e-05, 1.0000000000000002e-06) == "A float 1e-05, B float 1e-06"
     close = compare_values(1e-06, 1.0000000000000002e-06)
     assert close is not None and "1.0000000000000002e-06" in close and "|a-b|" in close
+
+
+def test_verify_names_optimizer_parameters_as_the_named_side_does(tmp_path: Path, run: Run) -> None:
+    # A: a dist_resume file (param_names); B: a plain torch.save of the same state without names, one moment changed
+    net, opt = _adam_after(2)
+    a = dist_resume.save_checkpoint(tmp_path / "a.pt", model=net, optimizer=opt, step=2)
+    osd = opt.state_dict()
+    osd["state"][2]["exp_avg"] = osd["state"][2]["exp_avg"] + 1.0
+    torch.save({"model": net.state_dict(), "optimizer": osd}, tmp_path / "b.pt")
+    code, out, _ = run("verify", a, tmp_path / "b.pt")
+    assert code == ExitCode.DIFFERENT
+    assert "optimizer head.weight exp_avg" in out and "param 2" not in out

@@ -105,8 +105,13 @@ def _compare_optimizers(a: Any, b: Any, report: _Report) -> None:
                 report.diff("optimizer", name, "A's optimizer has this parameter, B's does not")
             for name in sorted(set(pb) - set(pa)):
                 report.diff("optimizer", name, "B's optimizer has this parameter, A's does not")
-        pa = {f"param {n}": pid for n, (_, pid) in enumerate(_param_order(ga))}
-        pb = {f"param {n}": pid for n, (_, pid) in enumerate(_param_order(gb))}
+        oa, ob = _param_order(ga), _param_order(gb)
+        named = next((o for o in (oa, ob) if not any(k.startswith("param ") for k, _ in o)), None)
+        unnamed_side = any(k.startswith("param ") for k, _ in (*oa, *ob))
+        # one naming scheme: the names of the side that has them, where the other side pairs by position
+        labels = [k for k, _ in named] if named is not None and unnamed_side and len(oa) == len(ob) else None
+        pa = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(oa)}
+        pb = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(ob)}
         if len(pa) != len(pb):
             report.diff("optimizer", "params", f"A has {len(pa)} parameters, B {len(pb)}")
             return
