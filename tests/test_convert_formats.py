@@ -108,6 +108,7 @@ def test_safetensors_to_pt_loads_with_weights_only_and_keeps_every_byte(tmp_path
     safetensors_torch.save_file(sd, str(src), metadata={"step": "40", "epoch": "2"})
     result = convert_checkpoint(src, dst, to="ddp")
     assert result.prefix_after == "module." and result.renamed_keys == len(sd)
+    assert result.layout.value == "safetensors"  # the source's layout, not "bare state dict"
     monkeypatch_free_load = torch.serialization.load  # torch.load is patched; the module function is not
     obj = monkeypatch_free_load(dst, weights_only=True)
     assert obj["format"] == "dist_resume" and obj["meta"]["step"] == 40 and obj["meta"]["epoch"] == 2

@@ -138,7 +138,7 @@ def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progre
     }
     obj = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
     written = write_locked(dst, lambda fd, tmp: write_archive(raw, obj, fd, progress)[0])
-    return Converted(Layout.BARE, before, prefix_style(model), len(model), renamed, 0, written)
+    return Converted(Layout.SAFETENSORS, before, prefix_style(model), len(model), renamed, 0, written)
 
 
 def _pairs_by_position(
