@@ -275,3 +275,21 @@ def test_the_parent_of_checkpoint_folders_names_them_and_is_never_a_first_run(
         assert "checkpoint-2/" in capsys.readouterr().err
     with pytest.raises(dr.NotACheckpointError, match="itself a checkpoint"):
         dr.CheckpointManager(hf_checkpoint.path).resume(model=model)  # would save ckpt_*.pt into the HF folder
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "wrapped"])
+def test_a_real_lightning_ckpt_resumes_into_the_inner_module_with_key_prefix(lightning_ckpt: Saved, wrap: bool) -> None:
+    inner = _tiny()
+    target: nn.Module = nn.DataParallel(inner) if wrap else inner  # DataParallel: DDP's module. keys, one process
+    opt = torch.optim.AdamW(inner.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with pytest.raises(dr.KeyMismatchError, match=r"key_prefix='model\.'"):
+        dr.resume(lightning_ckpt.path, model=target, strict=False)  # nothing fits without the prefix: never 0 of N
+    result = dr.resume(lightning_ckpt.path, model=target, optimizer=opt, scheduler=sched, key_prefix="model.")
+    assert result.layout is dr.Layout.LIGHTNING and result.step == 2
+    assert result.restored == ("model", "optimizer", "scheduler")
+    assert result.applied["model"] == (len(lightning_ckpt.model), len(lightning_ckpt.model))
+    assert_same(dict(inner.state_dict()), lightning_ckpt.model, "model")
+    assert lightning_ckpt.optimizer is not None
+    assert_same(opt.state_dict()["state"], lightning_ckpt.optimizer["state"], "optimizer state")
+    assert sched.state_dict()["last_epoch"] == lightning_ckpt.scheduler["last_epoch"]  # type: ignore[index]
