@@ -19,7 +19,7 @@ from .._core.types import PathLike
 from .._format.archive import ArchiveContents, read_archive
 from .._format.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._format.open import source_kind
-from .._state.prefix import prefix_style
+from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
 from ._inspect_render import render_inspect
@@ -103,6 +103,12 @@ def _report(path: PathLike, files: list[dict[str, Any]], tags: dict[str, dict[st
     }
 
 
+def _lightning_prefix(model: Mapping[str, Any]) -> str | None:
+    """``"model."`` when every key of a Lightning ``state_dict`` sits under one attribute of the LightningModule."""
+    heads = {canonical_key(k).split(".", 1)[0] for k in model if "." in canonical_key(k)}
+    return f"{heads.pop()}." if len(heads) == 1 and all("." in canonical_key(k) for k in model) else None
+
+
 def _fill_parts(report: dict[str, Any], parts: CheckpointParts, storage_of: StorageOf) -> None:
     """Describe ``parts`` into ``report``: the same words for a torch file and a foreign source."""
     warnings: list[str] = report["warnings"]
@@ -125,6 +131,7 @@ def _fill_parts(report: dict[str, Any], parts: CheckpointParts, storage_of: Stor
             "tensors": model_summary["count"],
             "bytes": model_summary["bytes"],
             "prefix_style": style,
+            "key_prefix": _lightning_prefix(model) if parts.layout is Layout.LIGHTNING else None,
             "first_keys": list(model)[:5],
             "class": parts.meta.get("model_class"),
         },

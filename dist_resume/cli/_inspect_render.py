@@ -87,6 +87,11 @@ def render_inspect(report: dict[str, Any]) -> str:
         lines.append(
             f"model        {kind}{model['keys']} keys, {model['tensors']} tensors, {human_bytes(model['bytes'])}, "
             f"prefix: {model['prefix_style']}"
+            + (
+                f"; every key under {model['key_prefix']!r}: key_prefix={model['key_prefix']!r} loads the inner module"
+                if model.get("key_prefix")
+                else ""
+            )
         )
     if report["layout"] is not None:
         if opt is None:

@@ -117,6 +117,7 @@ def test_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "tensors": 2,
         "bytes": 3 * 4 * 4 + 3 * 2,
         "prefix_style": "module.",
+        "key_prefix": None,
         "first_keys": ["module.fc.weight", "module.fc.bias"],
         "class": None,
     }
@@ -134,6 +135,8 @@ def test_lightning_ckpt(lightning_ckpt: Saved, capsys: pytest.CaptureFixture[str
     report = _report(capsys, lightning_ckpt.path)
     assert report["files"] == [{"name": "last.ckpt", "size": lightning_ckpt.path.stat().st_size}]
     assert report["model"]["keys"] == len(lightning_ckpt.model) and report["scheduler"] is True
+    assert report["model"]["key_prefix"] == "model."  # the LightningModule's self.model
+    assert "key_prefix='model.' loads the inner module" in _line(text, "model")
 
 
 def test_part_is_refused_for_a_foreign_source(hf_checkpoint: Saved, capsys: pytest.CaptureFixture[str]) -> None:
