@@ -11,6 +11,7 @@ from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
 from ._checkpoint.consensus import resolve_checkpoint
 from ._checkpoint.folder import CheckpointManager
 from ._checkpoint.listing import latest_checkpoint
+from ._checkpoint.options import OptimizerHparams
 from ._checkpoint.restore import ResumeResult, resume
 from ._checkpoint.save import save_checkpoint
 from ._core.errors import (
@@ -35,11 +36,12 @@ from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._exact.sampler import ResumableDistributedSampler
 from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
-from ._format.integrity import CheckpointInfo, inspect_checkpoint
+from ._format.convert_formats import ConvertFormat
+from ._format.integrity import CheckpointInfo, inspect_checkpoint, verify_archive
 from ._format.layout import Layout
 from ._format.load import rank_map_location
 from ._format.open import load_checkpoint
-from ._format.verify import ArchiveFinding, FindingKind, verify_archive
+from ._format.verify import ArchiveFinding, FindingKind
 from ._state.adapt import adapt_state_dict
 from ._state.devices import check_devices, device_report
 from ._state.optim import optimizer_to
@@ -71,6 +73,7 @@ __all__ = [
     "AsyncSave",
     "resume",
     "ResumeResult",
+    "OptimizerHparams",
     "Layout",
     # checkpoint folders, integrity, conversion
     "CheckpointManager",
@@ -84,6 +87,7 @@ __all__ = [
     "convert_checkpoint",
     "ConvertResult",
     "KeyForm",
+    "ConvertFormat",
     # exact resume
     "ResumableDistributedSampler",
     "rng_state_dict",
@@ -110,11 +114,22 @@ __all__ = [
 
 
 def _publish() -> None:
-    """Set ``__module__ = "dist_resume"`` on every exported class and function (not on modules or values)."""
+    """Set ``__module__ = "dist_resume"`` on every exported class and function (not on modules or values).
+
+    A class's string annotations (``from __future__ import annotations``) resolve in its module's
+    namespace, which the rename would hide from ``typing.get_type_hints``: they are resolved first.
+    Functions resolve theirs in ``__globals__`` and need nothing.
+    """
     import inspect
+    import typing
 
     for name in __all__:
         obj = globals()[name]
+        if inspect.isclass(obj):
+            own = inspect.get_annotations(obj)
+            if own:
+                hints = typing.get_type_hints(obj)
+                obj.__annotations__ = {key: hints[key] for key in own}
         if inspect.isclass(obj) or inspect.isfunction(obj):
             obj.__module__ = __name__
 

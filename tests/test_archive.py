@@ -18,11 +18,12 @@ from dist_resume import (
     NotACheckpointError,
     UnsafeCheckpointError,
     load_checkpoint,
+    verify_archive,
 )
 from dist_resume._format import archive_write as _archive_write
 from dist_resume._format.archive import read_archive
 from dist_resume._format.archive_write import dump_pickle, rewrite_archive
-from dist_resume._format.verify import FindingKind, read_records, verify_archive
+from dist_resume._format.verify import FindingKind, read_records
 from tests.helpers import save_with_device_tag
 
 

@@ -1,4 +1,5 @@
-"""The layers contract in pyproject.toml holds, and it fails when a lower layer imports a higher one."""
+"""The import contracts in pyproject.toml hold: layers (a lower layer never imports a higher one) and no cycle
+between the modules of one subpackage; each fails when broken."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_package_keeps_its_layers():
     result = _lint(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 kept, 0 broken" in result.stdout
+    assert "2 kept, 0 broken" in result.stdout
 
 
 def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
@@ -40,3 +41,14 @@ def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert "BROKEN" in result.stdout and "dist_resume._core.tree -> dist_resume._checkpoint.save" in result.stdout
+
+
+def test_an_import_cycle_inside_a_subpackage_breaks_the_contract(tmp_path):
+    # the shape that existed once: verify imported integrity inside a function, integrity imports verify
+    shutil.copytree(REPO / "dist_resume", tmp_path / "dist_resume", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    verify = tmp_path / "dist_resume" / "_format" / "verify.py"
+    verify.write_text(verify.read_text() + "\n\ndef _late():\n    from .integrity import verify_source  # noqa: F401\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "No cycles are allowed in dist_resume._format" in result.stdout and ".verify -> .integrity" in result.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import pickle
+import typing
 
 import pytest
 
@@ -66,3 +67,34 @@ def test_cli_report_builder_does_not_shadow_the_public_name():
 def test_testing_module_is_public_and_documented():
     assert dist_resume.testing.__all__ == ["RankFailure", "run_ranks", "kill_process_group"]
     assert "Local" in dist_resume.testing.run_ranks.__doc__ and "Example" in dist_resume.testing.__doc__
+
+
+def _members(obj):
+    yield obj
+    if inspect.isclass(obj) and not issubclass(obj, BaseException):
+        for name, member in vars(obj).items():
+            if not name.startswith("_") and inspect.isfunction(member):
+                yield member
+            elif isinstance(member, property) and member.fget is not None:
+                yield member.fget
+
+
+def _named_types(hint):
+    if inspect.isclass(hint):
+        yield hint
+    for arg in typing.get_args(hint):
+        yield from _named_types(arg)
+
+
+@pytest.mark.parametrize("obj", FUNCTIONS + CLASSES, ids=lambda o: o.__name__)
+def test_annotations_resolve_and_name_only_exported_types(obj):
+    # typing.get_type_hints resolves a class's string annotations in sys.modules[cls.__module__]:
+    # after the rename to "dist_resume" they must still resolve, and every toolkit type a public
+    # signature mentions must be importable from the package
+    private = set()
+    for member in _members(obj):
+        for hint in typing.get_type_hints(member).values():
+            for t in _named_types(hint):
+                if t.__module__.startswith("dist_resume.") and t.__module__ != "dist_resume.testing":
+                    private.add(f"{t.__module__}.{t.__qualname__}")
+    assert private == set()

@@ -43,7 +43,7 @@ from .foreign import checkpoint_subfolders, detect_folder, read_folder, unrecogn
 from .layout import split_checkpoint
 from .rekey import KeyForm, target_key
 from .safetensors_io import is_safetensors
-from .verify import verify_archive
+from .verify import verify_zip
 
 __all__ = [
     "KeyForm",
@@ -134,7 +134,7 @@ def convert_checkpoint(
     check_paths(src_path, dst_path, force, folder=fmt is ConvertFormat.DCP)
     kind = _source_kind(src_path)
     if check_crc and kind is _Source.PT:
-        verify_archive(src_path)
+        verify_zip(src_path)
     source = repr(str(src_path))
     if kind is _Source.PT and fmt is ConvertFormat.PT:
         done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)

@@ -8,7 +8,7 @@ needs on top: the dist_resume metadata, and a cheap digest that identifies one s
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +19,9 @@ from .foreign import foreign_kind, trainer_progress
 from .layout import FORMAT_NAME, Key, Layout
 from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
 from .sniff import FileKind, file_kind
-from .verify import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_archive
+from .verify import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_zip
 
-__all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_source", "source_files"]
+__all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_archive", "verify_source", "source_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ def archive_digest(path: PathLike) -> str:
     CRC-32 of ``data.pkl`` covers the pickled structure and torch's per-save
     ``.data/serialization_id`` record makes every save distinct, so two saves of equal tensors
     still differ. It identifies a file; it does not check its bytes (that is
-    :func:`~dist_resume._format.verify.verify_archive`).
+    :func:`verify_archive`).
 
     Example::
 
@@ -88,7 +88,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
         return _inspect_foreign(p, foreign, verify)
     read_records(p)  # a damaged structure raises here, with the plain reason
     if verify:
-        verify_archive(p)
+        verify_zip(p)
     obj = read_archive(p).obj
     meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
     if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
@@ -134,6 +134,29 @@ def _is_zip(f: Path) -> bool:
         return False
 
 
+def verify_archive(
+    path: PathLike, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
+) -> list[ArchiveFinding]:
+    """Check a checkpoint's bytes: a torch zip file's structure and the CRC-32 of every record. Local.
+
+    ``torch.load`` never checks the CRCs, so a flipped bit loads silently; this finds it. Returns
+    the findings (empty when the checkpoint is sound); with ``strict=True`` (default) any finding
+    raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
+    called with byte counts while checksumming a torch file. A folder (HF Trainer, Accelerate, DCP)
+    or a ``.safetensors`` file is checked file by file, as :func:`verify_source` does.
+
+    Example::
+
+        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
+        >>> verify_archive("ckpt.pt")
+        []
+    """
+    p = Path(path)
+    if p.is_dir() or p.suffix == SAFETENSORS_SUFFIX:
+        return verify_source(p, strict=strict)
+    return verify_zip(p, strict=strict, progress=progress)
+
+
 def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding]:
     """Check every file of a source: each torch zip file's CRC-32s, each safetensors header and its offsets. Local.
 
@@ -157,7 +180,7 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
             except CheckpointError as err:
                 findings.append(ArchiveFinding(where, str(err), FindingKind.UNREADABLE))
         elif _is_zip(f):
-            for finding in verify_archive(f, strict=False):
+            for finding in verify_zip(f, strict=False):
                 record = f"{where}: {finding.record}" if where and finding.record else where or finding.record
                 findings.append(ArchiveFinding(record, finding.problem, finding.kind))
     if findings and strict:

@@ -27,7 +27,7 @@ from .._core.torch_compat import (
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
 from .sniff import FileKind, check_file, file_kind, unsafe_error
-from .verify import read_records, verify_archive
+from .verify import read_records, verify_zip
 
 __all__ = ["rank_map_location", "load_torch_file"]
 
@@ -85,7 +85,7 @@ def load_torch_file(
     """
     p = check_file(path)
     if verify:  # refuses the legacy format, which has no checksums
-        verify_archive(p)
+        verify_zip(p)
     legacy = file_kind(p) is FileKind.LEGACY
     if legacy and mmap:
         raise NotACheckpointError(

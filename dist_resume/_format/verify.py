@@ -31,7 +31,7 @@ __all__ = [
     "ArchiveFinding",
     "read_records",
     "check_zip_bytes",
-    "verify_archive",
+    "verify_zip",
 ]
 
 LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -183,28 +183,11 @@ def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
     )
 
 
-def verify_archive(
+def verify_zip(
     path: PathLike, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
 ) -> list[ArchiveFinding]:
-    """Check a torch zip checkpoint's structure and the CRC32 of every record. Local; reads the whole file.
-
-    ``torch.load`` never checks the CRCs, so a flipped bit loads silently; this finds it. Returns
-    the findings (empty when the archive is sound); with ``strict=True`` (default) any finding
-    raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
-    called with byte counts while checksumming. A folder (HF Trainer, Accelerate, DCP) or a
-    ``.safetensors`` file is checked file by file (:func:`~dist_resume._format.integrity.verify_source`).
-
-    Example::
-
-        >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> verify_archive("ckpt.pt")
-        []
-    """
+    """Check one torch zip file's structure and the CRC-32 of every record (the public face is ``verify_archive``)."""
     p = Path(path)
-    if p.is_dir() or p.suffix == ".safetensors":  # a foreign source: each of its files (integrity imports this)
-        from .integrity import verify_source
-
-        return verify_source(p, strict=strict)
     try:
         archive_name, records = read_records(p)
     except CheckpointCorruptError as err:
