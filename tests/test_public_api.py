@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import pickle
+import re
 import typing
 
 import pytest
@@ -97,4 +98,28 @@ def test_annotations_resolve_and_name_only_exported_types(obj):
             for t in _named_types(hint):
                 if t.__module__.startswith("dist_resume.") and t.__module__ != "dist_resume.testing":
                     private.add(f"{t.__module__}.{t.__qualname__}")
+    assert private == set()
+
+
+def _public_member(name: str) -> bool:
+    owner, _, attr = name.partition(".")
+    return owner in dist_resume.__all__ and bool(attr) and hasattr(getattr(dist_resume, owner), attr)
+
+
+@pytest.mark.parametrize("obj", FUNCTIONS + CLASSES, ids=lambda o: o.__name__)
+def test_docstrings_cite_only_public_names(obj):
+    # a reader of help(dist_resume.x) can follow every :func:/:class: reference: an exported
+    # name, a method of the same class, or torch's own
+    own = set(vars(obj)) if inspect.isclass(obj) else set()
+    cited = set()
+    for member in _members(obj):
+        cited.update(re.findall(r":(?:func|class|meth|attr|mod):`~?([\w.]+)`", inspect.getdoc(member) or ""))
+    private = {
+        name
+        for name in cited
+        if not name.startswith("torch.")
+        and name.removeprefix("dist_resume.") not in dist_resume.__all__
+        and name.split(".")[-1] not in own
+        and not _public_member(name.removeprefix("dist_resume."))
+    }
     assert private == set()

@@ -58,9 +58,8 @@ class RankInfo:
 def rank_info() -> RankInfo:
     """Read torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``.
 
-    Local. Rank and world size follow the one precedence of
-    :func:`dist_resume._core.rank.rank_and_world`: the initialised process group, else ``RANK`` /
-    ``WORLD_SIZE``, else 0 / 1. The other variables take single-process defaults when unset.
+    Local. Rank and world size follow the one precedence every part of the toolkit uses: the
+    initialised process group, else ``RANK`` / ``WORLD_SIZE``, else 0 / 1. The other variables take single-process defaults when unset.
     Values that are not integers or are out of range raise :class:`EnvironmentMismatchError`.
 
     Example::

@@ -28,8 +28,9 @@ __all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_arc
 class CheckpointInfo:
     """A complete checkpoint file: where it is, its step, its size in bytes, and its digest.
 
-    ``digest`` (see :func:`archive_digest`) identifies one save: two files with the same digest
-    hold the same records, and computing it reads the zip directory, not the tensors.
+    ``digest`` (SHA-256 over each record's name, CRC-32 and size) identifies one save: two files
+    with the same digest hold the same records, and computing it reads the zip directory, not the
+    tensors. A foreign source's digest covers each of its files.
     """
 
     path: Path
@@ -74,7 +75,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
 
     A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
     instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
-    Trainer's ``global_step``), and a digest over its files (see :func:`verify_source` for ``verify``).
+    Trainer's ``global_step``), and a digest over its files; ``verify=True`` checks each file as :func:`verify_archive` does.
 
     Example::
 
@@ -143,7 +144,9 @@ def verify_archive(
     the findings (empty when the checkpoint is sound); with ``strict=True`` (default) any finding
     raises :class:`CheckpointCorruptError` naming the first few. ``progress(done, total)`` is
     called with byte counts while checksumming a torch file. A folder (HF Trainer, Accelerate, DCP)
-    or a ``.safetensors`` file is checked file by file, as :func:`verify_source` does.
+    is checked file by file (each torch file's CRCs, each safetensors header and its offsets; DCP's
+    ``.distcp`` files carry no checksums, their sizes are checked when DCP reads them), and each
+    finding names its file. A ``.safetensors`` file has its header and offsets checked.
 
     Example::
 

@@ -166,11 +166,18 @@ def load_checkpoint(
 ) -> Any:
     """``torch.load`` with rank-aware placement and errors that name the file and the fix.
 
-    Local. A torch file is read by :func:`load_torch_file` (below). A foreign source (an HF Trainer
+    Local: every rank may call it; each one loads onto its own device. ``map_location`` defaults
+    to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
+    maps a torch file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
+    and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
+    ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``
+    never does; reads the file once more) and raises :class:`CheckpointCorruptError` on a mismatch.
+
+    A torch file comes back as ``torch.load`` returns it. A foreign source (an HF Trainer
     ``checkpoint-N/`` or Accelerate ``save_state`` folder, a DCP folder, a ``.safetensors`` file)
     comes back as one dict, ``{"model", "optimizer", "scheduler", "scaler", "ema", "step", "epoch",
     "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
-    ``split_checkpoint`` reads and ``torch.save`` writes as it is. See docs/sources.md.
+    ``resume`` reads and ``torch.save`` writes as it is. See docs/sources.md.
 
     ``part_keys`` (e.g. ``{"model": "MODEL_STATE"}``, ``"state.net"`` one level down) asks for that
     same parts view of a torch file, its parts recognised as ``resume`` does and named where given;
