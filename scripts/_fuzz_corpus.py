@@ -67,6 +67,16 @@ def build_corpus(folder: Path) -> dict[str, Path]:
         ("model_state_dict", {"model_state_dict": sd, "optimizer_state_dict": osd, "epoch": 1}, ".pt"),
         ("lightning", lightning, ".ckpt"),
         ("snapshot", {"MODEL_STATE": sd, "EPOCHS_RUN": 3}, ".pt"),  # the PyTorch DDP tutorial's snapshot
+        # a hand-written script's names, one level down, with a loss history beside them: detection by content
+        (
+            "free_named",
+            {
+                "state": {"net": sd, "opt": osd, "sched": sched.state_dict()},
+                "it": 3,
+                "history": [[0.5, 0.4], {"lr": [0.1]}],
+            },
+            ".pt",
+        ),
     ):
         torch.save(obj, folder / f"{name}{suffix}")
         out[name] = folder / f"{name}{suffix}"
@@ -167,6 +177,7 @@ RESTORES = {
     "state_dict": ("model",),
     "lightning": ("model", "optimizer", "scheduler"),
     "snapshot": ("model",),
+    "free_named": ("model", "optimizer", "scheduler"),
     "safetensors": ("model",),
     "hf": ("model", "optimizer", "scheduler"),
     "hf_sharded": ("model",),

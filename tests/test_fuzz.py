@@ -132,3 +132,34 @@ def test_every_unmutated_corpus_item_succeeds_on_its_paths() -> None:
         timeout=200,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("33-recursionerror_detect_cycle.pt", r"a list at \['history'\]\[0\]\['again'\] contains itself"),
+        ("34-recursionerror_detect_nesting.pt", r"containers nested more than 100 deep at \['history'\]"),
+    ],
+)
+def test_a_pickle_built_to_overflow_the_walkers_is_not_a_checkpoint(tmp_path: Path, name: str, problem: str) -> None:
+    # detection by content walks every entry; a cycle or a 3,000-deep nesting overflowed it (RecursionError)
+    from _fuzz_corpus import trained
+
+    path = FUZZ_CASES / name
+    model = trained()[0]
+    for read in (
+        lambda: dr.resume(path, model=model, map_location="cpu"),
+        lambda: dr.load_checkpoint(path, map_location="cpu"),
+        lambda: dr.convert_checkpoint(path, tmp_path / "out.pt", dr.KeyForm.DDP),
+    ):
+        with pytest.raises(dr.NotACheckpointError, match=problem):
+            read()
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_save_refuses_extra_that_contains_itself(tmp_path: Path) -> None:
+    history: list[object] = [1]
+    history.append(history)
+    with pytest.raises(dr.CheckpointWriteError, match=r"a list at \[1\] contains itself \(paths inside extra\)"):
+        dr.save_checkpoint(tmp_path / "c.pt", model=torch.nn.Linear(2, 2), extra=history)
+    assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from dist_resume._core.tree import iter_tensors, map_tensors, named_tensors
+from dist_resume._core.tree import MAX_NESTING, iter_tensors, map_tensors, named_tensors, structure_problem
 
 
 def test_named_tensors_paths_follow_the_containers():
@@ -33,3 +33,20 @@ def test_map_tensors_shares_unchanged_containers_only_when_asked():
     assert copied is not sd and type(copied) is OrderedDict and copied._metadata == sd._metadata
     doubled = map_tensors(sd, lambda t: t + 1, share_unchanged=True)
     assert doubled is not sd and doubled["hist"][0].item() == 1 and type(doubled["hist"]) is list
+
+
+def test_structure_problem_names_a_cycle_and_too_deep_nesting_but_not_sharing():
+    shared = {"w": torch.zeros(1)}
+    assert structure_problem({"a": shared, "b": [shared, (shared,)]}) is None  # one object twice is no cycle
+    cyclic: list[object] = []
+    cyclic.append({"x": cyclic})
+    assert structure_problem({"model": {}, "extra": cyclic}) == "a list at ['extra'][0]['x'] contains itself"
+    assert structure_problem(cyclic) == "a list at [0]['x'] contains itself"
+    deep: object = 1
+    for _ in range(MAX_NESTING + 1):
+        deep = [deep]
+    assert structure_problem({"extra": deep}) == f"containers nested more than {MAX_NESTING} deep at ['extra']"
+    ok: object = 1
+    for _ in range(MAX_NESTING - 1):
+        ok = [ok]
+    assert structure_problem({"extra": ok}) is None

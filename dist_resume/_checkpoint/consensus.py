@@ -15,6 +15,7 @@ from .._core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
+from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
@@ -31,7 +32,7 @@ def _choose(folder: Path) -> CheckpointInfo:
     if info is not None:
         return info
     if skipped:
-        reasons = "; ".join(f"{p.name}: {type(e).__name__}" for p, e in skipped[:5])
+        reasons = preview((f"{p.name}: {type(e).__name__}" for p, e in skipped), sep="; ", quote=False)
         raise CheckpointCorruptError(
             f"checkpoint folder {str(folder)!r} holds {len(skipped)} checkpoint(s) and none is complete and "
             f"intact ({reasons}; first: {skipped[0][1]}); restore a good checkpoint into it, or pass a "
@@ -40,7 +41,7 @@ def _choose(folder: Path) -> CheckpointInfo:
     if checkpoint_subfolders(folder):  # the parent of checkpoints (an HF output_dir): a wrong path, not a first run
         raise unrecognised_folder(folder)
     others = sorted(os.listdir(folder))
-    found = f"; it holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}" if others else " (it is empty)"
+    found = f"; it holds {preview(others, quote=False)}" if others else " (it is empty)"
     raise CheckpointNotFoundError(
         f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt{found}; start from "
         "scratch (catch CheckpointNotFoundError), or pass a checkpoint file to resume()"
@@ -105,7 +106,7 @@ def _agree(folder: Path) -> Path:
         views: list[RankView] = all_gather_objects(view)
     differ = [r for r, v in enumerate(views) if not v.matches(chosen)]
     if differ:  # every rank holds every view: each one raises, with the same ranks
-        shown = "; ".join(views[r].describe(r) for r in differ[:8])
+        shown = preview((views[r].describe(r) for r in differ), 8, sep="; ", quote=False)
         raise CheckpointConsensusError(
             f"ranks {differ} do not see the checkpoint rank 0 chose, {chosen.path.name} (step {chosen.step}, "
             f"{chosen.size} bytes, digest {chosen.digest[:12]}): {shown}. Every rank must resume from the same "

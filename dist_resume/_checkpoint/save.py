@@ -16,7 +16,9 @@ from torch import nn
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
 from .._core.text import article
+from .._core.tree import structure_problem
 from .._core.types import PathLike
+from .._core.version import __version__
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
@@ -68,8 +70,12 @@ def build_payload(
     ema: nn.Module | None = None,
 ) -> dict[str, Any]:
     """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
-    from .._core.version import __version__
-
+    problem = structure_problem(extra)  # before the recursive check below; a reader would refuse it too
+    if problem is not None:
+        raise CheckpointWriteError(
+            f"extra cannot be saved in a checkpoint: {problem} (paths inside extra); store plain values "
+            "that hold no reference to their own container"
+        )
     check_weights_only_safe(extra)
     for name, value in (("step", step), ("epoch", epoch)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

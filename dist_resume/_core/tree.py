@@ -1,18 +1,21 @@
 """Walking nested containers of tensors (state dicts, optimizer state, checkpoints): the one walker.
 
-Every module that needs the tensors inside a nested object uses these three functions; none
-keeps a walker of its own.
+Every module that needs the tensors inside a nested object uses these functions; none keeps a
+walker of its own. :func:`structure_problem` is the guard in front of the recursive ones: a
+loaded pickle can hold a cycle or nest thousands deep, which no state dict does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 import torch
 
-__all__ = ["map_tensors", "iter_tensors", "named_tensors"]
+from .text import article
+
+__all__ = ["map_tensors", "iter_tensors", "named_tensors", "structure_problem", "MAX_NESTING"]
 
 
 def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor, *, share_unchanged: bool = False) -> Any:
@@ -66,3 +69,35 @@ def _walk(obj: Any, path: str | None, seen: set[int]) -> Iterator[tuple[str, tor
     for key, value in pairs:
         sub = None if path is None else (f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]")
         yield from _walk(value, sub, seen)
+
+
+MAX_NESTING: Final = 100  # a state dict nests 3 to 6 deep; a pickle can nest until a recursive walker overflows
+
+
+def structure_problem(obj: Any) -> str | None:
+    """Why a loaded object cannot be walked, or ``None``: a container that contains itself, or nesting
+    deeper than :data:`MAX_NESTING`. Iterative, so it never overflows the stack itself; an object
+    reachable twice (shared, not cyclic) is fine. The path shown is at most three levels long.
+    """
+    on_path: set[int] = set()
+    done: set[int] = set()
+    stack: list[tuple[Any, tuple[str, ...], bool]] = [(obj, (), False)]
+    while stack:
+        node, path, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+            done.add(id(node))
+            continue
+        if not isinstance(node, (Mapping, list, tuple, set, frozenset)) or id(node) in done:
+            continue
+        shown = "".join(path[:3]) + ("..." if len(path) > 3 else "")
+        if id(node) in on_path:
+            return f"{article(type(node).__name__)} at {shown} contains itself"
+        if len(path) > MAX_NESTING:
+            return f"containers nested more than {MAX_NESTING} deep at {path[0]}"
+        on_path.add(id(node))
+        stack.append((node, path, True))
+        pairs = node.items() if isinstance(node, Mapping) else enumerate(node)
+        for key, value in reversed(list(pairs)):
+            stack.append((value, (*path, f"[{key!r}]" if isinstance(node, Mapping) else f"[{key}]"), False))
+    return None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .._core.log import logger
+from .._core.rank import global_rank
 from .._core.torch_compat import CommFailure, classify_comm_error, comm_error_summary, tensor_owners
 from .env import is_distributed
 
@@ -149,7 +150,7 @@ def collective_step(step: str, error: type[DistResumeError], hint: str = RESTART
     except DistResumeError:
         raise
     except RuntimeError as err:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = global_rank()
         cause = _CAUSES[classify_comm_error(err)]
         raise error(
             f"rank {rank}: lost contact with the other ranks while {step}: {cause} ({comm_error_summary(err)}); {hint}"

@@ -26,7 +26,7 @@ from .._core import torch_compat
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
-from .sniff import unsafe_error
+from .sniff import check_walkable, unsafe_error
 from .verify import Record, read_records
 
 __all__ = ["StorageInfo", "ArchiveContents", "read_archive"]
@@ -153,4 +153,5 @@ def read_archive(path: PathLike) -> ArchiveContents:
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "load it with torch.load and re-save it instead"
         ) from err
+    check_walkable(contents.obj, f"checkpoint {_name(p)}")
     return contents

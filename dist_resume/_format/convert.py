@@ -41,7 +41,7 @@ from .convert_formats import (
 from .convert_output import check_paths, remove_stale_temps, write_locked
 from .foreign import checkpoint_subfolders, detect_folder, read_folder, unrecognised_folder
 from .layout import split_checkpoint
-from .rekey import KeyForm, target_key
+from .rekey import KeyForm, rekey_param_names, rekey_state_dict, target_key
 from .safetensors_io import is_safetensors
 from .verify import verify_zip
 
@@ -181,8 +181,6 @@ def _pt_to_pt(
     src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None, progress: Progress | None
 ) -> Converted:
     """Re-key the detected model entry and optimizer ``param_names`` in place; every other key stays."""
-    from .rekey import rekey_param_names, rekey_state_dict
-
     contents = read_archive(src)
     parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
     model = parts.model

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .._core import torch_compat
-from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
 from .._state.optim_keys import normalize_optimizer_state
@@ -39,6 +39,7 @@ from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 from .layout import CheckpointParts, Layout, split_checkpoint
 from .load import rank_map_location
+from .sniff import check_walkable, unsafe_error
 from .verify import check_zip_bytes
 
 __all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state"]
@@ -82,8 +83,9 @@ class _Reader(FileSystemReader):
 class _Planner(DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor entries load with ``torch.load(weights_only=True)``."""
 
-    def __init__(self, weights_only: bool) -> None:
+    def __init__(self, folder: Path, weights_only: bool) -> None:
         super().__init__()
+        self._folder = folder
         self._weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -93,10 +95,7 @@ class _Planner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise UnsafeCheckpointError(
-                f"DCP entry {read_item.dest_index.fqn!r} holds objects weights_only=True refuses "
-                f"({str(err).splitlines()[0][:200]}); if you trust the folder, pass weights_only=False"
-            ) from err
+            raise unsafe_error(f"DCP entry {read_item.dest_index.fqn!r} of {str(self._folder)!r}", err) from err
         if self.flatten_state_dict:
             _set_path(self.original_state_dict, tuple(self.mappings[read_item.dest_index.fqn]), obj)
         else:
@@ -154,7 +153,12 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
-            dcp_load(state, storage_reader=_Reader(folder, weights_only), planner=_Planner(weights_only), no_dist=True)
+            dcp_load(
+                state,
+                storage_reader=_Reader(folder, weights_only),
+                planner=_Planner(folder, weights_only),
+                no_dist=True,
+            )
         except CheckpointException as err:  # a BaseException wrapping each rank's exception
             inner = [exc for exc, _ in err.failures.values()]
             own = next((exc for exc in inner if isinstance(exc, CheckpointError)), None)
@@ -171,7 +175,7 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
             if not torch_compat.is_damaged_pickle_error(err):
                 raise
             raise _unreadable(folder, err) from err
-    return state
+    return check_walkable(state, f"DCP folder {str(folder)!r}")
 
 
 def _to_device(map_location: MapLocation, folder: Path) -> torch.device:

@@ -65,8 +65,12 @@ def _enum_member(cls: Any, name: Any) -> Any:
     ``_MEM_FORMAT_ENCODING``) as ``getattr(EnumClass, "NAME")``; only an allowed enum's member comes back."""
     allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__name__ in _ALLOWED.get(cls.__module__, ())
     if not (allowed and isinstance(name, str) and name in cls.__members__):
-        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of DCP metadata")
+        raise _NotMetadata(f"getattr({cls!r}, {name!r}) is not part of DCP metadata")
     return cls[name]
+
+
+class _NotMetadata(pickle.UnpicklingError):
+    """A global (or getattr) outside DCP's metadata classes: refused, never resolved."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -77,7 +81,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP metadata")
+        raise _NotMetadata(f"global '{module}.{name}' is not part of DCP metadata")
 
 
 def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
@@ -92,12 +96,11 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
         metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
     except FileNotFoundError as err:
         raise NotACheckpointError(f"{str(path)!r} is not a DCP folder: it has no {METADATA} file") from err
+    except _NotMetadata as err:
+        raise UnsafeCheckpointError(
+            f"checkpoint {str(meta_path)!r} cannot be loaded safely: {err}; if you trust the folder, pass weights_only=False"
+        ) from err
     except pickle.UnpicklingError as err:
-        if "is not part of DCP metadata" in str(err):
-            raise UnsafeCheckpointError(
-                f"{str(meta_path)!r} holds more than DCP metadata ({err}); if you trust the folder, "
-                "pass weights_only=False"
-            ) from err
         raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
     except (
         EOFError,

@@ -26,7 +26,7 @@ from .._core.torch_compat import (
 )
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
-from .sniff import FileKind, check_file, file_kind, unsafe_error
+from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
 from .verify import read_records, verify_zip
 
 __all__ = ["rank_map_location", "load_torch_file"]
@@ -101,7 +101,7 @@ def load_torch_file(
         map_location = rank_map_location(map_location)
     try:
         with allowing_plain_globals():  # argparse.Namespace (``args``) carries no code
-            return torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
+            obj = torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
         if classify_load_error(err) is LoadFailure.UNSAFE:
             raise unsafe_error(p, err) from err
@@ -140,3 +140,4 @@ def load_torch_file(
         if isinstance(err, (PermissionError, FileNotFoundError)):
             raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {err.strerror or err}") from err
         raise _corrupt(p, err) from err  # e.g. EINVAL from mapping a truncated archive
+    return check_walkable(obj, f"checkpoint {str(p)!r}")

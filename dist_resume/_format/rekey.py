@@ -8,6 +8,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .._core.errors import KeyMismatchError
+from .._core.text import preview
 from .._state.prefix import DDP_PREFIX, canonical_key
 
 __all__ = ["KeyForm", "target_key", "rekey_state_dict", "rekey_param_names"]
@@ -59,8 +60,7 @@ def rekey_state_dict(state_dict: MutableMapping[str, Any], to: KeyForm, source: 
                 clashes.append(f"{seen[new]!r} and {old!r}")
             seen.setdefault(new, old)
         raise KeyMismatchError(
-            f"{source}: model keys collide after conversion ({'; '.join(clashes[:3])}"
-            f"{' ...' if len(clashes) > 3 else ''}): the state dict mixes wrapped and unwrapped copies of the same "
+            f"{source}: model keys collide after conversion ({preview(clashes, 3, sep='; ', quote=False)}): the state dict mixes wrapped and unwrapped copies of the same "
             "parameters; remove the duplicates first"
         )
     meta = getattr(state_dict, "_metadata", None)

@@ -1,9 +1,11 @@
-"""What a path holds before torch reads it: the file's kind by its first bytes, and refusals worded once."""
+"""What a path holds before torch reads it (the file's kind by its first bytes), whether what it unpickled
+can be walked, and refusals worded once."""
 
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 from .._core.errors import (
     CheckpointCorruptError,
@@ -13,10 +15,12 @@ from .._core.errors import (
     UnsafeCheckpointError,
 )
 from .._core.torch_compat import refused_global
+from .._core.tree import structure_problem
 from .._core.types import PathLike
 
-__all__ = ["FileKind", "file_kind", "check_file", "unsafe_error"]
+__all__ = ["FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
 
+_T = TypeVar("_T")
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
@@ -76,10 +80,24 @@ def check_file(path: PathLike) -> Path:
     return p
 
 
-def unsafe_error(path: Path, err: BaseException) -> UnsafeCheckpointError:
+def check_walkable(obj: _T, subject: str) -> _T:
+    """``obj`` as it is, or :class:`NotACheckpointError` when it holds a container that contains itself
+    or nests deeper than any state dict: every reader calls this on what it unpickled, so no walker
+    (detection, device moves, the CLI's summaries) meets a pickle built to overflow the stack."""
+    problem = structure_problem(obj)
+    if problem is not None:
+        raise NotACheckpointError(
+            f"{subject} is not what torch.save writes from state dicts: {problem}; "
+            "re-save it from the objects' state_dict() calls"
+        )
+    return obj
+
+
+def unsafe_error(path: Path | str, err: BaseException) -> UnsafeCheckpointError:
     """The one refusal message: what ``torch.load(weights_only=True)`` refused in ``path``, and what to do.
 
-    Used by :func:`load_checkpoint` and :func:`read_archive` alike.
+    Used by the torch-file loader, the archive reader and DCP's entry reader alike; ``path`` is a
+    file or the words naming what was read (``"DCP entry 'extra' of 'ckpt'"``).
     """
     refused = refused_global(err)
     never = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
@@ -105,4 +123,5 @@ def unsafe_error(path: Path, err: BaseException) -> UnsafeCheckpointError:
     else:
         what = "torch.load(weights_only=True) refuses an object in it"
         fix = "if you trust the file, pass weights_only=False; never do so for a file from an unknown source"
-    return UnsafeCheckpointError(f"checkpoint {str(path)!r} cannot be loaded safely: {what}; {fix}")
+    subject = f"checkpoint {str(path)!r}" if isinstance(path, Path) else path
+    return UnsafeCheckpointError(f"{subject} cannot be loaded safely: {what}; {fix}")

@@ -49,7 +49,7 @@ def adapt_state_dict(
             if dst in first:
                 extra.append(src)
             first.setdefault(dst, src)
-        clashes = "; ".join(f"{first[pairs[k]]!r} and {k!r} -> {pairs[k]!r}" for k in extra[:5])
+        clashes = preview((f"{first[pairs[k]]!r} and {k!r} -> {pairs[k]!r}" for k in extra), sep="; ", quote=False)
         raise KeyMismatchError(
             f"checkpoint keys are ambiguous ({len(extra)}): {clashes}; the state dict mixes wrapped and "
             "unwrapped forms of the same entries, keep one form (strip_prefix) and load again",

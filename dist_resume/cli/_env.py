@@ -10,6 +10,7 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import EnvironmentMismatchError
+from .._core.version import __version__
 from .._dist.env import rank_device, rank_info
 from ._common import SCHEMA_PREFIX
 
@@ -53,8 +54,6 @@ def environment_report() -> dict[str, Any]:
     # the same rule as dist_resume.init_distributed: nccl with CUDA, gloo otherwise
     backend = None if device is None else ("nccl" if device.startswith("cuda") else "gloo")
     torchrun = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
-    from .._core.version import __version__
-
     return {
         "schema": SCHEMA,
         "torchrun": torchrun,

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from .._core.version import __version__
 from ._commands import cmd_convert, cmd_env, cmd_inspect, cmd_list, cmd_verify
 
 __all__ = ["PROG", "EPILOG", "build_parser"]
@@ -34,8 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .._core.version import __version__
-
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")

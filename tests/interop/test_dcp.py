@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import shutil
 import warnings
@@ -81,6 +82,27 @@ def test_metadata_with_foreign_globals_is_refused_unless_trusted(dcp_plain: Save
     (folder / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(UnsafeCheckpointError, match=r"builtins\.print"):
         read_dcp(folder, map_location="cpu")
+
+
+@dataclasses.dataclass
+class RunConfig:  # an object DCP pickles into its data files with torch.save
+    lr: float = 0.1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_entry_holding_an_object_is_refused_with_the_allowlist_fix(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _tiny().state_dict(), "config": RunConfig()}, checkpoint_id=str(tmp_path / "cfg"), no_dist=True)
+    with pytest.raises(UnsafeCheckpointError) as err:
+        read_dcp(tmp_path / "cfg", map_location="cpu")
+    message = str(err.value)
+    assert message.startswith(
+        f"DCP entry 'config' of {str(tmp_path / 'cfg')!r} cannot be loaded safely: it references "
+    )
+    assert "RunConfig" in message and "torch.serialization.add_safe_globals([RunConfig])" in message
+    parts = read_dcp(tmp_path / "cfg", map_location="cpu", weights_only=False)  # trusted: it loads
+    assert set(parts.model) == set(_tiny().state_dict())
 
 
 def test_dcp_written_by_two_ranks_reads_whole(tmp_path: Path) -> None:
