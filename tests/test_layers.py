@@ -52,3 +52,17 @@ def test_an_import_cycle_inside_a_subpackage_breaks_the_contract(tmp_path):
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert "No cycles are allowed in dist_resume._format" in result.stdout and ".verify -> .integrity" in result.stdout
+
+
+def test_no_module_imports_another_modules_private_name():
+    # a helper used across modules is part of its module's interface: public there, named in __all__
+    import ast
+
+    found = []
+    for path in sorted((REPO / "dist_resume").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dist_resume")):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(REPO)}: {alias.name}")
+    assert found == []

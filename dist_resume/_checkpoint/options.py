@@ -11,6 +11,7 @@ import torch
 
 from .._core.errors import UsageError
 from .._core.text import shown
+from .._state.optim_keys import GROUP_BOOKKEEPING
 
 __all__ = [
     "OPTIONAL_PARTS",
@@ -23,7 +24,6 @@ __all__ = [
 ]
 
 OPTIONAL_PARTS: Final = ("optimizer", "scheduler", "scaler", "sampler", "rng", "ema")
-_GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})
 
 
 class OptimizerHparams(enum.Enum):
@@ -66,7 +66,7 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
     """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
     out = []
     for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        for name in sorted((set(saved) | set(live)) - _GROUP_BOOKKEEPING):
+        for name in sorted((set(saved) | set(live)) - GROUP_BOOKKEEPING):
             old, new = saved.get(name, "absent"), live.get(name, "absent")
             if not _same(old, new):
                 out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")

@@ -11,10 +11,9 @@ from torch import nn
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import article
 from .._core.tree import map_tensors
-from .optim_keys import check_state_keys, normalize_optimizer_state, state_coverage
-from .optim_match import _FACTORED_KEYS as _FACTORED_KEYS  # cli/_inspect reads it from here
+from .optim_keys import GROUP_BOOKKEEPING, check_state_keys, normalize_optimizer_state, state_coverage
 from .optim_match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
-from .prefix import _without_compile, canonical_key, unwrap_model
+from .prefix import canonical_key, unwrap_model, without_compile
 
 __all__ = [
     "optimizer_to",
@@ -26,7 +25,7 @@ __all__ = [
     "state_coverage",
 ]
 
-_GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names", "initial_lr"})
+_NOT_HYPERPARAMETERS: Final = GROUP_BOOKKEEPING | {"initial_lr"}  # a scheduler sets initial_lr
 # keys LR schedulers (OneCycleLR, CyclicLR, ...) add to param groups
 _SCHEDULER_KEYS: Final = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "momentum", "betas"}
@@ -87,7 +86,7 @@ def _moved(value: Any, dest: torch.device) -> Any:
 
 def param_names(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` as the unwrapped model names it (no ``module.``/``_orig_mod.``)."""
-    return {id(p): _without_compile(name) for name, p in unwrap_model(model).named_parameters()}
+    return {id(p): without_compile(name) for name, p in unwrap_model(model).named_parameters()}
 
 
 def _live_names(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[list[str]] | None:
@@ -198,8 +197,8 @@ def _check_kind(groups: list[dict[str, Any]], saved_groups: list[Any], kind: str
     """Refuse state from another optimizer class: hyper-parameters it does not use, and lacking its own."""
     for i, sgroup in enumerate(saved_groups):
         group = groups[min(i, len(groups) - 1)]
-        live_keys = set(group) - _GROUP_BOOKKEEPING
-        saved_keys = set(sgroup) - _GROUP_BOOKKEEPING
+        live_keys = set(group) - _NOT_HYPERPARAMETERS
+        saved_keys = set(sgroup) - _NOT_HYPERPARAMETERS
         extra, absent = saved_keys - live_keys - _SCHEDULER_KEYS, live_keys - saved_keys
         if extra and absent:
             raise _fail(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import preview
 
-__all__ = ["normalize_optimizer_state", "unfit_state_keys", "check_state_keys", "state_coverage"]
+__all__ = ["GROUP_BOOKKEEPING", "normalize_optimizer_state", "unfit_state_keys", "check_state_keys", "state_coverage"]
+
+GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})  # a param group's keys that are no hyperparameter
 
 
 def _group_ids(osd: Mapping[str, Any]) -> list[Any]:

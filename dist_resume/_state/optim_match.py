@@ -13,10 +13,17 @@ from .._core.log import log_rank0
 from .._core.text import preview
 from .prefix import canonical_key, match_keys
 
-__all__ = ["saved_names", "match_in_groups", "regroup_by_name", "describe_groups", "check_state_shapes"]
+__all__ = [
+    "FACTORED_KEYS",
+    "saved_names",
+    "match_in_groups",
+    "regroup_by_name",
+    "describe_groups",
+    "check_state_shapes",
+]
 
 # state tensors whose shape legitimately differs from the parameter's
-_FACTORED_KEYS: Final = frozenset({"row_var", "col_var"})
+FACTORED_KEYS: Final = frozenset({"row_var", "col_var"})
 
 
 def saved_names(saved_groups: Sequence[Mapping[str, Any]]) -> list[list[str]] | None:
@@ -145,7 +152,7 @@ def check_state_shapes(
                 isinstance(value, torch.Tensor)
                 and key != "step"
                 and value.dim() > 0
-                and key not in _FACTORED_KEYS
+                and key not in FACTORED_KEYS
                 and value.shape != param.shape
             ):
                 name = names.get(id(param), f"parameter #{sid}")

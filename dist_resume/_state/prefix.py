@@ -15,6 +15,7 @@ from .._core.torch_compat import compiled_original
 __all__ = [
     "DDP_PREFIX",
     "COMPILE_PREFIX",
+    "without_compile",
     "strip_prefix",
     "add_prefix",
     "unwrap_model",
@@ -159,7 +160,8 @@ def canonical_key(key: str) -> str:
     return ".".join(parts[i:])
 
 
-def _without_compile(key: str) -> str:
+def without_compile(key: str) -> str:
+    """``key`` without torch.compile's ``_orig_mod`` components, wherever they sit (``a._orig_mod.b`` -> ``a.b``)."""
     if "_orig_mod" not in key:
         return key
     return ".".join(p for p in key.split(".") if p != "_orig_mod")
@@ -169,10 +171,10 @@ def canonical_state_dict(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
     """``model.state_dict()`` keyed as the unwrapped module would key it (no wrapper prefixes)."""
     inner, _ = _wrapper_chain(model)
     sd = inner.state_dict()
-    out: OrderedDict[str, torch.Tensor] = OrderedDict((_without_compile(k), v) for k, v in sd.items())
+    out: OrderedDict[str, torch.Tensor] = OrderedDict((without_compile(k), v) for k, v in sd.items())
     meta = getattr(sd, "_metadata", None)
     if meta is not None:
-        out._metadata = OrderedDict((_without_compile(k), v) for k, v in meta.items())  # type: ignore[attr-defined]
+        out._metadata = OrderedDict((without_compile(k), v) for k, v in meta.items())  # type: ignore[attr-defined]
     return out
 
 
@@ -184,7 +186,7 @@ def model_key_map(model: nn.Module, keys: Iterable[str] | None = None) -> dict[s
     out: dict[str, str] = {}
     for key in keys:
         inner = key[len(prefix) :] if key.startswith(prefix) else key
-        out[_without_compile(inner)] = key
+        out[without_compile(inner)] = key
     return out
 
 
@@ -195,7 +197,7 @@ def match_keys(saved: Iterable[str], targets: Mapping[str, str]) -> dict[str, st
     count) that pairs the most keys is stripped. Returns ``{saved_key: target_key}`` for the pairs.
     """
     saved = list(saved)
-    normal = [_without_compile(k) for k in saved]
+    normal = [without_compile(k) for k in saved]
     common = min((_leading_module_count(k) for k in normal), default=0)
     best: dict[str, str] = {}
     for strip in range(common + 1):

@@ -11,15 +11,16 @@ import torch
 
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import preview
-from .._state.optim import _FACTORED_KEYS, _GROUP_BOOKKEEPING, step_on_param_device
-from .._state.optim_keys import check_state_keys, normalize_optimizer_state, unfit_state_keys
+from .._state.optim import step_on_param_device
+from .._state.optim_keys import GROUP_BOOKKEEPING, check_state_keys, normalize_optimizer_state, unfit_state_keys
+from .._state.optim_match import FACTORED_KEYS
 from .._state.prefix import canonical_key, prefix_style
 from ._common import dtype_name, jsonable
 from ._inspect_tensors import StorageOf, summarize_tensors
 
 __all__ = ["describe_optimizer", "optimizer_kind"]
 
-_NOT_HYPERPARAMETERS = _GROUP_BOOKKEEPING | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
+_NOT_HYPERPARAMETERS = GROUP_BOOKKEEPING | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,7 +116,7 @@ def describe_optimizer(
         "state_keys": sorted(keys),
         "step": {"count": sum(where.values()), "where": dict(where), "dtypes": dict(step_dtypes)},
         "param_names": {"present": bool(names), "prefix_style": prefix_style(names) if names else None},
-        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in _GROUP_BOOKKEEPING}
+        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in GROUP_BOOKKEEPING}
         if groups
         else {},
         "groups": [{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups],
@@ -173,7 +174,7 @@ def _shape_warnings(
         name = by_id.get(pid)
         want = shapes.get(canonical_key(name)) if name else None
         for key, value in per_param.items():
-            if not isinstance(value, torch.Tensor) or key == "step" or value.dim() == 0 or key in _FACTORED_KEYS:
+            if not isinstance(value, torch.Tensor) or key == "step" or value.dim() == 0 or key in FACTORED_KEYS:
                 continue
             shape = tuple(value.shape)
             if want is not None and shape != want:
