@@ -20,7 +20,8 @@ from ._inspect_tensors import StorageOf, summarize_tensors
 
 __all__ = ["describe_optimizer", "optimizer_kind"]
 
-_NOT_HYPERPARAMETERS = GROUP_BOOKKEEPING | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
+_SCHEDULER_SET = frozenset({"initial_lr"})  # a scheduler writes it into each group: no hyperparameter of the optimizer
+_NOT_HYPERPARAMETERS = GROUP_BOOKKEEPING | _SCHEDULER_SET | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,7 +117,7 @@ def describe_optimizer(
         "state_keys": sorted(keys),
         "step": {"count": sum(where.values()), "where": dict(where), "dtypes": dict(step_dtypes)},
         "param_names": {"present": bool(names), "prefix_style": prefix_style(names) if names else None},
-        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in GROUP_BOOKKEEPING}
+        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in GROUP_BOOKKEEPING | _SCHEDULER_SET}
         if groups
         else {},
         "groups": [{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups],
