@@ -86,6 +86,15 @@ def test_inspect_says_step_tensors_hyperparameters_class_time_and_state(saved: A
     assert report["optimizer"]["hyperparameters"]["lr"] == 3e-3  # the old key stays
 
 
+def test_inspect_keeps_a_schedulers_initial_lr_out_of_the_optimizer(tmp_path: Path, run: Run) -> None:
+    net, opt = _adam_after(1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)  # writes initial_lr into every group
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "plain.pt")  # no class saved
+    report = json.loads(run("inspect", tmp_path / "plain.pt", "--json")[1])
+    assert (report["optimizer"]["kind"], report["optimizer"]["kind_from"]) == ("Adam", "hyperparameters")
+    assert "initial_lr" not in report["optimizer"]["hyperparameters"] and sched.base_lrs == [3e-3, 3e-3]
+
+
 def test_inspect_six_step_tensors_are_not_step_six(tmp_path: Path, run: Run) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
