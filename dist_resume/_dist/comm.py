@@ -25,7 +25,8 @@ from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .._core.log import logger
 from .._core.rank import global_rank
-from .._core.torch_compat import CommFailure, classify_comm_error, comm_error_summary, tensor_owners
+from .._core.torch_compat import tensor_owners
+from .._core.torch_errors import CommFailure, classify_comm_error, comm_error_summary
 from .env import is_distributed
 
 __all__ = [

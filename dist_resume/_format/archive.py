@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .._core import torch_compat
+from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
@@ -139,7 +139,7 @@ def read_archive(path: PathLike) -> ArchiveContents:
         with torch_compat.discarding_sparse_checks(), torch_compat.allowing_plain_globals():
             contents.obj = _MetaUnpickler(data, contents).load()
     except pickle.UnpicklingError as err:
-        if not isinstance(err, _Garbled) and not torch_compat.is_garbled_pickle(err):
+        if not isinstance(err, _Garbled) and not torch_errors.is_garbled_pickle(err):
             raise unsafe_error(p, err) from err  # what torch.load(weights_only=True) refuses, named
         raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
     except (EOFError, IndexError, KeyError, struct.error, UnicodeDecodeError) as err:

@@ -16,9 +16,9 @@ from .._core.errors import (
     NotACheckpointError,
 )
 from .._core.security import warn_if_unsafe_torch
-from .._core.torch_compat import (
+from .._core.torch_compat import allowing_plain_globals
+from .._core.torch_errors import (
     LoadFailure,
-    allowing_plain_globals,
     classify_load_error,
     error_summary,
     is_damaged_pickle_error,

@@ -14,7 +14,7 @@ from .._core.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from .._core.torch_compat import refused_global
+from .._core.torch_errors import refused_global
 from .._core.tree import structure_problem
 from .._core.types import PathLike
 
