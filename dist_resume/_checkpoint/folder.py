@@ -1,14 +1,11 @@
-"""Checkpoint folders: numbered checkpoints, rotation, the latest valid one.
+"""Checkpoint folders: the manager that saves numbered checkpoints into one, rotates and resumes.
 
-A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
-name appears only through :func:`~dist_resume._format.atomic.atomic_write`'s rename (after the data is
-fsynced), and the file must pass :func:`~dist_resume._format.integrity.inspect_checkpoint` (zip
-structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
+What a folder holds and which checkpoint counts is :mod:`~dist_resume._checkpoint.listing`'s;
+cleaning up and rotating after a save is :mod:`~dist_resume._checkpoint.rotation`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
 from pathlib import Path
@@ -19,14 +16,14 @@ import torch
 from torch import nn
 
 from .._core.errors import CheckpointWriteError
-from .._core.log import log_rank0, logger
+from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
-from .._format.atomic import TEMP_NAME
 from .async_save import AsyncSave, save_checkpoint_async, wait_pending
-from .listing import CHECKPOINT_NAME, checkpoint_name, latest_checkpoint, numbered_checkpoints
+from .listing import checkpoint_name, latest_checkpoint, numbered_checkpoints
 from .lock import FolderLock
 from .restore import ResumeResult
+from .rotation import remove_leftovers, rotate_out
 from .save import save_checkpoint
 from .start import start_run
 
@@ -293,34 +290,7 @@ class CheckpointManager:
                 f"{err.strerror or err}; check the path and its permissions"
             ) from err
         self._lock.acquire()  # before anything is written or removed
-        for name in names:
-            found = TEMP_NAME.match(name)
-            if found and CHECKPOINT_NAME.match(found.group("dest")):
-                try:
-                    (self.folder / name).unlink()
-                    log_rank0(logging.INFO, "removed %s, left by an interrupted save", self.folder / name)
-                except OSError as err:
-                    logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
+        remove_leftovers(self.folder, names)
 
     def _rotate(self, new: Path, step: int) -> None:
-        numbered = numbered_checkpoints(self.folder)
-        later = [path.name for s, path in numbered if s > step]
-        if later:
-            logger.warning(
-                "saved step %d into %s, which already holds later steps %s: latest() and resume() "
-                "will pick those; delete them if that run was abandoned",
-                step,
-                self.folder,
-                later,
-            )
-        keep = {path for _, path in numbered[-self.keep_last :]} | {new}
-        for _, path in numbered:
-            if path in keep:
-                continue
-            try:
-                path.unlink()
-                log_rank0(logging.INFO, "rotated out %s (keep_last=%d)", path, self.keep_last)
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                logger.warning("could not delete old checkpoint %s: %s", path, err)
+        rotate_out(self.folder, new, step, self.keep_last)
