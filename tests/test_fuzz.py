@@ -163,3 +163,28 @@ def test_save_refuses_extra_that_contains_itself(tmp_path: Path) -> None:
     with pytest.raises(dr.CheckpointWriteError, match=r"a list at \[1\] contains itself \(paths inside extra\)"):
         dr.save_checkpoint(tmp_path / "c.pt", model=torch.nn.Linear(2, 2), extra=history)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("header", ["central", "local"])
+def test_a_record_flagged_encrypted_is_damage_at_every_reader(tmp_path: Path, header: str) -> None:
+    """zipfile raises RuntimeError ("password required") and torch "unsupported encryption" for flag bit 0;
+    torch.save never sets it, so verify_archive must not pass such a file and the readers call it damaged."""
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    data = bytearray(path.read_bytes())
+    signature, flags_at = (b"PK\x01\x02", 8) if header == "central" else (b"PK\x03\x04", 6)
+    at = data.index(signature) + flags_at  # the first record's general-purpose flags
+    data[at] |= 0x01
+    path.write_bytes(bytes(data))
+    findings = dr.verify_archive(path, strict=False)
+    assert [f.kind for f in findings] == [dr.FindingKind.UNREADABLE] and "encrypted" in str(findings[0])
+    with pytest.raises(dr.CheckpointCorruptError, match="encrypted"):
+        dr.inspect_checkpoint(path)
+    with pytest.raises(dr.CheckpointCorruptError):
+        dr.load_checkpoint(path, map_location="cpu")
+
+
+def test_the_fuzzers_encrypted_flag_files_are_damage() -> None:
+    for name in sorted(FUZZ_CASES.glob("3[5-7]-runtimeerror_encrypted_*.pt")):
+        with pytest.raises(dr.CheckpointCorruptError, match="encrypted"):
+            dr.inspect_checkpoint(name)

@@ -144,6 +144,9 @@ def check_zip_bytes(data: bytes, what: str) -> None:
 
 # deflate cannot expand data more than about 1032:1; a larger uncompressed size is a damaged field
 _MAX_DEFLATE_RATIO: Final = 1032
+# general-purpose flag bits 0 (encrypted) and 6 (strong encryption): zipfile raises RuntimeError, torch's reader
+# "unsupported encryption"; a torch.save archive has neither, so either bit is a damaged header
+_ENCRYPTED: Final = 0x41
 
 
 def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
@@ -158,6 +161,8 @@ def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
     if len(head) < LOCAL_HEADER.size or LOCAL_HEADER.unpack(head)[0] != LOCAL_SIGNATURE:
         raise zipfile.BadZipFile(f"no local header for {name!r} at offset {info.header_offset}")
     flags, name_len, extra_len = LOCAL_HEADER.unpack(head)[2], *LOCAL_HEADER.unpack(head)[9:11]
+    if (info.flag_bits | flags) & _ENCRYPTED:
+        raise zipfile.BadZipFile(f"record {name!r} is marked encrypted, which torch.save never writes")
     local_name = f.read(name_len)
     if local_name.decode("utf-8" if flags & 0x800 else "cp437") != info.orig_filename:
         raise zipfile.BadZipFile(f"record {name!r} has another name in its local header ({local_name[:80]!r})")
