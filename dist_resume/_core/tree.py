@@ -76,28 +76,45 @@ MAX_NESTING: Final = 100  # a state dict nests 3 to 6 deep; a pickle can nest un
 
 def structure_problem(obj: Any) -> str | None:
     """Why a loaded object cannot be walked, or ``None``: a container that contains itself, or nesting
-    deeper than :data:`MAX_NESTING`. Iterative, so it never overflows the stack itself; an object
-    reachable twice (shared, not cyclic) is fine. The path shown is at most three levels long.
+    deeper than :data:`MAX_NESTING`. It recurses at most ``MAX_NESTING + 1`` levels, so it never
+    overflows the stack itself; an object reachable twice (shared, not cyclic) is fine. The path shown
+    is at most three levels long.
+
+    Every reader runs it on what it loaded, so it enters containers only: a state dict's tensors and
+    numbers are passed over by their exact type, without a path built for them.
     """
     on_path: set[int] = set()
     done: set[int] = set()
-    stack: list[tuple[Any, tuple[str, ...], bool]] = [(obj, (), False)]
-    while stack:
-        node, path, leaving = stack.pop()
-        if leaving:
-            on_path.discard(id(node))
-            done.add(id(node))
-            continue
-        if not isinstance(node, (Mapping, list, tuple, set, frozenset)) or id(node) in done:
-            continue
-        shown = "".join(path[:3]) + ("..." if len(path) > 3 else "")
+    trail: list[tuple[Any, bool]] = []  # (key, in a mapping) of each step from the root to the current node
+
+    def visit(node: Any) -> str | None:
+        if id(node) in done:
+            return None
         if id(node) in on_path:
-            return f"{article(type(node).__name__)} at {shown} contains itself"
-        if len(path) > MAX_NESTING:
-            return f"containers nested more than {MAX_NESTING} deep at {path[0]}"
+            return f"{article(type(node).__name__)} at {_shown(trail)} contains itself"
+        if len(trail) > MAX_NESTING:
+            return f"containers nested more than {MAX_NESTING} deep at {_shown(trail[:1])}"
         on_path.add(id(node))
-        stack.append((node, path, True))
-        pairs = node.items() if isinstance(node, Mapping) else enumerate(node)
-        for key, value in reversed(list(pairs)):
-            stack.append((value, (*path, f"[{key!r}]" if isinstance(node, Mapping) else f"[{key}]"), False))
-    return None
+        in_mapping = isinstance(node, Mapping)
+        for key, value in node.items() if in_mapping else enumerate(node):
+            if type(value) not in _LEAF_TYPES and isinstance(value, _CONTAINERS):
+                trail.append((key, in_mapping))
+                problem = visit(value)
+                trail.pop()
+                if problem is not None:
+                    return problem
+        on_path.discard(id(node))
+        done.add(id(node))
+        return None
+
+    return visit(obj) if isinstance(obj, _CONTAINERS) else None
+
+
+_CONTAINERS: Final = (Mapping, list, tuple, set, frozenset)
+_LEAF_TYPES: Final = frozenset({torch.Tensor, int, float, str, bytes, bool, type(None)})  # the ABC check is slow
+
+
+def _shown(trail: list[tuple[Any, bool]]) -> str:
+    """A path as ``['a'][0]['b']``, cut after three levels."""
+    labels = [f"[{key!r}]" if in_mapping else f"[{key}]" for key, in_mapping in trail[:3]]
+    return "".join(labels) + ("..." if len(trail) > 3 else "")
