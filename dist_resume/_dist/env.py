@@ -59,7 +59,8 @@ def rank_info() -> RankInfo:
     """Read torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``.
 
     Local. Rank and world size follow the one precedence every part of the toolkit uses: the
-    initialised process group, else ``RANK`` / ``WORLD_SIZE``, else 0 / 1. The other variables take single-process defaults when unset.
+    initialised process group, else ``RANK`` / ``WORLD_SIZE``, else 0 / 1. The other variables take
+    single-process defaults when unset.
     Values that are not integers or are out of range raise :class:`EnvironmentMismatchError`.
 
     Example::

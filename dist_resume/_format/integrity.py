@@ -75,7 +75,8 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
 
     A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
     instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
-    Trainer's ``global_step``), and a digest over its files; ``verify=True`` checks each file as :func:`verify_archive` does.
+    Trainer's ``global_step``), and a digest over its files; ``verify=True`` checks each file as
+    :func:`verify_archive` does.
 
     Example::
 

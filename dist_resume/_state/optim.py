@@ -11,7 +11,13 @@ from torch import nn
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import article
 from .._core.tree import map_tensors
-from .optim_keys import GROUP_BOOKKEEPING, check_state_keys, normalize_optimizer_state, state_coverage
+from .optim_keys import (
+    GROUP_BOOKKEEPING,
+    NOT_HYPERPARAMETERS,
+    check_state_keys,
+    normalize_optimizer_state,
+    state_coverage,
+)
 from .optim_match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
 from .prefix import canonical_key, unwrap_model, without_compile
 
@@ -25,7 +31,6 @@ __all__ = [
     "state_coverage",
 ]
 
-_NOT_HYPERPARAMETERS: Final = GROUP_BOOKKEEPING | {"initial_lr"}  # a scheduler sets initial_lr
 # keys LR schedulers (OneCycleLR, CyclicLR, ...) add to param groups
 _SCHEDULER_KEYS: Final = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "momentum", "betas"}
@@ -197,8 +202,8 @@ def _check_kind(groups: list[dict[str, Any]], saved_groups: list[Any], kind: str
     """Refuse state from another optimizer class: hyper-parameters it does not use, and lacking its own."""
     for i, sgroup in enumerate(saved_groups):
         group = groups[min(i, len(groups) - 1)]
-        live_keys = set(group) - _NOT_HYPERPARAMETERS
-        saved_keys = set(sgroup) - _NOT_HYPERPARAMETERS
+        live_keys = set(group) - NOT_HYPERPARAMETERS
+        saved_keys = set(sgroup) - NOT_HYPERPARAMETERS
         extra, absent = saved_keys - live_keys - _SCHEDULER_KEYS, live_keys - saved_keys
         if extra and absent:
             raise _fail(
@@ -235,7 +240,7 @@ def _in_groups(
     live_by_saved_id: dict[Any, torch.Tensor] = {}
     for group, sgroup, order in zip(groups, saved_groups, orders):
         ids = [sgroup["params"][j] for j in order]
-        new_group = {k: v for k, v in sgroup.items() if k not in ("params", "param_names")}
+        new_group = {k: v for k, v in sgroup.items() if k not in GROUP_BOOKKEEPING}
         new_group["params"] = ids
         if "param_names" in group:
             new_group["param_names"] = list(group["param_names"])

@@ -8,9 +8,18 @@ from typing import Any, Final
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import preview
 
-__all__ = ["GROUP_BOOKKEEPING", "normalize_optimizer_state", "unfit_state_keys", "check_state_keys", "state_coverage"]
+__all__ = [
+    "GROUP_BOOKKEEPING",
+    "NOT_HYPERPARAMETERS",
+    "normalize_optimizer_state",
+    "unfit_state_keys",
+    "check_state_keys",
+    "state_coverage",
+]
 
 GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})  # a param group's keys that are no hyperparameter
+# ... and the initial_lr an LR scheduler writes into each group: neither belongs to the optimizer's class
+NOT_HYPERPARAMETERS: Final = GROUP_BOOKKEEPING | {"initial_lr"}
 
 
 def _group_ids(osd: Mapping[str, Any]) -> list[Any]:

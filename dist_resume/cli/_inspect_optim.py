@@ -12,7 +12,13 @@ import torch
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import preview
 from .._state.optim import step_on_param_device
-from .._state.optim_keys import GROUP_BOOKKEEPING, check_state_keys, normalize_optimizer_state, unfit_state_keys
+from .._state.optim_keys import (
+    GROUP_BOOKKEEPING,
+    NOT_HYPERPARAMETERS,
+    check_state_keys,
+    normalize_optimizer_state,
+    unfit_state_keys,
+)
 from .._state.optim_match import FACTORED_KEYS
 from .._state.prefix import canonical_key, prefix_style
 from ._common import dtype_name, jsonable
@@ -20,8 +26,8 @@ from ._inspect_tensors import StorageOf, summarize_tensors
 
 __all__ = ["describe_optimizer", "optimizer_kind"]
 
-_SCHEDULER_SET = frozenset({"initial_lr"})  # a scheduler writes it into each group: no hyperparameter of the optimizer
-_NOT_HYPERPARAMETERS = GROUP_BOOKKEEPING | _SCHEDULER_SET | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
+# what a group may hold that says nothing about its optimizer's class (OneCycleLR and CyclicLR add these too)
+_NOT_KIND_KEYS = NOT_HYPERPARAMETERS | {"max_lr", "min_lr", "max_momentum", "base_momentum"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,7 +50,7 @@ def optimizer_kind(groups: list[Any]) -> str | None:
     """The ``torch.optim`` class whose hyper-parameters the saved param groups carry, or None."""
     if not groups or not isinstance(groups[0], Mapping):
         return None
-    keys = frozenset(groups[0]) - _NOT_HYPERPARAMETERS
+    keys = frozenset(groups[0]) - _NOT_KIND_KEYS
     best: list[tuple[int, int, str]] = []
     for name, (known, decoupled) in _optimizer_signatures().items():
         if decoupled is not None and groups[0].get("decoupled_weight_decay", decoupled) != decoupled:
@@ -117,10 +123,10 @@ def describe_optimizer(
         "state_keys": sorted(keys),
         "step": {"count": sum(where.values()), "where": dict(where), "dtypes": dict(step_dtypes)},
         "param_names": {"present": bool(names), "prefix_style": prefix_style(names) if names else None},
-        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in GROUP_BOOKKEEPING | _SCHEDULER_SET}
+        "hyperparameters": {k: jsonable(v) for k, v in groups[0].items() if k not in NOT_HYPERPARAMETERS}
         if groups
         else {},
-        "groups": [{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups],
+        "groups": [{k: jsonable(v) for k, v in g.items() if k not in GROUP_BOOKKEEPING} for g in groups],
         "tensors": summary["count"],
         "bytes": summary["bytes"],
     }

@@ -14,6 +14,7 @@ from .._format.detect import check_part_keys
 from .._format.layout import CheckpointParts, describe_keys, split_checkpoint
 from .._format.open import open_checkpoint, source_kind
 from .._format.sniff import FileKind, check_file, file_kind
+from .._state.optim_keys import GROUP_BOOKKEEPING
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
 from ._compare import compare_values, key_difference, max_abs_diff, same_bits
@@ -77,8 +78,8 @@ def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
 
 def _compare_groups(ga: list[Any], gb: list[Any], report: _Report) -> None:
     for i, (x, y) in enumerate(zip(ga, gb)):
-        hx = {k: v for k, v in x.items() if k not in ("params", "param_names")}
-        hy = {k: v for k, v in y.items() if k not in ("params", "param_names")}
+        hx = {k: v for k, v in x.items() if k not in GROUP_BOOKKEEPING}
+        hy = {k: v for k, v in y.items() if k not in GROUP_BOOKKEEPING}
         if set(hx) != set(hy):
             report.diff("optimizer", f"group {i}", key_difference(hx, hy))
         for key in (k for k in hx if k in hy):
