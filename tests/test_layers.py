@@ -33,23 +33,26 @@ def test_the_package_keeps_its_layers():
     assert "2 kept, 0 broken" in result.stdout
 
 
-def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
+def _lint_with(tmp_path, module, added):
+    """lint-imports on a copy of the package whose ``module`` (a path under dist_resume/) ends with ``added``."""
     shutil.copytree(REPO / "dist_resume", tmp_path / "dist_resume", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    tree = tmp_path / "dist_resume" / "_core" / "tree.py"
-    tree.write_text(tree.read_text() + "\nfrom .._checkpoint import save as _upward  # noqa: E402,F401\n")
-    result = _lint(tmp_path)
+    source = tmp_path / "dist_resume" / module
+    source.write_text(source.read_text() + added)
+    return _lint(tmp_path)
+
+
+def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
+    result = _lint_with(tmp_path, "_core/tree.py", "\nfrom .._checkpoint import save as _upward  # noqa: E402,F401\n")
     assert result.returncode != 0
     assert "BROKEN" in result.stdout and "dist_resume._core.tree -> dist_resume._checkpoint.save" in result.stdout
 
 
 def test_an_import_cycle_inside_a_subpackage_breaks_the_contract(tmp_path):
     # the shape that existed once: verify imported integrity inside a function, integrity imports verify
-    shutil.copytree(REPO / "dist_resume", tmp_path / "dist_resume", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    verify = tmp_path / "dist_resume" / "_format" / "verify.py"
-    verify.write_text(verify.read_text() + "\n\ndef _late():\n    from .integrity import verify_source  # noqa: F401\n")
-    result = _lint(tmp_path)
+    result = _lint_with(
+        tmp_path, "_format/verify.py", "\n\ndef _late():\n    from .integrity import verify_source  # noqa: F401\n"
+    )
     assert result.returncode != 0
     assert "No cycles are allowed in dist_resume._format" in result.stdout and ".verify -> .integrity" in result.stdout
 
