@@ -8,12 +8,11 @@ launcher); the modules behind it are private. Every exported class and function 
 from __future__ import annotations
 
 from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
-from ._checkpoint.consensus import resolve_checkpoint
-from ._checkpoint.folder import CheckpointManager
-from ._checkpoint.listing import latest_checkpoint
 from ._checkpoint.options import OptimizerHparams
 from ._checkpoint.restore import ResumeResult, resume
 from ._checkpoint.save import save_checkpoint
+from ._convert.convert import ConvertResult, KeyForm, convert_checkpoint
+from ._convert.formats import ConvertFormat
 from ._core.errors import (
     CheckpointConsensusError,
     CheckpointCorruptError,
@@ -35,13 +34,14 @@ from ._core.version import __version__
 from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._exact.sampler import ResumableDistributedSampler
-from ._format.convert import ConvertResult, KeyForm, convert_checkpoint
-from ._format.convert_formats import ConvertFormat
-from ._format.integrity import CheckpointInfo, inspect_checkpoint, verify_archive
-from ._format.layout import Layout
 from ._format.load import rank_map_location
-from ._format.open import load_checkpoint
-from ._format.verify import ArchiveFinding, FindingKind
+from ._format.records import ArchiveFinding, FindingKind
+from ._layout.layout import Layout
+from ._manager.manager import CheckpointManager
+from ._source.consensus import resolve_checkpoint
+from ._source.integrity import CheckpointInfo, inspect_checkpoint, verify_archive
+from ._source.listing import latest_checkpoint
+from ._source.open import load_checkpoint
 from ._state.adapt import adapt_state_dict
 from ._state.devices import check_devices, device_report
 from ._state.optim import optimizer_to

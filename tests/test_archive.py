@@ -20,10 +20,10 @@ from dist_resume import (
     load_checkpoint,
     verify_archive,
 )
-from dist_resume._format import archive_write as _archive_write
+from dist_resume._convert import archive_write as _archive_write
+from dist_resume._convert.archive_write import dump_pickle, rewrite_archive
 from dist_resume._format.archive import read_archive
-from dist_resume._format.archive_write import dump_pickle, rewrite_archive
-from dist_resume._format.verify import FindingKind, read_records
+from dist_resume._format.records import FindingKind, read_records
 from tests.helpers import save_with_device_tag
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import dist_resume
-from dist_resume._format.convert import remove_stale_temps
+from dist_resume._convert.convert import remove_stale_temps
 from dist_resume.cli import main
 from dist_resume.cli._common import ExitCode, ProgressBar
 from tests.helpers import save_with_device_tag
@@ -404,7 +404,7 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_cleans_up(tmp_path: Pa
     dst = tmp_path / "out.pt"
     slowed = (  # the real command, with the record copy slowed down so the kill lands in the middle of it
         "import sys, time\n"
-        "import dist_resume._format.archive_write as w\n"
+        "import dist_resume._convert.archive_write as w\n"
         "copy = w._copy_range\n"
         "w._copy_range = lambda *a: (time.sleep(0.05), copy(*a))\n"
         "w._COPY_CHUNK = 4 << 20\n"

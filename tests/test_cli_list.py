@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.listing import checkpoint_name
+from dist_resume._source.listing import checkpoint_name
 from dist_resume.cli import main
 
 TEMP = f".{checkpoint_name(40)}.0123456789abcdef.tmp"

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from dist_resume import KeyMismatchError, NotACheckpointError, UsageError
-from dist_resume._format import archive_build, convert_formats, safetensors_io
-from dist_resume._format.convert import ConvertFormat, KeyForm, convert_checkpoint
-from dist_resume._format.safetensors_io import read_safetensors
+from dist_resume._convert import archive_build
+from dist_resume._convert import formats as convert_formats
+from dist_resume._convert.convert import ConvertFormat, KeyForm, convert_checkpoint
+from dist_resume._foreign import safetensors_read as safetensors_io
+from dist_resume._foreign.safetensors_read import read_safetensors
 from dist_resume.cli import main
 from tests.models import TinyNet, make_batches, train_steps
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.listing import checkpoint_name
-from dist_resume._format.verify import read_records
+from dist_resume._format.records import read_records
+from dist_resume._source.listing import checkpoint_name
 
 
 class Net(nn.Module):

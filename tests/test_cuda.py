@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._format.layout import Key
+from dist_resume._layout.layout import Key
 from tests.models import TinyNet, assert_same, make_batches, train_steps
 
 pytestmark = pytest.mark.cuda

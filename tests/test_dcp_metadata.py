@@ -9,7 +9,7 @@ import pickle
 import pytest
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-from dist_resume._format.dcp_metadata import _MetadataUnpickler
+from dist_resume._foreign.dcp_metadata import _MetadataUnpickler
 
 
 class _ByGetattr:

@@ -11,7 +11,7 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._core.tree import map_tensors
-from dist_resume._format.layout import Layout, split_checkpoint
+from dist_resume._layout.layout import Layout, split_checkpoint
 from dist_resume._state.prefix import add_prefix
 from tests.models import TinyNet
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.lock import LOCK_NAME
+from dist_resume._manager.lock import LOCK_NAME
 
 SIZE = "2m"
 

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.folder import CheckpointManager
-from dist_resume._checkpoint.listing import CHECKPOINT_NAME, checkpoint_name
 from dist_resume._format.atomic import TEMP_NAME
+from dist_resume._manager.manager import CheckpointManager
+from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20
@@ -246,7 +246,7 @@ def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Pa
 _RLIMIT_CHILD = textwrap.dedent("""
     import resource, signal, sys
     import torch
-    from dist_resume._checkpoint.folder import CheckpointManager
+    from dist_resume._manager.manager import CheckpointManager
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     model = torch.nn.Linear(1024, 1024)  # 4 MB, over the 1 MB limit

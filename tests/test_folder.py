@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.consensus import resolve_checkpoint
-from dist_resume._checkpoint.folder import CheckpointManager
-from dist_resume._checkpoint.listing import checkpoint_name, latest_checkpoint
 from dist_resume._format.atomic import TEMP_NAME
-from dist_resume._format.integrity import archive_digest, inspect_checkpoint
+from dist_resume._manager.manager import CheckpointManager
+from dist_resume._source.consensus import resolve_checkpoint
+from dist_resume._source.integrity import archive_digest, inspect_checkpoint
+from dist_resume._source.listing import checkpoint_name, latest_checkpoint
 
 
 class Net(nn.Module):
@@ -132,7 +132,7 @@ def test_verify_false_skips_only_the_crc_check(tmp_path: Path) -> None:
 
 def _flip_byte_in_tensor_record(path: Path) -> None:
     """Flip one bit inside the first tensor record: the zip structure stays intact, its CRC does not."""
-    from dist_resume._format.verify import read_records
+    from dist_resume._format.records import read_records
 
     _, records = read_records(path)
     record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)

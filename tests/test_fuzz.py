@@ -98,7 +98,7 @@ def test_a_damaged_torch_file_raw_torch_error_is_a_corrupt_checkpoint(name: str)
     ],
 )
 def test_damaged_dcp_metadata_is_refused_without_a_huge_allocation(tmp_path: Path, name: str) -> None:
-    from dist_resume._format.dcp_metadata import read_dcp_metadata
+    from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 
     shutil.copy(FUZZ_CASES / name, tmp_path / ".metadata")
     with pytest.raises(dr.CheckpointCorruptError, match=r"\.metadata' is damaged"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._format.layout import FORMAT_NAME, FORMAT_VERSION, Key, is_state_dict, split_checkpoint
+from dist_resume._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key, is_state_dict, split_checkpoint
 from tests.models import TinyNet
 
 

@@ -19,16 +19,16 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.folder import CheckpointManager
-from dist_resume._checkpoint.listing import checkpoint_name
-from dist_resume._checkpoint.lock import LOCK_NAME
-from dist_resume._format.convert import remove_stale_temps
+from dist_resume._convert.convert import remove_stale_temps
+from dist_resume._manager.lock import LOCK_NAME
+from dist_resume._manager.manager import CheckpointManager
+from dist_resume._source.listing import checkpoint_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 _HOLDER = textwrap.dedent("""
     import sys, torch
-    from dist_resume._checkpoint.folder import CheckpointManager
+    from dist_resume._manager.manager import CheckpointManager
     mgr = CheckpointManager(sys.argv[1], keep_last=5)
     mgr.save(int(sys.argv[2]), model=torch.nn.Linear(2, 2))
     print("holding", flush=True)

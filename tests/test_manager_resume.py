@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.listing import checkpoint_name
 from dist_resume._format.atomic import TEMP_NAME
+from dist_resume._source.listing import checkpoint_name
 
 
 def _model(value: float) -> nn.Linear:

@@ -371,7 +371,7 @@ def test_sparse_adam_integer_step():
 
 
 def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
-    from dist_resume._format import dcp
+    from dist_resume._foreign import dcp
     from dist_resume._state import optim_keys
 
     assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state

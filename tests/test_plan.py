@@ -10,8 +10,8 @@ import torch
 import dist_resume as dr
 from dist_resume._checkpoint.plan import plan_restore
 from dist_resume._core.tree import iter_tensors, map_tensors
-from dist_resume._format.layout import Key, split_checkpoint
-from dist_resume._format.open import load_checkpoint
+from dist_resume._layout.layout import Key, split_checkpoint
+from dist_resume._source.open import load_checkpoint
 from tests.models import TinyNet, assert_same, make_batches, snapshot, train_steps
 
 BATCHES = make_batches(5)

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
-from dist_resume._format.layout import Key
+from dist_resume._layout.layout import Key
 from tests.helpers import save_with_device_tag
 from tests.models import (
     TinyNet,

@@ -15,7 +15,7 @@ from torch.optim.swa_utils import AveragedModel
 import dist_resume as dr
 from dist_resume._checkpoint.options import OptimizerHparams
 from dist_resume._format.archive import read_archive
-from dist_resume._format.layout import Key, split_checkpoint
+from dist_resume._layout.layout import Key, split_checkpoint
 from tests.models import TinyNet, assert_same, make_batches, snapshot, train_steps, wrap
 
 BATCHES = make_batches(4)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._format.layout import FORMAT_NAME, FORMAT_VERSION, Key
+from dist_resume._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from tests.models import WRAPPERS, TinyNet, make_batches, train_steps, wrap
 
 

@@ -1,1 +1,1 @@
-"""Layer 3: checkpoints as a whole — save, async save, sources, restore, folders and rank agreement."""
+"""Layer 5: one checkpoint — save, async save, the restore plan and its apply."""

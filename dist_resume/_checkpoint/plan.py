@@ -19,7 +19,7 @@ from .._core.text import article
 from .._core.tree import map_tensors
 from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
-from .._format.layout import CheckpointParts
+from .._layout.layout import CheckpointParts
 from .._state.optim import optimizer_to, prepare_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler

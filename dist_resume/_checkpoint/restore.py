@@ -16,12 +16,12 @@ from .._core.log import log_rank0
 from .._core.types import MapLocation, PathLike
 from .._dist.broadcast import agree_across_ranks
 from .._dist.env import is_distributed
-from .._format.kinds import CONVENTIONAL
-from .._format.layout import FORMAT_NAME, CheckpointParts, Key, Layout, split_checkpoint
+from .._layout.kinds import CONVENTIONAL
+from .._layout.layout import FORMAT_NAME, CheckpointParts, Key, Layout, split_checkpoint
+from .._source.read import Loaded, read_broadcast, read_file, read_folder
 from .._state.prefix import model_key_map
 from .options import OptimizerHparams, allowed_missing
 from .plan import RestorePlan, plan_restore
-from .sources import Loaded, read_broadcast, read_file, read_folder
 
 __all__ = ["ResumeResult", "resume"]
 

@@ -23,7 +23,7 @@ from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
 from .._format.atomic import atomic_write
-from .._format.layout import FORMAT_NAME, FORMAT_VERSION, Key
+from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .ema import canonical_ema_state

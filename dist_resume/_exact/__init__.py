@@ -1,1 +1,1 @@
-"""Layer 2: exact resume — the resumable sampler and per-rank RNG streams."""
+"""Layer 3: exact resume — the resumable sampler and per-rank RNG streams."""

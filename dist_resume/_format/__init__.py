@@ -1,1 +1,1 @@
-"""Layer 2: checkpoint files — sniffing, loading, the zip archive read/write, integrity, atomic replace, layouts, convert."""
+"""Layer 2: torch zip files — sniffing, the records and their CRCs, reading without unpickling, loading, atomic replace."""

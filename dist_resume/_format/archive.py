@@ -26,8 +26,8 @@ from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
+from .records import Record, read_records
 from .sniff import check_walkable, unsafe_error
-from .verify import Record, read_records
 
 __all__ = ["StorageInfo", "ArchiveContents", "read_archive"]
 

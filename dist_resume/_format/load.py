@@ -26,8 +26,8 @@ from .._core.torch_errors import (
 )
 from .._core.types import MapLocation, PathLike
 from .._dist.env import rank_device
+from .records import read_records, verify_zip
 from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
-from .verify import read_records, verify_zip
 
 __all__ = ["rank_map_location", "load_torch_file"]
 

@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Sequence
 
 from .._core.errors import EnvironmentMismatchError
-from .._format.detect import check_part_keys
-from .._format.kinds import PART_NAMES
+from .._layout.detect import check_part_keys
+from .._layout.kinds import PART_NAMES
 from ._common import ExitCode, ProgressBar, UsageError, human_bytes, print_json, report_error
 
 __all__ = ["cmd_inspect", "cmd_convert", "cmd_verify", "cmd_list", "cmd_env", "part_keys_arg"]
@@ -41,7 +41,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .._format.convert import convert_checkpoint
+    from .._convert.convert import convert_checkpoint
 
     if args.to is None and args.format is None:
         raise UsageError(

@@ -17,8 +17,8 @@ from typing import Any
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, read_archive
-from .._format.layout import CheckpointParts, Key, Layout, split_checkpoint
-from .._format.open import source_kind
+from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
+from .._source.open import source_kind
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind

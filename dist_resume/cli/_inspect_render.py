@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.text import preview, shown
-from .._format.layout import describe_keys
+from .._layout.layout import describe_keys
 from ._common import human_bytes
 
 __all__ = ["render_inspect"]

@@ -18,12 +18,12 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import DistResumeError
+from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, read_archive
-from .._format.integrity import source_files
-from .._format.layout import CheckpointParts, Layout
-from .._format.open import open_checkpoint
-from .._format.safetensors_io import DTYPES, read_safetensors_header
 from .._format.sniff import FileKind, file_kind
+from .._layout.layout import CheckpointParts, Layout
+from .._source.integrity import source_files
+from .._source.open import open_checkpoint
 from ._inspect_tensors import StorageOf, chain_storage_of, device_tags, loaded_storage_of
 
 __all__ = ["ForeignSource", "read_foreign_source", "SOURCE_META_KEYS"]

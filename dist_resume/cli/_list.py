@@ -10,17 +10,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .._checkpoint.folder import CheckpointManager
-from .._checkpoint.listing import CHECKPOINT_NAME, find_latest
-from .._checkpoint.lock import LOCK_NAME
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .._core.text import preview
 from .._core.types import PathLike
+from .._foreign.folders import checkpoint_subfolders, detect_folder
 from .._format.archive import read_archive
 from .._format.atomic import TEMP_NAME
-from .._format.foreign import checkpoint_subfolders, detect_folder
-from .._format.integrity import inspect_checkpoint
-from .._format.layout import Key
+from .._layout.layout import Key
+from .._manager.lock import LOCK_NAME
+from .._manager.manager import CheckpointManager
+from .._source.integrity import inspect_checkpoint
+from .._source.listing import CHECKPOINT_NAME, find_latest
 from ._common import SCHEMA_PREFIX, human_bytes
 
 __all__ = ["list_folder", "render_list"]

@@ -10,10 +10,10 @@ import torch
 from .._core.errors import UsageError
 from .._core.text import preview
 from .._core.types import PathLike
-from .._format.detect import check_part_keys
-from .._format.layout import CheckpointParts, describe_keys, split_checkpoint
-from .._format.open import open_checkpoint, source_kind
 from .._format.sniff import FileKind, check_file, file_kind
+from .._layout.detect import check_part_keys
+from .._layout.layout import CheckpointParts, describe_keys, split_checkpoint
+from .._source.open import open_checkpoint, source_kind
 from .._state.optim_keys import GROUP_BOOKKEEPING
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX

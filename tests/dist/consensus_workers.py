@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.consensus import resolve_checkpoint
-from dist_resume._checkpoint.folder import CheckpointManager
+from dist_resume._source.consensus import resolve_checkpoint
+from dist_resume._manager.manager import CheckpointManager
 
 Outcome = tuple[Any, ...]
 

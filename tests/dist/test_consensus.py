@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import dist_resume as dr
-from dist_resume._checkpoint.listing import checkpoint_name
+from dist_resume._source.listing import checkpoint_name
 from tests.dist import consensus_workers as W
 from tests.dist.harness import RankFailure, run_ranks
 

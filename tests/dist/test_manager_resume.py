@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import dist_resume as dr
-from dist_resume._checkpoint.listing import checkpoint_name
+from dist_resume._source.listing import checkpoint_name
 from tests.dist import manager_workers as W
 from tests.dist.harness import run_ranks
 

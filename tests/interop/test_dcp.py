@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dist_resume._core.errors import CheckpointCorruptError, UnsafeCheckpointError
-from dist_resume._format.dcp import normalize_optimizer_state, read_dcp
-from dist_resume._format.foreign import FolderKind, detect_folder, read_folder
+from dist_resume._foreign.dcp import normalize_optimizer_state, read_dcp
+from dist_resume._foreign.folders import FolderKind, detect_folder, read_folder
 from tests.interop._compare import assert_same, loads_into
 from tests.interop.conftest import Saved, _tiny
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_resume._core.errors import CheckpointCorruptError, NotACheckpointError
-from dist_resume._format.foreign import FolderKind, detect_folder, read_folder
+from dist_resume._foreign.folders import FolderKind, detect_folder, read_folder
 from tests.interop._compare import assert_same, loads_into
 from tests.interop.conftest import Saved
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._format.layout import split_checkpoint
+from dist_resume._layout.layout import split_checkpoint
 from tests.interop._compare import assert_same
 from tests.interop.conftest import Saved, _tiny
 

@@ -10,9 +10,9 @@ import torch
 
 import dist_resume as dr
 from dist_resume._core.errors import CheckpointCorruptError
-from dist_resume._format.layout import split_checkpoint
-from dist_resume._format.open import load_checkpoint
-from dist_resume._format.safetensors_io import is_safetensors, read_safetensors
+from dist_resume._foreign.safetensors_read import is_safetensors, read_safetensors
+from dist_resume._layout.layout import split_checkpoint
+from dist_resume._source.open import load_checkpoint
 from tests.interop._compare import assert_same
 from tests.interop.conftest import Saved
 

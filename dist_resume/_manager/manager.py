@@ -1,7 +1,7 @@
 """Checkpoint folders: the manager that saves numbered checkpoints into one, rotates and resumes.
 
-What a folder holds and which checkpoint counts is :mod:`~dist_resume._checkpoint.listing`'s;
-cleaning up and rotating after a save is :mod:`~dist_resume._checkpoint.rotation`'s.
+What a folder holds and which checkpoint counts is :mod:`~dist_resume._source.listing`'s;
+cleaning up and rotating after a save is :mod:`~dist_resume._manager.rotation`'s.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checkpoint.async_save import AsyncSave, save_checkpoint_async, wait_pending
+from .._checkpoint.restore import ResumeResult
+from .._checkpoint.save import save_checkpoint
 from .._core.errors import CheckpointWriteError
 from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
-from .async_save import AsyncSave, save_checkpoint_async, wait_pending
-from .listing import checkpoint_name, latest_checkpoint, numbered_checkpoints
+from .._source.listing import checkpoint_name, latest_checkpoint, numbered_checkpoints
 from .lock import FolderLock
-from .restore import ResumeResult
 from .rotation import remove_leftovers, rotate_out
-from .save import save_checkpoint
 from .start import start_run
 
 __all__ = ["CheckpointManager"]

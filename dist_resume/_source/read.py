@@ -17,10 +17,10 @@ from .._core.errors import CheckpointNotFoundError
 from .._core.tree import iter_tensors
 from .._core.types import MapLocation, PathLike
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES, broadcast_loaded
-from .._format.layout import CheckpointParts
-from .._format.open import is_foreign_source, open_checkpoint, parts_from_fields, parts_to_fields
+from .._layout.layout import CheckpointParts
 from .consensus import resolve_checkpoint
 from .listing import latest_checkpoint
+from .open import is_foreign_source, open_checkpoint, parts_from_fields, parts_to_fields
 
 __all__ = ["Loaded", "Prepared", "read_file", "read_folder", "read_broadcast"]
 

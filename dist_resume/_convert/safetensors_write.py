@@ -18,10 +18,10 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
-from .archive import ArchiveContents
+from .._foreign.safetensors_read import DTYPES
+from .._format.archive import ArchiveContents
+from .._format.records import Record
 from .archive_write import copy_range, write_all
-from .safetensors_io import DTYPES
-from .verify import Record
 
 __all__ = ["DTYPE_CODES", "safetensors_header", "write_safetensors_from_archive"]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from .._core.errors import CheckpointError, NotACheckpointError
 from .._core.types import PathLike
-from .archive import read_archive
-from .foreign import foreign_kind, trainer_progress
-from .layout import FORMAT_NAME, Key, Layout
-from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
-from .sniff import FileKind, file_kind
-from .verify import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_zip
+from .._foreign.folders import foreign_kind, trainer_progress
+from .._foreign.safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
+from .._format.archive import read_archive
+from .._format.records import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_zip
+from .._format.sniff import FileKind, file_kind
+from .._layout.layout import FORMAT_NAME, Key, Layout
 
 __all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_archive", "verify_source", "source_files"]
 

@@ -22,8 +22,8 @@ import torch
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.torch_compat import tensor_reduction
-from .archive import ArchiveContents
-from .verify import LOCAL_HEADER, LOCAL_SIGNATURE, Record
+from .._format.archive import ArchiveContents
+from .._format.records import LOCAL_HEADER, LOCAL_SIGNATURE, Record
 
 __all__ = ["dump_pickle", "rewrite_archive", "ZipWriter", "copy_range", "write_all"]
 

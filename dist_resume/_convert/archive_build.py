@@ -20,9 +20,9 @@ from typing import Any, Final
 import torch
 
 from .._core import torch_compat
-from .archive import ArchiveContents, StorageInfo
+from .._foreign.safetensors_read import DTYPES, read_safetensors_header
+from .._format.archive import ArchiveContents, StorageInfo
 from .archive_write import ZipWriter, copy_range, dump_pickle
-from .safetensors_io import DTYPES, read_safetensors_header
 
 __all__ = ["RawTensors", "read_safetensors_meta", "write_archive"]
 

@@ -34,13 +34,13 @@ from .._core import torch_errors
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
+from .._format.load import rank_map_location
+from .._format.records import check_zip_bytes
+from .._format.sniff import check_walkable, unsafe_error
+from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
-from .layout import CheckpointParts, Layout, split_checkpoint
-from .load import rank_map_location
-from .sniff import check_walkable, unsafe_error
-from .verify import check_zip_bytes
 
 __all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state"]
 

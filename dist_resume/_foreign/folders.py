@@ -18,9 +18,9 @@ from typing import Any, Final
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
-from .layout import CheckpointParts, Layout, is_state_dict
-from .load import load_torch_file
-from .safetensors_io import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors
+from .._format.load import load_torch_file
+from .._layout.layout import CheckpointParts, Layout, is_state_dict
+from .safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors
 
 __all__ = [
     "FolderKind",
@@ -40,7 +40,7 @@ FolderKind = Layout  # the folder kinds are Layout.HF_TRAINER, Layout.ACCELERATE
 FOLDER_LAYOUTS: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP)
 
 
-# a CheckpointManager folder (dist_resume's own; _checkpoint.folder.CHECKPOINT_NAME plus its temps)
+# a CheckpointManager folder (dist_resume's own; _source.listing.CHECKPOINT_NAME plus its temps)
 _OWN_FOLDER: Final = re.compile(r"^\.?ckpt_\d+\.pt(\.[0-9a-f]{16}\.tmp)?$")
 _SAFE_WEIGHTS: Final = "model.safetensors"
 _BIN_WEIGHTS: Final = "pytorch_model.bin"

@@ -134,7 +134,7 @@ def split_checkpoint(
     """Recognise the layout of a loaded checkpoint and split it into its parts. Local.
 
     This toolkit's files and a bare state dict are read as such; any other dict is searched by
-    name and content (see :mod:`dist_resume._format.detect`): ``model_keys`` (the live model's
+    name and content (see :mod:`dist_resume._layout.detect`): ``model_keys`` (the live model's
     state dict keys) pick the entry that fits the model when several could; ``part_keys`` (e.g.
     ``{"model": "MODEL_STATE"}``, ``"state.model"`` one level down) overrides detection for the
     parts it names; ``wanted`` (the parts the caller restores; default all) lets a part outside it

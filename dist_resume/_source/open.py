@@ -1,7 +1,7 @@
 """One entry point for every checkpoint source: a torch file, a foreign folder, a ``.safetensors`` file.
 
 :func:`open_checkpoint` returns an :class:`Opened`: either the object a torch file holds (split
-later by :func:`~dist_resume._format.layout.split_checkpoint`, which needs the live model's keys
+later by :func:`~dist_resume._layout.layout.split_checkpoint`, which needs the live model's keys
 and the caller's options), or the :class:`CheckpointParts` of a foreign source, split already by
 the reader that knows its files (HF Trainer, Accelerate, DCP folders; a ``.safetensors`` file). A
 ``CheckpointManager`` folder is not a source here: ``_checkpoint`` resolves it to one file first.
@@ -20,11 +20,11 @@ from .._core.errors import UsageError
 from .._core.log import log_rank0
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
-from .foreign import foreign_kind, is_manager_folder, read_folder, unrecognised_folder
+from .._foreign.folders import foreign_kind, is_manager_folder, read_folder, unrecognised_folder
+from .._foreign.safetensors_read import read_safetensors
+from .._format.load import load_torch_file
+from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .integrity import verify_source
-from .layout import CheckpointParts, Layout, split_checkpoint
-from .load import load_torch_file
-from .safetensors_io import read_safetensors
 
 __all__ = [
     "Opened",
@@ -84,7 +84,7 @@ def open_checkpoint(
     A torch file (``.pt``, ``.pth``, ``.ckpt``, ``.bin``) comes back as its object; an HF Trainer
     ``checkpoint-N/``, an Accelerate ``save_state`` folder, a DCP folder or a ``.safetensors`` file as
     :class:`CheckpointParts`. ``verify=True`` first checks every torch file's CRC-32s and every
-    safetensors header (see :func:`~dist_resume._format.integrity.verify_source`). Raises
+    safetensors header (see :func:`~dist_resume._source.integrity.verify_source`). Raises
     :class:`NotACheckpointError` for a folder no reader recognises, listing its files and the known
     folders; a ``CheckpointManager`` folder or an empty one raises :class:`CheckpointNotFoundError`
     (pass it to ``resume``, which picks its newest complete checkpoint).

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checkpoint.options import OptimizerHparams, allowed_missing
+from .._checkpoint.restore import ResumeResult, resume
 from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
-from .._format.foreign import checkpoint_subfolders, foreign_kind, unrecognised_folder
-from .listing import numbered_checkpoints
-from .options import OptimizerHparams, allowed_missing
-from .restore import ResumeResult, resume
+from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
+from .._source.listing import numbered_checkpoints
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 

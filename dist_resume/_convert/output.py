@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointWriteError, UsageError
-from .atomic import TEMP_NAME, atomic_write
+from .._format.atomic import TEMP_NAME, atomic_write
 
 __all__ = ["check_paths", "remove_stale_temps", "temp_path", "write_locked", "replace_folder"]
 

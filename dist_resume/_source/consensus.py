@@ -19,8 +19,8 @@ from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
-from .._format.foreign import checkpoint_subfolders, unrecognised_folder
-from .._format.integrity import CheckpointInfo, archive_digest
+from .._foreign.folders import checkpoint_subfolders, unrecognised_folder
+from .integrity import CheckpointInfo, archive_digest
 from .listing import find_latest
 
 __all__ = ["ViewStatus", "RankView", "resolve_checkpoint"]

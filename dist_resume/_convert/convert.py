@@ -26,10 +26,14 @@ from typing import TypeVar
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
 from .._core.text import article
 from .._core.types import PathLike
+from .._foreign.folders import checkpoint_subfolders, detect_folder, read_folder, unrecognised_folder
+from .._foreign.safetensors_read import is_safetensors
+from .._format.archive import read_archive
+from .._format.records import verify_zip
+from .._layout.layout import split_checkpoint
 from .._state.prefix import prefix_style
-from .archive import read_archive
 from .archive_write import dump_pickle, rewrite_archive
-from .convert_formats import (
+from .formats import (
     Converted,
     ConvertFormat,
     parts_to_pt,
@@ -38,12 +42,8 @@ from .convert_formats import (
     pt_to_safetensors,
     safetensors_to_pt,
 )
-from .convert_output import check_paths, remove_stale_temps, write_locked
-from .foreign import checkpoint_subfolders, detect_folder, read_folder, unrecognised_folder
-from .layout import split_checkpoint
+from .output import check_paths, remove_stale_temps, write_locked
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict, target_key
-from .safetensors_io import is_safetensors
-from .verify import verify_zip
 
 __all__ = [
     "KeyForm",

@@ -1,6 +1,6 @@
 """After a save into a checkpoint folder: temporary files of interrupted saves removed, old checkpoints rotated out.
 
-Both run on the writing rank only, under the folder's lock (:mod:`~dist_resume._checkpoint.lock`),
+Both run on the writing rank only, under the folder's lock (:mod:`~dist_resume._manager.lock`),
 and both only log what they cannot delete: a file left behind never fails a save that succeeded.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .._core.log import log_rank0, logger
 from .._format.atomic import TEMP_NAME
-from .listing import CHECKPOINT_NAME, numbered_checkpoints
+from .._source.listing import CHECKPOINT_NAME, numbered_checkpoints
 
 __all__ = ["remove_leftovers", "rotate_out"]
 

@@ -20,7 +20,7 @@ import torch
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
-from .load import rank_map_location
+from .._format.load import rank_map_location
 
 __all__ = ["SAFETENSORS_SUFFIX", "is_safetensors", "read_safetensors_header", "read_safetensors"]
 

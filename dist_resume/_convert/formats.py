@@ -20,14 +20,14 @@ import torch
 
 from .._core import torch_compat
 from .._core.errors import KeyMismatchError, NotACheckpointError, UsageError
+from .._foreign.safetensors_read import read_safetensors_header
+from .._format.archive import read_archive
+from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
+from .._source.open import load_checkpoint
 from .._state.prefix import canonical_key, prefix_style
-from .archive import read_archive
 from .archive_build import read_safetensors_meta, write_archive
-from .convert_output import replace_folder, write_locked
-from .layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
-from .open import load_checkpoint
+from .output import replace_folder, write_locked
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict
-from .safetensors_io import read_safetensors_header
 from .safetensors_write import write_safetensors_from_archive
 
 __all__ = [

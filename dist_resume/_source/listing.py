@@ -2,9 +2,9 @@
 
 A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
 name appears only through :func:`~dist_resume._format.atomic.atomic_write`'s rename (after the data is
-fsynced), and the file must pass :func:`~dist_resume._format.integrity.inspect_checkpoint` (zip
+fsynced), and the file must pass :func:`~dist_resume._source.integrity.inspect_checkpoint` (zip
 structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
-Readers need no lock (see :mod:`~dist_resume._checkpoint.lock` for the writer's).
+Readers need no lock (see :mod:`~dist_resume._manager.lock` for the writer's).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Final
 from .._core.errors import CheckpointError, NotACheckpointError
 from .._core.log import logger
 from .._core.types import PathLike
-from .._format.integrity import CheckpointInfo, inspect_checkpoint
+from .integrity import CheckpointInfo, inspect_checkpoint
 
 __all__ = ["CHECKPOINT_NAME", "checkpoint_name", "numbered_checkpoints", "find_latest", "latest_checkpoint"]
 

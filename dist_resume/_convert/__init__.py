@@ -1,0 +1,1 @@
+"""Layer 6: converting checkpoints between key forms and file formats, with the writers only conversion uses."""
