@@ -36,8 +36,13 @@ def resume_from_rank0(rank: int, world_size: int, folder: str, expected_path: st
     path = folder if rank == 0 else folder + "-not-on-this-node"
     result = dist_resume.resume(path, model=model, optimizer=opt, scheduler=sched, broadcast_from_rank0=True)
     dist_resume.check_devices(model, opt)
-    return {"state": flat_state(model, opt), "path": str(result.path), "step": result.step,
-            "lr": opt.param_groups[0]["lr"], "expected_path": expected_path}
+    return {
+        "state": flat_state(model, opt),
+        "path": str(result.path),
+        "step": result.step,
+        "lr": opt.param_groups[0]["lr"],
+        "expected_path": expected_path,
+    }
 
 
 def one_rank_cannot_validate(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
@@ -79,5 +84,4 @@ def async_saves(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         error = None
     except dist_resume.CheckpointWriteError as err:
         error = str(err)
-    return {"first_done": first.done(), "path": str(path), "error": error,
-            "weight": model.fc.weight.detach().clone()}
+    return {"first_done": first.done(), "path": str(path), "error": error, "weight": model.fc.weight.detach().clone()}

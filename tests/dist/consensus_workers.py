@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._source.consensus import resolve_checkpoint
 from dist_resume._manager.manager import CheckpointManager
+from dist_resume._source.consensus import resolve_checkpoint
 
 Outcome = tuple[Any, ...]
 
@@ -47,15 +47,19 @@ def agreement(rank: int, world_size: int, base: str) -> dict[str, Outcome]:
     out["save_fails"] = _outcome(lambda: mgr.save(3, model=filled(3.0), extra={"bad": object()}))
     out["shared"] = _outcome(lambda: str(resolve_checkpoint(shared)))
     target = filled(-1.0)
-    out["resume"] = _outcome(lambda: (dr.resume(shared, model=target, rng=False).step,
-                                      bool(all(torch.all(p == 2.0) for p in target.parameters()))))
+    out["resume"] = _outcome(
+        lambda: (
+            dr.resume(shared, model=target, rng=False).step,
+            bool(all(torch.all(p == 2.0) for p in target.parameters())),
+        )
+    )
     own = root / f"copy{rank}"  # node-local copies of the same file agree
     own.mkdir()
     shutil.copy2(shared / "ckpt_00000002.pt", own / "ckpt_00000002.pt")
     dist.barrier()
     out["copies"] = _outcome(lambda: str(resolve_checkpoint(own)))
     for scenario in ("different", "missing", "truncated", "stale", "empty", "broken"):
-        out[scenario] = _outcome(lambda: str(resolve_checkpoint(root / scenario / f"rank{rank}")))
+        out[scenario] = _outcome(lambda s=scenario: str(resolve_checkpoint(root / s / f"rank{rank}")))
     return out
 
 

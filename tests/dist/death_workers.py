@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_resume as dr
+from dist_resume._dist import broadcast
 from dist_resume._source import consensus
 from dist_resume._source import read as sources
-from dist_resume._dist import broadcast
 
 BUCKET_BYTES = 2048
 

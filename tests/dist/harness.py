@@ -33,14 +33,31 @@ class LaunchTimeout(AssertionError):
     """A torchrun launch outlived its timeout; its whole process tree was killed."""
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *, tmp_path: str | os.PathLike[str],
-              args: Sequence[Any] = (), deadline: float = 90.0, pg_timeout: float = 30.0,
-              backend: str = "gloo", env: Mapping[str, str] | None = None,
-              nproc_per_node: int | None = None) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    tmp_path: str | os.PathLike[str],
+    args: Sequence[Any] = (),
+    deadline: float = 90.0,
+    pg_timeout: float = 30.0,
+    backend: str = "gloo",
+    env: Mapping[str, str] | None = None,
+    nproc_per_node: int | None = None,
+) -> list[Any]:
     """``dist_resume.testing.run_ranks`` with the tests' defaults: FileStore in ``tmp_path``,
     ``deadline`` 90 s, ``pg_timeout`` 30 s (under pytest's 240 s). Raises ``RankFailure``."""
-    return testing.run_ranks(fn, world_size, args=args, timeout=deadline, pg_timeout=pg_timeout, backend=backend,
-                             env=env, nproc_per_node=nproc_per_node, tmp_dir=tmp_path)
+    return testing.run_ranks(
+        fn,
+        world_size,
+        args=args,
+        timeout=deadline,
+        pg_timeout=pg_timeout,
+        backend=backend,
+        env=env,
+        nproc_per_node=nproc_per_node,
+        tmp_dir=tmp_path,
+    )
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -72,8 +89,9 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _launch(cmds: list[list[str]], cwd: str | os.PathLike[str], env: Mapping[str, str] | None,
-            timeout: float) -> list[subprocess.CompletedProcess[str]]:
+def _launch(
+    cmds: list[list[str]], cwd: str | os.PathLike[str], env: Mapping[str, str] | None, timeout: float
+) -> list[subprocess.CompletedProcess[str]]:
     """Run the commands at once, each in a new session, output to anonymous files (a pipe could fill up,
     or be held open by an orphan); on timeout kill every process tree and raise with the output tails."""
     files = [tuple(tempfile.TemporaryFile("w+", errors="replace") for _ in "oe") for _ in cmds]
@@ -81,8 +99,9 @@ def _launch(cmds: list[list[str]], cwd: str | os.PathLike[str], env: Mapping[str
     end, timed_out = time.monotonic() + timeout, False
     try:
         for cmd, (out, err) in zip(cmds, files):
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=_child_env(env), stdout=out, stderr=err,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(cmd, cwd=cwd, env=_child_env(env), stdout=out, stderr=err, start_new_session=True)
+            )
         for p in procs:
             p.wait(timeout=max(0.0, end - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -93,8 +112,9 @@ def _launch(cmds: list[list[str]], cwd: str | os.PathLike[str], env: Mapping[str
                 _kill_tree(p)
     outputs = [(_read(out), _read(err)) for out, err in files]
     if timed_out:
-        tails = "\n".join(f"----- {' '.join(c)}\n[stdout]\n{o[-3000:]}\n[stderr]\n{e[-3000:]}"
-                          for c, (o, e) in zip(cmds, outputs))
+        tails = "\n".join(
+            f"----- {' '.join(c)}\n[stdout]\n{o[-3000:]}\n[stderr]\n{e[-3000:]}" for c, (o, e) in zip(cmds, outputs)
+        )
         raise LaunchTimeout(f"launch did not finish within {timeout:g}s; process trees killed\n{tails}")
     return [subprocess.CompletedProcess(c, p.returncode, o, e) for c, p, (o, e) in zip(cmds, procs, outputs)]
 
@@ -105,18 +125,36 @@ def _read(f: Any) -> str:
         return str(f.read())
 
 
-def run_torchrun(script_args: list[str], *, nproc: int, cwd: str | os.PathLike[str],
-                 env: Mapping[str, str] | None = None, timeout: float = 120.0,
-                 extra_torchrun_args: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+def run_torchrun(
+    script_args: list[str],
+    *,
+    nproc: int,
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    extra_torchrun_args: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc_per_node=nproc [extra] *script_args``; never raises on a non-zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *extra_torchrun_args, *script_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra_torchrun_args,
+        *script_args,
+    ]
     return _launch([cmd], cwd, env, timeout)[0]
 
 
-def run_two_nodes(script_args: list[str], *, nproc_per_node: int = 2, cwd: str | os.PathLike[str],
-                  env: Mapping[str, str] | None = None,
-                  timeout: float = 180.0) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+def run_two_nodes(
+    script_args: list[str],
+    *,
+    nproc_per_node: int = 2,
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 180.0,
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """Simulate a two-node torchrun job on this machine; return (node 0, node 1) results.
 
     This process hosts the c10d rendezvous TCPStore on an OS-assigned port for the whole run;
@@ -125,14 +163,21 @@ def run_two_nodes(script_args: list[str], *, nproc_per_node: int = 2, cwd: str |
     ignores ``--node_rank``: GROUP_RANK follows sorted (address, agent pid), so check ranks as sets.
     """
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
-        timeout=timedelta(seconds=timeout))
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=timeout)
+    )
     try:  # the store lives until both agents are done
-        common = ["--nnodes=2", f"--nproc_per_node={nproc_per_node}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
-                  f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1"]
-        cmds = [[sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={n}", *script_args]
-                for n in (0, 1)]
+        common = [
+            "--nnodes=2",
+            f"--nproc_per_node={nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{store.port}",
+            "--rdzv-conf=is_host=false",
+            f"--rdzv-id={uuid.uuid4().hex}",
+            "--local-addr=127.0.0.1",
+        ]
+        cmds = [
+            [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={n}", *script_args] for n in (0, 1)
+        ]
         node0, node1 = _launch(cmds, cwd, env, timeout)
     finally:
         del store

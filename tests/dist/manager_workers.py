@@ -58,6 +58,6 @@ def scenarios(rank: int, world_size: int, base: str) -> dict[str, Outcome]:
     mine = root / "split" / f"rank{rank}"
     for scenario in ("rank1_empty", "rank1_no_folder", "rank0_empty", "init_rank1_missing"):
         init = mine / scenario / "init.pt" if scenario == "init_rank1_missing" else mine / "init.pt"
-        out[scenario] = _outcome(lambda: _start(mine / scenario, init_from=init))
+        out[scenario] = _outcome(lambda s=scenario, i=init: _start(mine / s, init_from=i))
     dist.barrier()
     return out

@@ -56,7 +56,9 @@ def _consensus_error(results: list[dict[str, Any]], scenario: str, reason: str) 
 @pytest.mark.timeout(120)
 def test_ranks_agree_or_all_raise(tmp_path: Path) -> None:
     _prepare(tmp_path)
-    results: list[dict[str, Any]] = run_ranks(W.agreement, 2, tmp_path=tmp_path, args=(str(tmp_path),), pg_timeout=30, deadline=90)
+    results: list[dict[str, Any]] = run_ranks(
+        W.agreement, 2, tmp_path=tmp_path, args=(str(tmp_path),), pg_timeout=30, deadline=90
+    )
     r0, r1 = results
     shared = tmp_path / "shared"
     # a collective save: rank 0 writes and rotates, both ranks return the same paths
@@ -88,8 +90,9 @@ def test_absent_rank_ends_in_an_error_within_the_timeout(tmp_path: Path, how: st
     _save(folder, 1, 1.0)
     pg_timeout = 4.0
     try:
-        run_ranks(W.absent_rank, 2, tmp_path=tmp_path, args=(str(folder), how, pg_timeout),
-                  pg_timeout=pg_timeout, deadline=40)
+        run_ranks(
+            W.absent_rank, 2, tmp_path=tmp_path, args=(str(folder), how, pg_timeout), pg_timeout=pg_timeout, deadline=40
+        )
     except RankFailure as err:
         assert how == "dies" and set(err.failures) == {1}, str(err)  # only the rank that died
     else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -66,7 +65,7 @@ def test_ddp_checkpoint_resumes_into_single_process(tmp_path):
 
 def _results(proc) -> list[dict]:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def _env(repo_root) -> dict[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -34,13 +33,22 @@ def _wait_dead(pids: list[int], within: float = 5.0) -> list[int]:
 
 # --- functions run in the children: module level, so the forkserver children can import them ---
 
+
 def _all_reduce(rank: int, world_size: int, scale: int) -> dict:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                       "DIST_TEST_MARK")}
-    return {"sum": t.item() * scale, "rank": dist.get_rank(), "world": dist.get_world_size(),
-            "env": env, "pid": os.getpid(), "tensor": t}  # a tensor must survive the trip back
+    env = {
+        k: os.environ[k]
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "DIST_TEST_MARK")
+    }
+    return {
+        "sum": t.item() * scale,
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "env": env,
+        "pid": os.getpid(),
+        "tensor": t,
+    }  # a tensor must survive the trip back
 
 
 def _mixed_outcomes(rank: int, world_size: int) -> object:
@@ -63,6 +71,7 @@ def _rank1_hangs(rank: int, world_size: int, pid_file: str) -> int:
 
 # --- run_ranks ---
 
+
 def test_rejects_bad_timeouts_and_local_functions(tmp_path):
     with pytest.raises(ValueError, match="pg_timeout < deadline"):
         run_ranks(_all_reduce, 2, tmp_path=tmp_path, deadline=10, pg_timeout=10)
@@ -77,14 +86,23 @@ def test_rejects_bad_timeouts_and_local_functions(tmp_path):
 @pytest.mark.dist
 def test_all_reduce_two_ranks_and_env(tmp_path):
     env_before = dict(os.environ)
-    results = run_ranks(_all_reduce, 2, tmp_path=tmp_path, args=(10,), deadline=60, pg_timeout=20,
-                        env={"DIST_TEST_MARK": "x"})
+    results = run_ranks(
+        _all_reduce, 2, tmp_path=tmp_path, args=(10,), deadline=60, pg_timeout=20, env={"DIST_TEST_MARK": "x"}
+    )
     assert [r["sum"] for r in results] == [30.0, 30.0]
     assert all(torch.equal(r["tensor"], torch.tensor([3.0])) for r in results)
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
     assert [r["env"] for r in results] == [
-        {"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-         "DIST_TEST_MARK": "x"} for i in range(2)]
+        {
+            "RANK": str(i),
+            "LOCAL_RANK": str(i),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "DIST_TEST_MARK": "x",
+        }
+        for i in range(2)
+    ]
     assert len({r["pid"] for r in results} | {os.getpid()}) == 3
     assert dict(os.environ) == env_before
     assert not dist.is_initialized()
@@ -92,12 +110,21 @@ def test_all_reduce_two_ranks_and_env(tmp_path):
 
 @pytest.mark.dist
 def test_four_ranks_on_two_simulated_nodes(tmp_path):
-    results = run_ranks(_all_reduce, 4, tmp_path=tmp_path, args=(1,), nproc_per_node=2, deadline=60,
-                        pg_timeout=20, env={"DIST_TEST_MARK": "y"})
+    results = run_ranks(
+        _all_reduce,
+        4,
+        tmp_path=tmp_path,
+        args=(1,),
+        nproc_per_node=2,
+        deadline=60,
+        pg_timeout=20,
+        env={"DIST_TEST_MARK": "y"},
+    )
     assert [r["sum"] for r in results] == [10.0] * 4
-    assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["GROUP_RANK"], r["env"]["LOCAL_WORLD_SIZE"])
-            for r in results] == [("0", "0", "0", "2"), ("1", "1", "0", "2"), ("2", "0", "1", "2"),
-                                  ("3", "1", "1", "2")]
+    assert [
+        (r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["GROUP_RANK"], r["env"]["LOCAL_WORLD_SIZE"])
+        for r in results
+    ] == [("0", "0", "0", "2"), ("1", "1", "0", "2"), ("2", "0", "1", "2"), ("3", "1", "1", "2")]
 
 
 @pytest.mark.dist
@@ -165,18 +192,19 @@ def test_two_simulated_nodes(tmp_path):
     node_a, node_b = run_two_nodes(["script.py"], nproc_per_node=2, cwd=tmp_path, timeout=150)
     assert node_a.returncode == 0 and node_b.returncode == 0, node_a.stderr[-3000:] + node_b.stderr[-3000:]
     per_node = [_results(node_a.stdout), _results(node_b.stdout)]
-    assert sorted(per_node) == [[(0, 0, 4, 2, 0, 10), (1, 1, 4, 2, 0, 10)],
-                                [(2, 0, 4, 2, 1, 10), (3, 1, 4, 2, 1, 10)]]
+    assert sorted(per_node) == [[(0, 0, 4, 2, 0, 10), (1, 1, 4, 2, 0, 10)], [(2, 0, 4, 2, 1, 10), (3, 1, 4, 2, 1, 10)]]
 
 
 @pytest.mark.dist
 def test_torchrun_timeout_kills_agent_and_workers(tmp_path):
-    (tmp_path / "hang.py").write_text(textwrap.dedent("""
+    (tmp_path / "hang.py").write_text(
+        textwrap.dedent("""
         import os, time
         open(f"worker{os.environ['LOCAL_RANK']}.pid", "w").write(str(os.getpid()))
         print("worker up", flush=True)
         time.sleep(600)
-    """))
+    """)
+    )
     with pytest.raises(LaunchTimeout, match="did not finish within 15s") as info:
         run_torchrun(["hang.py"], nproc=2, cwd=tmp_path, timeout=15)
     assert "worker up" in str(info.value)

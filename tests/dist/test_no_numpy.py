@@ -17,4 +17,6 @@ def test_collectives_work_without_numpy(tmp_path, repo_root):
     proc = run_torchrun([worker, str(tmp_path / "ckpts")], nproc=2, cwd=tmp_path, timeout=160)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("OK")) == [
-        "OK rank=0 steps=2,2", "OK rank=1 steps=2,2"]
+        "OK rank=0 steps=2,2",
+        "OK rank=1 steps=2,2",
+    ]

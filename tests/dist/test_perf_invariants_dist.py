@@ -12,8 +12,10 @@ from tests.dist import perf_workers as P
 from tests.dist.ddp_workers import flat_state
 from tests.dist.harness import run_ranks
 
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads Linux /proc/self/io")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads Linux /proc/self/io"),
+]
 
 STRAY = 64 * 1024  # reads that are not the checkpoint (a few hundred bytes seen); the file is ~3 MiB
 

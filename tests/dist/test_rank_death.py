@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._core import torch_compat
 from dist_resume._core import torch_errors
 from dist_resume._dist.comm import collective_step
 from tests.dist import death_workers as W

@@ -19,16 +19,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import dist_resume  # noqa: E402
-from tests.dist.ddp_workers import flat_state, make, train  # noqa: E402
+import dist_resume
+from tests.dist.ddp_workers import flat_state, make, train
 
 
 def main() -> None:
     ckpt = sys.argv[1]
     info = dist_resume.init_distributed(timeout=timedelta(seconds=60))
     # Pretend this node has as many GPUs as processes: which device would each rank take?
-    with mock.patch("torch.cuda.is_available", return_value=True), \
-            mock.patch("torch.cuda.device_count", return_value=info.local_world_size):
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.device_count", return_value=info.local_world_size),
+    ):
         would_use = str(dist_resume.rank_device())
         would_map = str(dist_resume.rank_map_location())
     model, _, _ = make(seed=10 + info.rank)

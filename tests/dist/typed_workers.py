@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._source.consensus import resolve_checkpoint
 from dist_resume._dist.comm import run_on_rank0
+from dist_resume._source.consensus import resolve_checkpoint
 
 
 def small_model() -> nn.Module:
