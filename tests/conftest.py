@@ -37,7 +37,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}"]
 
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+# everything torchrun sets that changes what dist_resume does (TORCHELASTIC_RUN_ID: init_distributed makes a group)
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @pytest.fixture

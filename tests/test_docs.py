@@ -33,7 +33,9 @@ TORCHRUN_VARS = (
     "GROUP_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 
@@ -72,11 +74,11 @@ def python_blocks(page: Path) -> list[Block]:
 
 @pytest.fixture
 def single_cpu_process(tmp_path, monkeypatch):
-    """A temporary working folder, no torchrun variables, no visible GPU; the global RNG and the logging set-up the
+    """A temporary working folder, no torchrun variables, no accelerator; the global RNG and the logging set-up the
     pages show (basicConfig, the library logger's level) are restored afterwards, so later tests see neither."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     monkeypatch.chdir(tmp_path)
     state = torch.random.get_rng_state()
     root, library = logging.getLogger(), logging.getLogger("dist_resume")
