@@ -121,6 +121,7 @@ def test_the_pages_are_all_checked_and_linked():
         "performance.md",
         "errors.md",
         "launching.md",
+        "devices.md",
         "testing.md",
     } <= docs
     for name in docs:
