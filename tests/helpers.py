@@ -12,7 +12,28 @@ import pytest
 import torch
 import torch.serialization as ts
 
-__all__ = ["PRIVATEUSE1", "FakeAccelerator", "device_tagging", "fake_accelerator", "save_with_device_tag"]
+__all__ = [
+    "PRIVATEUSE1",
+    "TORCHRUN_VARS",
+    "FakeAccelerator",
+    "device_tagging",
+    "fake_accelerator",
+    "save_with_device_tag",
+]
+
+# everything torchrun sets that changes what dist_resume does (TORCHELASTIC_RUN_ID: init_distributed makes a group)
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 # the PrivateUse1 backend's name in this process ("privateuseone" until a backend renames it, e.g. to "sim")
 PRIVATEUSE1 = torch._C._get_privateuse1_backend_name()
