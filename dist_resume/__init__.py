@@ -31,7 +31,7 @@ from ._core.errors import (
 )
 from ._core.security import TorchSecurityWarning
 from ._core.version import __version__
-from ._dist.env import RankInfo, init_distributed, rank_device, rank_info
+from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
 from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
 from ._exact.sampler import ResumableDistributedSampler
 from ._format.load import rank_map_location
@@ -54,6 +54,7 @@ __all__ = [
     "rank_info",
     "rank_device",
     "init_distributed",
+    "destroy_distributed",
     # loading
     "rank_map_location",
     "load_checkpoint",

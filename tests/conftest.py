@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import save_with_device_tag
+from tests.helpers import TORCHRUN_VARS, save_with_device_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +35,6 @@ def cuda_tagged_save() -> Callable[..., None]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}"]
-
-
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture

@@ -5,12 +5,38 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.serialization as ts
 
-__all__ = ["device_tagging", "save_with_device_tag"]
+__all__ = [
+    "PRIVATEUSE1",
+    "TORCHRUN_VARS",
+    "FakeAccelerator",
+    "device_tagging",
+    "fake_accelerator",
+    "save_with_device_tag",
+]
+
+# everything torchrun sets that changes what dist_resume does (TORCHELASTIC_RUN_ID: init_distributed makes a group)
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+# the PrivateUse1 backend's name in this process ("privateuseone" until a backend renames it, e.g. to "sim")
+PRIVATEUSE1 = torch._C._get_privateuse1_backend_name()
 
 Tag = str | Callable[[Any], str | None]
 
@@ -46,3 +72,95 @@ def save_with_device_tag(obj: Any, path: str | os.PathLike[str], tag: Tag = "cud
     """``torch.save(obj, path)`` with every CPU storage tagged ``tag`` (default ``"cuda:3"``)."""
     with device_tagging(tag):
         torch.save(obj, path)
+
+
+@dataclass
+class FakeAccelerator:
+    """What :func:`fake_accelerator` made ``torch.accelerator`` answer, and what dist_resume asked of it.
+
+    ``rng`` is the device module's per-index RNG state (None: the module has no RNG functions);
+    ``set_index``, ``synced`` and ``rng_reads`` record ``set_device_index``, ``synchronize`` and
+    ``get_rng_state`` calls.
+    """
+
+    type: str
+    count: int
+    current: int = 0
+    rng: dict[int, torch.Tensor] | None = None
+    set_index: list[Any] = field(default_factory=list)
+    synced: list[Any] = field(default_factory=list)
+    rng_reads: list[Any] = field(default_factory=list)
+
+    def index(self, device: Any) -> int:
+        if device is None:
+            return self.current
+        device = torch.device(self.type, device) if isinstance(device, int) else torch.device(device)
+        assert device.type == self.type, f"{device} asked of a {self.type} accelerator"
+        return self.current if device.index is None else device.index
+
+
+def fake_accelerator(
+    monkeypatch: pytest.MonkeyPatch, device_type: str = "cuda", count: int = 2, *, rng: bool = True
+) -> FakeAccelerator:
+    """Make this process look as if its accelerator were ``count`` devices of ``device_type``.
+
+    Patches ``torch.accelerator`` (current_accelerator, device_count, current_device_index,
+    set_device_index, device_index, synchronize) and ``torch.get_device_module(device_type)`` (RNG
+    functions when ``rng``). Only decisions can be tested with it: no tensor can live there. The
+    tests that move real tensors run on the test accelerator (tests/accelerator) and on CUDA.
+    ``device_type`` must be one ``torch.device`` parses: a built-in type, or :data:`PRIVATEUSE1`.
+    """
+    fake = FakeAccelerator(
+        device_type, count, rng={i: torch.full((8,), i, dtype=torch.uint8) for i in range(count)} if rng else None
+    )
+
+    def current_accelerator(check_available: bool = False) -> torch.device:
+        return torch.device(device_type)
+
+    def set_device_index(device: Any) -> None:
+        fake.set_index.append(device)
+        fake.current = fake.index(device)
+
+    @contextlib.contextmanager
+    def device_index(device: int | None) -> Iterator[None]:
+        before = fake.current
+        fake.current = before if device is None else device
+        try:
+            yield
+        finally:
+            fake.current = before
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", current_accelerator)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: fake.current)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", set_device_index)
+    monkeypatch.setattr(torch.accelerator, "device_index", device_index)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: fake.synced.append(device))
+
+    class Module:  # the device module's RNG functions, as torch.cuda / torch.xpu / torch.mps spell them
+        if rng:
+
+            @staticmethod
+            def get_rng_state(device: Any = None) -> torch.Tensor:
+                fake.rng_reads.append(device)
+                assert fake.rng is not None
+                return fake.rng[fake.index(device)].clone()
+
+            @staticmethod
+            def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+                assert fake.rng is not None and state.dtype == torch.uint8 and state.device.type == "cpu"
+                fake.rng[fake.index(device)] = state.clone()
+
+            @staticmethod
+            def manual_seed(seed: int) -> None:
+                assert fake.rng is not None
+                fake.rng[fake.current] = torch.full((8,), seed % 256, dtype=torch.uint8)
+
+    real = torch.get_device_module
+
+    def get_device_module(device: Any = None) -> Any:
+        kind = device.type if isinstance(device, torch.device) else str(device or device_type).split(":")[0]
+        return Module if kind == device_type else real(device)
+
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    return fake

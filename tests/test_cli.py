@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import dist_resume
 from dist_resume._convert.convert import remove_stale_temps
 from dist_resume.cli import main
 from dist_resume.cli._common import ExitCode, ProgressBar
-from tests.helpers import save_with_device_tag
+from tests.helpers import fake_accelerator, save_with_device_tag
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -265,12 +266,40 @@ def test_env_reports_what_torchrun_set(run: Run, monkeypatch: pytest.MonkeyPatch
         "is_distributed": True,
     }
     assert report["device"] == "cpu" and report["backend"] == "gloo" and report["launched_by_torchrun"]
-    assert report["torchrun"]["GROUP_RANK"] == "1" and report["cuda"]["device_count"] == 0
+    assert report["torchrun"]["GROUP_RANK"] == "1" and report["schema"] == "dist-resume/env/2"
+    assert report["accelerator"] == {
+        "type": None,
+        "device_count": 0,
+        "visible_devices_variable": None,
+        "visible_devices": None,
+    }
     code, out, _ = run("env")
     assert code == 0 and all(line.startswith("[rank 3] ") for line in out.splitlines())
     monkeypatch.setenv("LOCAL_RANK", "2")
     code, out, err = run("env")
     assert code == ExitCode.INPUT and "LOCAL_RANK=2" in err and "hint:" in err
+
+
+def test_env_reports_the_accelerator(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.accelerator faked: the report's wording; a real device comes with the test accelerator (tests/accelerator)
+    fake_accelerator(monkeypatch, "xpu", count=2)
+    monkeypatch.setattr(dist, "is_backend_available", lambda name: name in ("gloo", "xccl"))
+    monkeypatch.delenv("ZE_AFFINITY_MASK", raising=False)
+    monkeypatch.setenv("ONEAPI_DEVICE_SELECTOR", "level_zero:0,1")
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    code, out, _ = run("env", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["device"] == "xpu:1" and report["backend"] == "xccl"
+    assert report["accelerator"] == {
+        "type": "xpu",
+        "device_count": 2,
+        "visible_devices_variable": "ONEAPI_DEVICE_SELECTOR",
+        "visible_devices": "level_zero:0,1",
+    }
+    code, out, _ = run("env")
+    assert "device       xpu:1 (2 xpu device(s), ONEAPI_DEVICE_SELECTOR=level_zero:0,1)" in out
+    assert "backend      xccl" in out
 
 
 def _evil(path: Path, marker: Path) -> None:

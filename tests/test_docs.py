@@ -20,21 +20,12 @@ import pytest
 import torch
 
 import dist_resume
+from tests.helpers import TORCHRUN_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.*?)\s*-->\s*$")
-TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-)
 
 
 @dataclass(frozen=True)
@@ -72,11 +63,11 @@ def python_blocks(page: Path) -> list[Block]:
 
 @pytest.fixture
 def single_cpu_process(tmp_path, monkeypatch):
-    """A temporary working folder, no torchrun variables, no visible GPU; the global RNG and the logging set-up the
+    """A temporary working folder, no torchrun variables, no accelerator; the global RNG and the logging set-up the
     pages show (basicConfig, the library logger's level) are restored afterwards, so later tests see neither."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     monkeypatch.chdir(tmp_path)
     state = torch.random.get_rng_state()
     root, library = logging.getLogger(), logging.getLogger("dist_resume")
@@ -119,6 +110,7 @@ def test_the_pages_are_all_checked_and_linked():
         "performance.md",
         "errors.md",
         "launching.md",
+        "devices.md",
         "testing.md",
     } <= docs
     for name in docs:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import dist_resume as dr
+from tests.helpers import PRIVATEUSE1, fake_accelerator
 
 
 def test_single_process_defaults(env):
@@ -72,67 +75,197 @@ def test_no_env_var_leaks_between_tests(env):
 
 
 # ---------------------------------------------------------------- rank_device
+# torch.accelerator is faked here (tests.helpers.fake_accelerator): these test the decisions. The tests that
+# put real tensors on each rank's device run on the test accelerator (tests/accelerator) and on CUDA.
 
 
-def test_rank_device_is_cpu_without_cuda(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_rank_device_is_cpu_without_an_accelerator(env, monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     assert dr.rank_device() == torch.device("cpu")
     env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
     assert dr.rank_device() == torch.device("cpu")
 
 
-def test_rank_device_uses_local_rank_never_rank(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+@pytest.mark.parametrize("device_type", ["cuda", "xpu", "hpu", "mtia", PRIVATEUSE1])
+def test_rank_device_is_the_accelerator_at_local_rank_never_rank(env, monkeypatch, device_type):
+    fake_accelerator(monkeypatch, device_type, count=2)
     env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=1)
-    assert dr.rank_device() == torch.device("cuda", 1)  # global rank 3 would be "invalid device ordinal"
-    assert dr.rank_device(0) == torch.device("cuda", 0)
+    assert dr.rank_device() == torch.device(device_type, 1)  # global rank 3 would be "invalid device ordinal"
+    assert dr.rank_device(0) == torch.device(device_type, 0)
+    assert dr.rank_map_location() == torch.device(device_type, 1)
 
 
-def test_rank_device_rejects_local_rank_beyond_the_visible_gpus(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+@pytest.mark.parametrize(
+    "device_type, variable, value",
+    [
+        ("cuda", "CUDA_VISIBLE_DEVICES", "4,5"),
+        ("xpu", "ZE_AFFINITY_MASK", "0.0,0.1"),
+        ("hpu", "HABANA_VISIBLE_MODULES", "2,3"),
+    ],
+)
+def test_rank_device_rejects_local_rank_beyond_the_visible_devices(env, monkeypatch, device_type, variable, value):
+    fake_accelerator(monkeypatch, device_type, count=2)
+    monkeypatch.setenv(variable, value)
     env(RANK=2, LOCAL_RANK=2, WORLD_SIZE=3, LOCAL_WORLD_SIZE=3)
     with pytest.raises(dr.EnvironmentMismatchError) as info:
         dr.rank_device()
     msg = str(info.value)
-    assert (
-        "LOCAL_RANK=2" in msg
-        and "2 visible CUDA device(s)" in msg
-        and "CUDA_VISIBLE_DEVICES=4,5" in msg
-        and "nproc_per_node" in msg
-    )
+    assert "LOCAL_RANK=2" in msg and f"2 visible {device_type} device(s)" in msg and "nproc_per_node" in msg
+    assert f"{variable}={value}" in msg
     with pytest.raises(dr.EnvironmentMismatchError):
         dr.rank_device(5)
     with pytest.raises(dr.EnvironmentMismatchError, match="negative"):
         dr.rank_device(-1)
 
 
-def test_rank_map_location_follows_rank_device(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    env(RANK=5, LOCAL_RANK=3, WORLD_SIZE=8, LOCAL_WORLD_SIZE=4, GROUP_RANK=1)
-    assert dr.rank_map_location() == torch.device("cuda", 3)
+def test_rank_device_names_an_unset_visible_devices_variable(env, monkeypatch):
+    fake_accelerator(monkeypatch, "cuda", count=1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(
+        dr.EnvironmentMismatchError, match=r"1 visible cuda device\(s\) \(CUDA_VISIBLE_DEVICES=<unset>\)"
+    ):
+        dr.rank_device(1)
+
+
+def test_mps_has_one_device_a_second_local_rank_is_an_error(env, monkeypatch):
+    fake_accelerator(monkeypatch, "mps", count=1)
+    assert dr.rank_device() == torch.device("mps", 0)
+    env(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    with pytest.raises(dr.EnvironmentMismatchError) as info:
+        dr.rank_device()
+    assert "LOCAL_RANK=1" in str(info.value) and "1 visible mps device(s) (no visible-devices variable)" in str(
+        info.value
+    )
 
 
 # ---------------------------------------------------------------- init_distributed
 
 
-def test_init_distributed_is_a_no_op_for_one_process(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+@pytest.fixture
+def recorded_init(monkeypatch):
+    """dist.init_process_group replaced by a recorder: the backend init_distributed picks, nothing started."""
+    calls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    return calls
+
+
+def _available(monkeypatch, *names):
+    monkeypatch.setattr(dist, "is_backend_available", lambda name: name in {"gloo", *names})
+
+
+@pytest.mark.parametrize(
+    "device_type, registered, backend",
+    [
+        ("cuda", ["nccl"], "nccl"),
+        ("cuda", [], "gloo"),  # a torch build without NCCL
+        ("xpu", ["xccl"], "xccl"),
+        ("hpu", ["hccl"], "hccl"),  # Habana's bridge registers hccl
+        ("mps", [], "gloo"),  # torch's own default map
+        (PRIVATEUSE1, ["simccl"], "simccl"),  # a backend registered for the device: torch's default map
+        (PRIVATEUSE1, [], "gloo"),
+    ],
+)
+def test_init_distributed_sets_the_device_and_picks_its_backend(
+    env, monkeypatch, recorded_init, device_type, registered, backend
+):
+    fake = fake_accelerator(monkeypatch, device_type, count=1 if device_type == "mps" else 2)
+    _available(monkeypatch, *registered)
+    if registered == ["simccl"]:
+        monkeypatch.setitem(dist.Backend.default_device_backend_map, device_type, "simccl")
+    if device_type == "mps":  # one device per Mac: two nodes of one process each
+        env(RANK=1, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, GROUP_RANK=1)
+    else:
+        env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=1)
+    info = dr.init_distributed()
+    assert fake.set_index == [torch.device(device_type, info.local_rank)] and fake.current == info.local_rank
+    assert [b for b, _ in recorded_init] == [backend]
+    assert recorded_init[0][1]["world_size"] == info.world_size and recorded_init[0][1]["rank"] == info.rank
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_device_without_a_registered_backend_warns_once_on_rank_0(
+    env, monkeypatch, recorded_init, caplog, registered
+):
+    fake_accelerator(monkeypatch, PRIVATEUSE1, count=2)
+    if registered:  # what Backend.register_backend("simccl", ..., devices=[PRIVATEUSE1]) leaves behind
+        _available(monkeypatch, "simccl")
+        monkeypatch.setitem(dist.Backend.default_device_backend_map, PRIVATEUSE1, "simccl")
+        monkeypatch.setitem(dist.Backend.backend_capability, "simccl", [PRIVATEUSE1])
+    for rank in (0, 1):
+        env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+        with caplog.at_level(logging.WARNING, logger="dist_resume"):
+            dr.init_distributed()
+    warned = [r.getMessage() for r in caplog.records if "no backend registered" in r.getMessage()]
+    assert [b for b, _ in recorded_init] == ["simccl" if registered else "gloo"] * 2
+    if registered:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and f"for {PRIVATEUSE1} tensors; using gloo" in warned[0]
+
+
+def test_init_distributed_keeps_an_explicit_backend(env, monkeypatch, recorded_init):
+    fake_accelerator(monkeypatch, "cuda", count=2)
+    _available(monkeypatch, "nccl")
+    env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    dr.init_distributed(backend="cpu:gloo,cuda:nccl")
+    assert [b for b, _ in recorded_init] == ["cpu:gloo,cuda:nccl"]
+
+
+def test_the_backend_table(monkeypatch):
+    from dist_resume._dist.accelerator import backend_for
+
+    _available(monkeypatch, "nccl", "xccl", "hccl")
+    assert [backend_for(t) for t in ("cpu", "cuda", "xpu", "npu", "hpu", "mps")] == [
+        "gloo",
+        "nccl",
+        "xccl",
+        "hccl",  # torch_npu registers hccl when imported
+        "hccl",
+        "gloo",
+    ]
+    monkeypatch.setitem(dist.Backend.default_device_backend_map, "mtia", "fake")
+    assert backend_for("mtia") == "gloo"  # torch's test backend claims devices it cannot drive
+
+
+def test_init_distributed_is_a_no_op_for_a_plain_process(env, monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     info = dr.init_distributed()
     assert info == dr.RankInfo()
-    assert not dist.is_initialized()  # no process group for a single process
+    assert not dist.is_initialized()  # no process group for a single process started without a launcher
     assert dr.init_distributed(backend="gloo") == info  # idempotent
     assert not dist.is_initialized()
-
-
-def test_init_distributed_with_world_size_one_from_torchrun(env, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=1)
-    assert dr.init_distributed().world_size == 1
+    dr.destroy_distributed()  # nothing to destroy: a no-op
     assert not dist.is_initialized()
+
+
+def test_init_distributed_makes_a_group_of_one_under_torchrun(env, monkeypatch):
+    # torchrun --nproc_per_node=1 without its agent: this process hosts the store (MASTER_PORT=0: any free port)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=0)
+    env(TORCHELASTIC_RUN_ID="test", TORCHELASTIC_RESTART_COUNT=0)
+    try:
+        info = dr.init_distributed(timeout=timedelta(seconds=30))
+        assert info.world_size == 1 and not info.is_distributed  # no other rank, yet a group exists
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        assert dr.init_distributed() == info  # idempotent
+    finally:
+        dr.destroy_distributed()
+    assert not dist.is_initialized()
+    dr.destroy_distributed()  # twice is fine
+
+
+def test_the_env_rendezvous_variables_count_as_launched(env, monkeypatch, recorded_init):
+    from dist_resume._dist.env import launched
+
+    assert not launched()
+    env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1")
+    assert not launched()  # MASTER_PORT missing: a half-set environment is no launcher
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert launched()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    env(MASTER_PORT=29500)
+    assert launched()
 
 
 def test_init_distributed_returns_at_once_under_an_existing_group(env, tmp_path):
@@ -142,6 +275,13 @@ def test_init_distributed_returns_at_once_under_an_existing_group(env, tmp_path)
         info = dr.init_distributed()
         assert info.world_size == 1 and info.rank == 0
         assert dist.is_initialized()
+    assert not dist.is_initialized()
+
+
+def test_destroy_distributed_ends_a_group_the_script_made_itself(env, tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dr.destroy_distributed()
     assert not dist.is_initialized()
 
 

@@ -18,6 +18,7 @@ from dist_resume import ResumableDistributedSampler as Sampler
 from dist_resume import StateMismatchError
 from dist_resume._exact import rng as _rng
 from dist_resume._exact import sampler as _exact
+from tests.helpers import PRIVATEUSE1, fake_accelerator
 
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
     import numpy as np
@@ -243,7 +244,7 @@ def _draw() -> tuple[float, torch.Tensor, float]:
 def test_rng_state_round_trips_through_a_weights_only_load():
     dist_resume.seed_rng(3, rank=0)
     state = _roundtrip(dist_resume.rng_state_dict("cpu"))
-    assert state["cuda"] is None and state["seed"] == 3
+    assert state["device"] is None and "cuda" not in state and state["seed"] == 3
     assert state["numpy"] is None if np is None else state["numpy"]["keys"].dtype == torch.int64
     expected = _draw()
     _draw()
@@ -266,17 +267,116 @@ def test_seed_rng_gives_each_rank_and_step_its_own_stream():
 
 def test_parts_this_process_cannot_restore_are_skipped_loudly(monkeypatch, caplog):
     state = dist_resume.rng_state_dict("cpu")
-    state["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as saved by a rank on a GPU
+    state["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as dist_resume 0.2 saved it on a GPU
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         dist_resume.load_rng_state_dict(state, "cpu")
         monkeypatch.setitem(sys.modules, "numpy", None)  # numpy not installed here
         dist_resume.load_rng_state_dict(state, "cpu")
         assert dist_resume.rng_state_dict("cpu")["numpy"] is None
-    assert "CUDA RNG state is not restored: this process runs on cpu" in caplog.text
+    assert "saved cuda RNG stream is not restored: this process runs on cpu" in caplog.text
     if np is not None:  # there was a numpy state to skip
         assert "numpy RNG state is not restored: numpy is not installed" in caplog.text
     with pytest.raises(StateMismatchError, match="'python' and 'torch'"):
         dist_resume.load_rng_state_dict({"torch": torch.get_rng_state()})
+
+
+# ---------------------------------------------------------------- RNG per accelerator
+# torch.accelerator and the device module are faked (tests.helpers.fake_accelerator): these test which stream is
+# read, stored and restored. Real device streams are drawn on the test accelerator (tests/accelerator) and on CUDA.
+
+
+def test_only_the_ranks_own_device_stream_is_saved_under_its_type(monkeypatch):
+    fake = fake_accelerator(monkeypatch, "xpu", count=2)
+    state = _roundtrip(dist_resume.rng_state_dict(torch.device("xpu", 1)))
+    assert fake.rng is not None and fake.rng_reads == [torch.device("xpu", 1)]  # FACTS #12: never every device
+    assert state["device"]["type"] == "xpu" and torch.equal(state["device"]["state"], fake.rng[1])
+    assert "cuda" not in state
+    assert dist_resume.rng_state_dict("cpu")["device"] is None  # a CPU rank has no device stream
+
+
+def test_a_device_stream_restores_onto_the_ranks_own_device(monkeypatch, caplog):
+    fake = fake_accelerator(monkeypatch, "cuda", count=2)
+    assert fake.rng is not None
+    state = dist_resume.rng_state_dict(torch.device("cuda", 1))
+    fake.rng[1] = torch.zeros(8, dtype=torch.uint8)  # the stream moved on
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        dist_resume.load_rng_state_dict(state, torch.device("cuda", 1))
+    assert torch.equal(fake.rng[1], torch.full((8,), 1, dtype=torch.uint8)) and torch.equal(
+        fake.rng[0], torch.zeros(8, dtype=torch.uint8)
+    )
+    assert "not restored" not in caplog.text
+    legacy = {**state, "cuda": state["device"]["state"]}
+    del legacy["device"]  # a dist_resume 0.2 file: the bare "cuda" entry
+    fake.rng[1] = torch.zeros(8, dtype=torch.uint8)
+    dist_resume.load_rng_state_dict(legacy, torch.device("cuda", 1))
+    assert torch.equal(fake.rng[1], torch.full((8,), 1, dtype=torch.uint8))
+
+
+def test_seed_rng_seeds_the_ranks_own_device_only(monkeypatch):
+    fake = fake_accelerator(monkeypatch, "cuda", count=2)
+    assert fake.rng is not None
+    derived = dist_resume.seed_rng(5, rank=1, device=torch.device("cuda", 1))
+    assert torch.equal(fake.rng[1], torch.full((8,), derived % 256, dtype=torch.uint8))
+    assert torch.equal(fake.rng[0], torch.zeros(8, dtype=torch.uint8)) and fake.current == 0  # index restored
+
+
+@pytest.mark.parametrize("saved_type", ["cuda", "xpu"])
+def test_a_stream_from_another_device_type_restores_the_rest_and_warns_once(monkeypatch, caplog, env, saved_type):
+    fake = fake_accelerator(monkeypatch, "xpu" if saved_type == "cuda" else "cuda", count=2)
+    saved = _roundtrip({"rank0": dist_resume.rng_state_dict("cpu")})["rank0"]
+    saved["device"] = {"type": saved_type, "state": torch.ones(8, dtype=torch.uint8)}
+    expected = _draw()
+    before = dict(fake.rng or {})
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        assert _rng.restore_rank_rng([saved], step=3, device=torch.device(fake.type, 0), source="ckpt.pt")
+    got = _draw()
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+    assert fake.rng == before  # the device stream is left alone
+    warned = [r.getMessage() for r in caplog.records if "not restored" in r.getMessage()]
+    assert warned == [
+        f"the saved {saved_type} RNG stream is not restored: this process runs on {fake.type}:0 "
+        "(the CPU, Python and numpy streams are restored)"
+    ]
+    caplog.clear()
+    env(RANK=1, WORLD_SIZE=2)  # rank 1 restores as much and says nothing: rank 0 speaks for the job
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        dist_resume.load_rng_state_dict(saved, torch.device(fake.type, 1))
+    assert "not restored" not in caplog.text
+
+
+def test_a_backend_without_rng_functions_saves_no_device_stream(monkeypatch, caplog):
+    fake_accelerator(monkeypatch, PRIVATEUSE1, count=2, rng=False)
+    device = torch.device(PRIVATEUSE1, 1)
+    state = dist_resume.rng_state_dict(device)
+    assert state["device"] is None
+    assert dist_resume.seed_rng(1, rank=0, device=device) == dist_resume.derive_seed(1, 0)  # CPU streams only
+    state["device"] = {"type": PRIVATEUSE1, "state": torch.ones(8, dtype=torch.uint8)}  # saved where it had them
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        dist_resume.load_rng_state_dict(state, device)
+    assert f"saved {PRIVATEUSE1} RNG stream is not restored" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ({"type": "cuda"}, "a mapping with keys ['type']"),
+        ({"type": 3, "state": torch.ones(2)}, "a mapping with keys ['state', 'type']"),
+        ([1, 2], "a list"),
+    ],
+)
+def test_a_malformed_device_stream_is_refused_before_any_stream_changes(entry, words):
+    state = dist_resume.rng_state_dict("cpu")
+    state["device"] = entry
+    random.random(), torch.rand(1)  # the live streams differ from the saved ones
+    moved = random.getstate(), torch.get_rng_state()
+    with pytest.raises(StateMismatchError) as info:
+        dist_resume.load_rng_state_dict(state, "cpu")
+    assert words in str(info.value) and "{'type': str, 'state': tensor}" in str(info.value)
+    assert random.getstate() == moved[0] and torch.equal(torch.get_rng_state(), moved[1])  # nothing restored
+    legacy = dist_resume.rng_state_dict("cpu")
+    legacy["cuda"], legacy["device"] = [1, 2], None  # a 0.2 "cuda" entry that is no tensor
+    with pytest.raises(StateMismatchError, match="got a list"):
+        dist_resume.load_rng_state_dict(legacy, "cpu")
 
 
 def _states(world: int) -> list[dict[str, Any]]:
@@ -376,7 +476,7 @@ def test_cuda_rng_state_of_the_own_device_round_trips():
     device = dist_resume.rank_device()
     dist_resume.seed_rng(1, rank=0, device=device)
     state = _roundtrip(dist_resume.rng_state_dict(device))
-    assert state["cuda"] is not None
+    assert state["device"]["type"] == "cuda"
     expected = torch.rand(4, device=device)
     torch.rand(4, device=device)
     dist_resume.load_rng_state_dict(state, device)

@@ -1,4 +1,4 @@
-"""load_checkpoint / rank_map_location: GPU-saved files on this host, and a clear error for every bad file."""
+"""load_checkpoint / rank_map_location: accelerator-saved files on this host, and a clear error for every bad file."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import dist_resume as dr
-from tests.helpers import save_with_device_tag
+from tests.helpers import fake_accelerator, save_with_device_tag
 from tests.models import TinyNet
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only-host behaviour")
+pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="checks CPU-only-host behaviour")
+# the device tags of every accelerator type a checkpoint may come from (PrivateUse1: its own name, or unrenamed)
+FOREIGN_TAGS = ["cuda:0", "cuda:3", "xpu:1", "npu:0", "hpu:0", "mps:0", "sim:1", "privateuseone:0"]
 
 
 @pytest.fixture
@@ -41,40 +43,50 @@ def _assert_loaded(loaded, state):
 # ---------------------------------------------------------------- placement
 
 
-def test_rank_map_location_values():
+def test_rank_map_location_values(monkeypatch):
     assert dr.rank_map_location() == torch.device("cpu")  # rank_device() on this host
     assert dr.rank_map_location("cpu") == torch.device("cpu")
     assert dr.rank_map_location(torch.device("meta")) == torch.device("meta")
-    assert dr.rank_map_location(1) == torch.device("cuda", 1)
     assert dr.rank_map_location("cuda:2") == torch.device("cuda", 2)
+    with pytest.raises(dr.EnvironmentMismatchError, match=r"map_location=1 .* has none"):
+        dr.rank_map_location(1)  # an index of the accelerator this host lacks (torch.device(1) raises too)
+    fake_accelerator(monkeypatch, "xpu", count=2)
+    assert dr.rank_map_location(1) == torch.device("xpu", 1)
 
 
-@pytest.mark.parametrize("tag", ["cuda:0", "cuda:3"])
+def test_rank_map_location_is_a_device_which_torch_load_applies_to_every_storage():
+    """FACTS #3: only a str/device map_location sends every storage, whatever its tag, to one place."""
+    assert isinstance(dr.rank_map_location(), torch.device)
+
+
+@pytest.mark.parametrize("tag", FOREIGN_TAGS)
 @pytest.mark.parametrize("mmap", [True, False])
-def test_gpu_tagged_file_loads_on_this_cpu_host(tmp_path, state, tag, mmap):
+def test_accelerator_tagged_file_loads_on_this_cpu_host(tmp_path, state, tag, mmap):
     path = tmp_path / f"saved_on_{tag.replace(':', '')}.pt"
     save_with_device_tag(state, path, tag=tag)
-    with pytest.raises(RuntimeError, match="CUDA"):  # what users get with plain torch.load
+    with pytest.raises(RuntimeError):  # what users get with plain torch.load
         torch.load(path, weights_only=True)
     _assert_loaded(dr.load_checkpoint(path, mmap=mmap), state)  # default: rank_map_location()
     _assert_loaded(dr.load_checkpoint(path, mmap=mmap, map_location=dr.rank_map_location()), state)
 
 
-def test_gpu_tagged_file_with_mixed_tags_all_land_on_cpu(tmp_path, state):
+def test_a_file_with_every_accelerator_tag_at_once_lands_on_cpu(tmp_path, state):
     path = tmp_path / "mixed.pt"
-    tags = iter(["cuda:0", "cuda:3", "cpu"] * 100)
+    tags = iter([*FOREIGN_TAGS, "cpu"] * 100)
     save_with_device_tag(state, path, tag=lambda storage: next(tags))
     _assert_loaded(dr.load_checkpoint(path), state)
 
 
-def test_a_dict_map_location_does_not_move_other_cuda_tags(tmp_path, state):
-    """FACTS #3: {'cuda:0': 'cpu'} maps the exact tag only; a cuda:3 storage still targets cuda:3."""
-    path = tmp_path / "cuda3.pt"
-    save_with_device_tag(state, path, tag="cuda:3")
+@pytest.mark.parametrize("tag", ["cuda:3", "xpu:1", "npu:0", "hpu:0", "sim:1"])
+def test_a_dict_map_location_does_not_move_other_tags(tmp_path, state, tag):
+    """FACTS #3: {'cuda:0': 'cpu'} maps the exact tag only; a cuda:3 (or npu:0...) storage still targets it."""
+    path = tmp_path / "other.pt"
+    save_with_device_tag(state, path, tag=tag)
     with pytest.raises(dr.CheckpointError) as info:
         dr.load_checkpoint(path, map_location={"cuda:0": "cpu"})
     msg = str(info.value)
-    assert str(path) in msg and "rank_map_location" in msg
+    assert str(path) in msg and "rank_map_location" in msg and "saved on an accelerator" in msg
+    assert not isinstance(info.value, dr.CheckpointCorruptError)  # the file is fine: the placement is not
     assert isinstance(info.value.__cause__, RuntimeError)
     # while the same dict works for a cuda:0 file
     cuda0 = tmp_path / "cuda0.pt"
@@ -82,12 +94,12 @@ def test_a_dict_map_location_does_not_move_other_cuda_tags(tmp_path, state):
     _assert_loaded(dr.load_checkpoint(cuda0, map_location={"cuda:0": "cpu"}), state)
 
 
-@pytest.mark.parametrize("where", ["cuda", "cuda:1", torch.device("cuda", 0)])
-def test_map_location_to_a_gpu_this_host_lacks(good_file, where):
+@pytest.mark.parametrize("where", ["cuda", "cuda:1", torch.device("cuda", 0), "xpu:1"])
+def test_map_location_to_a_device_this_host_lacks(good_file, where):
     err = _expect(dr.CheckpointError, good_file, map_location=where)
     msg = str(err)
-    assert "0 visible CUDA device(s)" in msg and "rank_map_location" in msg
-    assert "saved from a GPU" not in msg  # it was not: the map_location asked for one
+    assert f"0 visible {torch.device(where).type} device(s)" in msg and "rank_map_location" in msg
+    assert "saved on an accelerator" not in msg  # it was not: the map_location asked for one
 
 
 def test_callable_map_location_is_passed_through(good_file, state):

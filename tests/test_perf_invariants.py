@@ -148,9 +148,10 @@ def gated_async_save(monkeypatch):
     gate, snapshots = threading.Event(), []
     real_snapshot, real_write = _async._snapshot, _async.atomic_write
 
-    def snapshot(obj: Any, pin: bool) -> Any:
-        snapshots.append(real_snapshot(obj, pin))
-        return snapshots[-1]
+    def snapshot(obj: Any) -> Any:
+        copied, queued = real_snapshot(obj)
+        snapshots.append(copied)
+        return copied, queued
 
     def write(dest: Any, fn: Any) -> Any:
         if not gate.wait(60):

@@ -16,6 +16,7 @@ from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
 from .._core.tree import map_tensors
 from .._core.types import PathLike
+from .._dist.accelerator import pinned_staging, synchronize
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._format.atomic import atomic_write
@@ -30,24 +31,29 @@ _pending_lock = threading.Lock()
 _staging: list[torch.Tensor] = []  # the previous snapshot's tensors; free once its write is done
 
 
-def _snapshot(obj: Any, pin: bool) -> Any:
-    """A copy of ``obj`` whose tensors are private CPU copies (pinned when CUDA is in use), written into the
-    previous snapshot's tensors where shapes and dtypes match (the previous write is over by now)."""
+def _snapshot(obj: Any) -> tuple[Any, set[torch.device]]:
+    """A copy of ``obj`` whose tensors are private CPU copies, written into the previous snapshot's tensors
+    where shapes and dtypes match (the previous write is over by now); and the devices it copied from
+    without blocking. An accelerator tensor is staged through pinned host memory where the backend
+    supports it (:func:`~dist_resume._dist.accelerator.pinned_staging`), with a plain CPU copy otherwise."""
     old = list(_staging)
     _staging.clear()
+    queued: set[torch.device] = set()
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         src = t.detach()
         i = len(_staging)
-        pinned = pin and src.is_cuda
+        pinned = src.device.type != "cpu" and pinned_staging(src.device.type)
         out = old[i] if i < len(old) else None
         if out is None or out.shape != src.shape or out.dtype != src.dtype or out.is_pinned() != pinned:
             out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
-        out.copy_(src, non_blocking=src.is_cuda)
+        out.copy_(src, non_blocking=pinned)
+        if pinned:
+            queued.add(src.device)
         _staging.append(out)
         return out
 
-    return map_tensors(obj, copy)
+    return map_tensors(obj, copy), queued
 
 
 class AsyncSave:
@@ -123,7 +129,8 @@ def save_checkpoint_async(
 
     Collective under torch.distributed: call it on every rank. It first waits for the previous
     asynchronous save (so its errors surface here at the latest), then rank 0 copies the state to
-    CPU memory (pinned when it lives on a GPU) and a thread writes it atomically; ``after_write``
+    CPU memory (pinned memory for accelerator tensors where the backend supports it, waiting for the
+    copies with ``torch.accelerator.synchronize``) and a thread writes it atomically; ``after_write``
     (e.g. rotation) runs in that thread once the file is durable. Training may change the model and
     optimizer right away. ``wait()`` on the handle blocks until the file is durable. The snapshot's
     CPU buffers stay allocated and are reused by the next asynchronous save (no 1 GiB allocation per
@@ -153,9 +160,8 @@ def save_checkpoint_async(
     dest = Path(path)
     thread = None
     if not is_distributed() or dist.get_rank() == 0:
-        snapshot = _snapshot(build(), pin=torch.cuda.is_available())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies must land before the thread reads them
+        snapshot, queued = _snapshot(build())
+        synchronize(queued)  # the non-blocking copies must land before the thread reads them
         handle = AsyncSave(dest, None)
 
         def write() -> None:

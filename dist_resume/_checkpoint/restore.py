@@ -96,7 +96,7 @@ def resume(
     on any device.
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
-    rank holds a second full copy on its GPU (``map_location`` overrides). Keys, shapes, dtypes,
+    rank holds a second full copy on its accelerator (``map_location`` overrides). Keys, shapes, dtypes,
     optimizer groups, parameter names and state shapes are validated before anything changes; on
     any error model, optimizer, scheduler, scaler and EMA are as before. Afterwards optimizer state
     sits on its parameters' devices.
@@ -131,7 +131,7 @@ def resume(
 
     Exact resume: ``sampler`` (a :class:`ResumableDistributedSampler`) continues at the saved epoch
     and position, split over the ranks present now; ``rng=True`` makes each rank restore its own
-    saved RNG streams (python, torch CPU, its CUDA device, numpy). When the world size changed,
+    saved RNG streams (python, torch CPU, its accelerator device, numpy). When the world size changed,
     ranks missing from the checkpoint derive theirs from the saved seed, their rank and the step,
     and rank 0 logs it at WARNING. A file without RNG state raises unless
     ``allow_missing`` names ``"rng"`` (then the streams are left as they are). Both are validated before anything changes and listed in ``restored``.

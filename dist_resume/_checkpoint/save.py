@@ -176,7 +176,7 @@ def save_checkpoint(
     The file loads under ``torch.load(weights_only=True)``.
 
     For exact resume, ``rng=True`` (the default) stores every rank's RNG streams (python, torch
-    CPU, the rank's own CUDA device, numpy), gathered on rank 0; ``sampler`` (a
+    CPU, the rank's own accelerator device, numpy), gathered on rank 0; ``sampler`` (a
     :class:`ResumableDistributedSampler`, anything with ``state_dict()``, or such a state dict, e.g.
     ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores the epoch and the
     position in it, after checking that all ranks agree on it. ``step`` is the number of optimizer

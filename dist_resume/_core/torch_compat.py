@@ -25,6 +25,7 @@ __all__ = [
     "decode_location",
     "discarding_sparse_checks",
     "meta_typed_storage",
+    "object_collective_device_type",
     "storage_class_for",
     "storage_class_of",
     "storage_id",
@@ -77,6 +78,16 @@ def storage_id(storage: torch.UntypedStorage) -> int:
     """An identity for a storage that all tensors viewing it share: ``_cdata``, the C++ StorageImpl
     pointer (all torch 2.x). ``data_ptr()`` does not do: every zero-byte meta storage has 0."""
     return int(storage._cdata)
+
+
+def object_collective_device_type() -> str:
+    """The device type torch's own object collectives (``broadcast_object_list``) use on the default group:
+    torch.distributed.distributed_c10d._get_object_coll_device (torch >= 2.3) reads the group's backends'
+    device types and prefers ``cpu`` when the group has one (gloo); else the one type it serves (``cuda``
+    for nccl, ``xpu`` for xccl, a registered backend's device)."""
+    from torch.distributed import distributed_c10d
+
+    return str(distributed_c10d._get_object_coll_device())
 
 
 def tensor_owners(tensor: torch.Tensor) -> int:

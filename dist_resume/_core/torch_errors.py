@@ -53,15 +53,28 @@ class LoadFailure(Enum):
     OTHER = "other"
 
 
+# torch.serialization's refusals of a storage's location tag (torch 2.6 - 2.13 wording): validate_cuda_device
+# and _validate_device for cuda, xpu and PrivateUse1 tags ("Attempting to deserialize object on a CUDA device
+# but torch.cuda.is_available() is False", "... on XPU device 5 but torch.xpu.device_count() is 2"), a tag of
+# a backend torch does not have ("The HPU device module is not registered"), a tag no deserializer claims
+# ("don't know how to restore data location of ... (tagged with sim:1)"), mps on a host without it, and a
+# device index past the driver's ("CUDA error: invalid device ordinal")
+_NO_DEVICE = (
+    "Attempting to deserialize object on",
+    "device module is not registered",
+    "don't know how to restore data location",
+    "Storage device not recognized",
+    "invalid device ordinal",
+)
+
+
 def classify_load_error(err: BaseException) -> LoadFailure:
     """Classify an ``UnpicklingError`` or ``RuntimeError`` raised by ``torch.load`` (torch 2.6 - 2.13 wording)."""
     text = str(err)
     # torch.load(weights_only=True) wraps every unpickler error in "Weights only load failed" (torch >= 2.4)
     if "Weights only load failed" in text and not is_garbled_pickle(err):
         return LoadFailure.UNSAFE
-    # torch.serialization.validate_cuda_device / _cuda_deserialize: a cuda tag without CUDA, or a
-    # device index past device_count() ("CUDA error: invalid device ordinal")
-    if "on a CUDA device but torch.cuda.is_available() is False" in text or "invalid device ordinal" in text:
+    if any(marker in text for marker in _NO_DEVICE):
         return LoadFailure.NO_DEVICE
     # PyTorchStreamReader (caffe2/serialize/inline_container.cc) on a zip without torch's records
     if 'hasRecord("version")' in text or "failed locating file data.pkl" in text:

@@ -25,8 +25,9 @@ from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .._core.log import logger
 from .._core.rank import global_rank
-from .._core.torch_compat import tensor_owners
+from .._core.torch_compat import object_collective_device_type, tensor_owners
 from .._core.torch_errors import CommFailure, classify_comm_error, comm_error_summary
+from .accelerator import current_device
 from .env import is_distributed
 
 __all__ = [
@@ -44,10 +45,12 @@ __all__ = [
 
 
 def comm_device() -> torch.device:
-    """Where collectives of this process group take their tensors: the current GPU for nccl, else cpu."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where this process group's object collectives put their bytes: torch's own choice for
+    ``broadcast_object_list`` (``cpu`` whenever the group has a CPU backend, as ``gloo`` and
+    ``"cpu:gloo,cuda:nccl"`` do; else the device type of its one backend: the current cuda device for
+    ``nccl``, the current xpu device for ``xccl``, ...). Payloads are pickled bytes, read back on the CPU."""
+    kind = object_collective_device_type()
+    return torch.device("cpu") if kind == "cpu" else current_device(kind)
 
 
 # How long to wait for gloo's worker thread to let go of a finished collective's tensors: it does within

@@ -15,6 +15,7 @@ from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import global_rank, rank_and_world
 from .._core.text import article
+from .._dist.accelerator import device_rng_state, seed_device, set_device_rng_state
 
 __all__ = [
     "rng_state_dict",
@@ -47,7 +48,7 @@ def derive_seed(seed: int, rank: int = 0, step: int = 0) -> int:
 
 
 def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch.device | str | None = None) -> int:
-    """Seed python ``random``, torch's CPU generator, ``device``'s CUDA generator and numpy for this rank.
+    """Seed python ``random``, torch's CPU generator, ``device``'s accelerator generator and numpy for this rank.
 
     Local. Each rank gets its own stream, ``derive_seed(seed, rank, step)`` (``rank`` defaults to
     this process's global rank); returns that derived seed. Build the model *before* calling it
@@ -64,10 +65,8 @@ def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch
     derived = derive_seed(seed, rank, step)
     random.seed(derived)
     torch.default_generator.manual_seed(derived)
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
-        with torch.cuda.device(dev):
-            torch.cuda.manual_seed(derived)  # this rank's device only
+    if device is not None:
+        seed_device(derived, torch.device(device))  # this rank's device only; nothing for cpu
     try:
         import numpy as np
     except ImportError:
@@ -79,11 +78,13 @@ def seed_rng(seed: int, *, rank: int | None = None, step: int = 0, device: torch
 
 
 def rng_state_dict(device: torch.device | str | None = None) -> dict[str, Any]:
-    """This process's RNG streams: python ``random``, torch CPU, ``device``'s CUDA stream, numpy.
+    """This process's RNG streams: python ``random``, torch CPU, ``device``'s accelerator stream, numpy.
 
-    Local. Only the CUDA generator of ``device`` is read (never ``get_rng_state_all``, which
-    initialises every visible GPU); numpy's state is stored as a tensor and plain numbers, so the
-    result loads under ``torch.load(weights_only=True)``. numpy is skipped when not installed.
+    Local. Only the generator of ``device`` is read (never every visible device's: ``get_rng_state_all``
+    initialises them all), through its device module (``torch.get_device_module``), and stored as
+    ``{"type": device type, "state": uint8 tensor}`` under ``"device"`` (None on the CPU, or for a
+    backend without RNG state). numpy's state is stored as a tensor and plain numbers, so the result
+    loads under ``torch.load(weights_only=True)``. numpy is skipped when not installed.
 
     Example::
 
@@ -92,10 +93,11 @@ def rng_state_dict(device: torch.device | str | None = None) -> dict[str, Any]:
         True
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    device_state = device_rng_state(dev)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
+        "device": None if device_state is None else {"type": dev.type, "state": device_state},
         "numpy": None,
         "seed": _base_seed if _base_seed is not None else torch.initial_seed(),
     }
@@ -117,8 +119,11 @@ def rng_state_dict(device: torch.device | str | None = None) -> dict[str, Any]:
 def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | None = None) -> None:
     """Restore what :func:`rng_state_dict` captured. Local.
 
-    A CUDA state is applied to ``device`` only; when this process has no CUDA device (or numpy is
-    not installed) that part is skipped with a WARNING, never silently.
+    The device stream is applied to ``device`` only. When it was saved on another device type (a
+    checkpoint from CUDA resumed on an XPU or the CPU), the CPU, Python and numpy streams are restored
+    and rank 0 says at WARNING which device stream was not; numpy's is skipped with a WARNING when numpy
+    is not installed, never silently. Files of dist_resume 0.2 (a ``"cuda"`` entry) read the same way.
+    The state is checked before any stream changes.
 
     Example::
 
@@ -129,16 +134,21 @@ def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | N
             f"RNG state must be a mapping with 'python' and 'torch' entries (from rng_state_dict()), got "
             f"{type(state).__name__} with keys {sorted(state) if isinstance(state, Mapping) else '-'}"
         )
+    saved = _device_entry(state)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if dev.type == "cuda":
-            torch.cuda.set_rng_state(cuda.to("cpu", torch.uint8), dev)
-        else:
-            logger.warning("the saved CUDA RNG state is not restored: this process runs on %s", dev)
+    if saved is not None:
+        saved_type, saved_state = saved
+        if saved_type != dev.type or not set_device_rng_state(saved_state, dev):
+            log_rank0(
+                logging.WARNING,
+                "the saved %s RNG stream is not restored: this process runs on %s (the CPU, Python and numpy "
+                "streams are restored)",
+                saved_type,
+                dev,
+            )
     saved_np = state.get("numpy")
     if saved_np is not None:
         try:
@@ -155,6 +165,28 @@ def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | N
                 saved_np["cached_gaussian"],
             )
         )
+
+
+def _device_entry(state: Mapping[str, Any]) -> tuple[str, torch.Tensor] | None:
+    """(device type, state) of the saved device stream; None without one. Raises before anything changes."""
+    entry = state.get("device")
+    if entry is None:
+        entry = state.get("cuda")  # dist_resume 0.2 kept the CUDA stream, a bare tensor, under "cuda"
+        if entry is None or isinstance(entry, torch.Tensor):
+            return None if entry is None else ("cuda", entry)
+    if isinstance(entry, Mapping):
+        kind, saved = entry.get("type"), entry.get("state")
+        if isinstance(kind, str) and isinstance(saved, torch.Tensor):
+            return kind, saved
+    found = (
+        f"a mapping with keys {sorted(map(str, entry))}"
+        if isinstance(entry, Mapping)
+        else article(type(entry).__name__)
+    )
+    raise StateMismatchError(
+        f"the RNG state's device stream must be {{'type': str, 'state': tensor}} as rng_state_dict() writes it, "
+        f"got {found}; resume without rng=True to keep the current streams"
+    )
 
 
 def restore_rank_rng(states: Any, *, step: int | None, device: torch.device | None, source: str) -> bool:

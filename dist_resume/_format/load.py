@@ -13,6 +13,7 @@ import torch
 from .._core.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    EnvironmentMismatchError,
     NotACheckpointError,
 )
 from .._core.security import warn_if_unsafe_torch
@@ -25,6 +26,7 @@ from .._core.torch_errors import (
     is_out_of_memory,
 )
 from .._core.types import MapLocation, PathLike
+from .._dist.accelerator import current_accelerator
 from .._dist.env import rank_device
 from .records import read_records, verify_zip
 from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
@@ -35,9 +37,11 @@ __all__ = ["rank_map_location", "load_torch_file"]
 def rank_map_location(device: torch.device | str | int | None = None) -> torch.device:
     """A ``map_location`` that puts **every** storage on ``device`` (default :func:`rank_device`).
 
-    Local. Whatever tags the file carries (``cuda:0`` from rank 0, ``cuda:3``, ``cpu``), everything
-    lands on this rank's device: a dict such as ``{"cuda:0": "cuda:1"}`` would leave ``cuda:3``
-    and ``cpu`` where they were, and no map_location at all piles every rank onto cuda:0.
+    Local. Whatever tags the file carries (``cuda:0`` from rank 0, ``cuda:3``, ``npu:0``, ``xpu:1``,
+    ``cpu``, a PrivateUse1 backend's own name), everything lands on this rank's device, so a file
+    written on one accelerator resumes on another: a dict such as ``{"cuda:0": "cuda:1"}`` would leave
+    ``cuda:3`` and ``cpu`` where they were, and no map_location at all piles every rank onto device 0.
+    An ``int`` is an index of this process's accelerator (``torch.device(i)`` does the same).
 
     Example::
 
@@ -49,8 +53,22 @@ def rank_map_location(device: torch.device | str | int | None = None) -> torch.d
     if device is None:
         return rank_device()
     if isinstance(device, int):
-        return torch.device("cuda", device)
+        acc = current_accelerator()
+        if acc is None:
+            raise EnvironmentMismatchError(
+                f"map_location={device} names device {device} of this process's accelerator, but it has none "
+                "(a CPU-only host); pass 'cpu', a device such as 'cuda:1', or None for this rank's device"
+            )
+        return torch.device(acc.type, device)
     return torch.device(device)
+
+
+def _visible(device_type: str) -> str:
+    """``"2 visible cuda device(s) (CUDA_VISIBLE_DEVICES=0,1)"``, or ``"0 visible xpu device(s)"``."""
+    acc = current_accelerator()
+    if acc is not None and acc.type == device_type:
+        return acc.describe()
+    return f"0 visible {device_type} device(s)" + (f" (its accelerator is {acc.type})" if acc else "")
 
 
 def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
@@ -71,7 +89,7 @@ def load_torch_file(
     """``torch.load`` of one torch file with rank-aware placement and errors that name the file and the fix.
 
     Local: every rank may call it; each one loads onto its own device. ``map_location`` defaults
-    to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
+    to :func:`rank_map_location` (``<accelerator>:<LOCAL_RANK>``, or ``cpu`` without one). ``mmap=True``
     maps the file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
     and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
     ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``
@@ -117,14 +135,14 @@ def load_torch_file(
     except RuntimeError as err:
         failure = classify_load_error(err)
         if failure is LoadFailure.NO_DEVICE:
-            if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda":
+            if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
                 raise CheckpointError(
                     f"cannot load checkpoint {str(p)!r} onto map_location={map_location!r}: this process has "
-                    f"{torch.cuda.device_count()} visible CUDA device(s); use dist_resume.rank_map_location()"
+                    f"{_visible(torch.device(map_location).type)}; use dist_resume.rank_map_location()"
                 ) from err
             raise CheckpointError(
-                f"checkpoint {str(p)!r} was saved from a GPU and map_location={map_location!r} does not move "
-                "every storage to a device this process has; use dist_resume.rank_map_location()"
+                f"checkpoint {str(p)!r} was saved on an accelerator and map_location={map_location!r} does not "
+                "move every storage to a device this process has; use dist_resume.rank_map_location()"
             ) from err
         if failure is LoadFailure.NOT_TORCH_ARCHIVE:
             raise NotACheckpointError(

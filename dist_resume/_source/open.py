@@ -167,7 +167,7 @@ def load_checkpoint(
     """``torch.load`` with rank-aware placement and errors that name the file and the fix.
 
     Local: every rank may call it; each one loads onto its own device. ``map_location`` defaults
-    to :func:`rank_map_location` (``cuda:<LOCAL_RANK>``, or ``cpu`` without CUDA). ``mmap=True``
+    to :func:`rank_map_location` (``<accelerator>:<LOCAL_RANK>``, or ``cpu`` without one). ``mmap=True``
     maps a torch file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
     and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
     ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``

@@ -52,7 +52,7 @@ def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device | str | 
     """Move each per-parameter state tensor onto its parameter's device (or onto ``device``).
 
     Local. Follows torch's own policy: ``step`` stays on the CPU unless the group is ``fused`` or
-    ``capturable`` (a CUDA ``step`` on a plain Adam would force a host sync per parameter per step),
+    ``capturable`` (an accelerator ``step`` on a plain Adam forces a host sync per parameter per step),
     dtypes never change, and a tensor already in place is not copied. Returns ``optimizer``.
 
     Example::

@@ -11,12 +11,13 @@ import torch
 
 from .._core.errors import EnvironmentMismatchError
 from .._core.version import __version__
+from .._dist.accelerator import backend_for, current_accelerator, visible_devices
 from .._dist.env import rank_device, rank_info
 from ._common import SCHEMA_PREFIX
 
 __all__ = ["TORCHRUN_VARIABLES", "environment_report", "render_env"]
 
-SCHEMA = f"{SCHEMA_PREFIX}/env/1"
+SCHEMA = f"{SCHEMA_PREFIX}/env/2"
 TORCHRUN_VARIABLES: Final = (
     "RANK",
     "LOCAL_RANK",
@@ -34,7 +35,7 @@ TORCHRUN_VARIABLES: Final = (
 
 
 def environment_report() -> dict[str, Any]:
-    """The ``env --json`` report. Local; reads the environment and asks torch about CUDA, starts nothing."""
+    """The ``env --json`` report. Local; reads the environment and asks torch about the accelerator, starts nothing."""
     problems: list[str] = []
     info: dict[str, Any] | None = None
     device: str | None = None
@@ -50,20 +51,22 @@ def environment_report() -> dict[str, Any]:
             device = str(rank_device(local_rank))
         except EnvironmentMismatchError as err:
             problems.append(str(err))
-    cuda = torch.cuda.is_available()
-    # the same rule as dist_resume.init_distributed: nccl with CUDA, gloo otherwise
-    backend = None if device is None else ("nccl" if device.startswith("cuda") else "gloo")
-    torchrun = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    acc = current_accelerator()
+    name, value = visible_devices(acc.type) if acc else (None, None)
+    # the same rule as dist_resume.init_distributed: the device type's backend, gloo on the CPU
+    backend = None if device is None else backend_for(torch.device(device).type)
+    torchrun = {var: os.environ.get(var) for var in TORCHRUN_VARIABLES}
     return {
         "schema": SCHEMA,
         "torchrun": torchrun,
         "launched_by_torchrun": torchrun["TORCHELASTIC_RUN_ID"] is not None,
         "rank_info": info,
         "device": device,
-        "cuda": {
-            "available": cuda,
-            "device_count": torch.cuda.device_count() if cuda else 0,
-            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "accelerator": {
+            "type": acc.type if acc else None,
+            "device_count": acc.count if acc else 0,
+            "visible_devices_variable": name,
+            "visible_devices": value,
         },
         "backend": backend,
         "torch_version": str(torch.__version__),
@@ -86,11 +89,14 @@ def render_env(report: dict[str, Any]) -> str:
             f"{info['local_world_size']}, node {info['node_rank']}"
             f"{' (distributed)' if info['is_distributed'] else ' (single process)'}"
         )
-    cuda = report["cuda"]
-    gpus = f"{cuda['device_count']} CUDA device(s)" if cuda["available"] else "CUDA not available"
-    if cuda["visible_devices"] is not None:
-        gpus += f", CUDA_VISIBLE_DEVICES={cuda['visible_devices']}"
-    lines.append(f"device       {report['device'] or '-'} ({gpus})")
+    acc = report["accelerator"]
+    if acc["type"] is None:
+        found = "no accelerator"
+    else:
+        found = f"{acc['device_count']} {acc['type']} device(s)"
+        if acc["visible_devices_variable"] is not None:
+            found += f", {acc['visible_devices_variable']}={acc['visible_devices'] or '<unset>'}"
+    lines.append(f"device       {report['device'] or '-'} ({found})")
     lines.append(f"backend      {report['backend'] or '-'}")
     lines.append(
         f"torch        {report['torch_version']}  dist_resume {report['dist_resume_version']}  "

@@ -74,7 +74,7 @@ def _report(path: PathLike, files: list[dict[str, Any]], tags: dict[str, dict[st
     if gpu:
         warnings.append(
             f"saved with device tags {', '.join(gpu)}: plain torch.load puts those tensors back on those "
-            "devices (every rank on the same GPU, or an error on a CPU-only host); load with "
+            "devices (every rank on the same device, or an error on a host without them); load with "
             "map_location=dist_resume.rank_map_location() or dist_resume.load_checkpoint()"
         )
     return {

@@ -76,7 +76,7 @@ def describe_optimizer(
     """The ``optimizer`` entry of the inspect report (None when the checkpoint has none). Local.
 
     Appends to ``warnings`` what resume or the first ``step()`` would trip over: state that fits no
-    parameter, shapes no parameter has, GPU ``step`` tensors, prefixes that differ from the model's.
+    parameter, shapes no parameter has, accelerator ``step`` tensors, prefixes that differ from the model's.
     """
     if opt is None:
         return None
@@ -102,11 +102,11 @@ def describe_optimizer(
             step_dtypes[dtype_name(step.dtype)] += 1
         elif step is not None:
             where["python number"] += 1
-    gpu_steps = sorted(k for k in where if k.startswith("cuda"))
-    if gpu_steps and not any(step_on_param_device(g) for g in groups):
+    device_steps = sorted(k for k in where if k not in ("cpu", "meta", "python number"))
+    if device_steps and not any(step_on_param_device(g) for g in groups):
         warnings.append(
-            f"optimizer 'step' tensors are on {', '.join(gpu_steps)} though no group is fused or "
-            "capturable: torch keeps them on the CPU (a GPU step forces a host sync per parameter "
+            f"optimizer 'step' tensors are on {', '.join(device_steps)} though no group is fused or "
+            "capturable: torch keeps them on the CPU (an accelerator step forces a host sync per parameter "
             "per step); dist_resume.optimizer_to() puts them back"
         )
     _shape_warnings(state, ids, names, model, warnings)

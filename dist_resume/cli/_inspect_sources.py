@@ -5,7 +5,7 @@ Trainer, Accelerate, DCP) is read by the library's own reader, :func:`open_check
 torch files and safetensors memory-mapped (pages untouched, so no tensor data is read), a DCP folder
 through torch's DCP reader (which does read its tensors). The torch files of an HF Trainer or
 Accelerate folder are also read as meta-tensor archives, for their device tags and for the
-optimizer (the GPU ``step`` warning needs the saved tags); a DCP folder has no device tags. Files only an unsafe unpickler reads are never opened.
+optimizer (the accelerator ``step`` warning needs the saved tags); a DCP folder has no device tags. Files only an unsafe unpickler reads are never opened.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def main() -> None:
     info = dist_resume.init_distributed(timeout=timedelta(seconds=60))
     # Pretend this node has as many GPUs as processes: which device would each rank take?
     with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.device_count", return_value=info.local_world_size),
+        mock.patch("torch.accelerator.current_accelerator", return_value=torch.device("cuda")),
+        mock.patch("torch.accelerator.device_count", return_value=info.local_world_size),
     ):
         would_use = str(dist_resume.rank_device())
         would_map = str(dist_resume.rank_map_location())
