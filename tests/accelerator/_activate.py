@@ -34,10 +34,18 @@ def _env_devices() -> int:
 
 def _probe_engine() -> bool:
     """Whether autograd has worker threads for sim devices. The engine sizes them once, at the first backward of the
-    process: one that ran before the library loaded has none, and a backward on sim then fails an internal assert."""
+    process: one that ran before the library loaded has none, and a backward on sim then fails an internal assert.
+
+    The probe calls the engine directly: ``torch.autograd.backward`` stashes a ``contextvars.Context`` in the task's
+    thread-local state, and the device thread drops that task just after the caller returns; if the interpreter is
+    already finalising then (a script that exits at once), taking the GIL for the decref aborts the process
+    ("terminate called without an active exception") in torch 2.13, on any device with autograd worker threads.
+    """
     x = torch.ones(1, device="sim:0", requires_grad=True)
+    y = (x * 2).sum()
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
     try:
-        torch.autograd.backward((x * 2).sum())
+        engine.run_backward((y,), (torch.ones_like(y),), False, False, (), allow_unreachable=True, accumulate_grad=True)
     except RuntimeError as err:
         if "device_ready_queues_" not in str(err):
             raise

@@ -13,7 +13,8 @@ How ``torch.distributed`` sees it once ``register()`` ran (``activate()`` calls 
 
 so code that picks a backend by device type finds it as it finds nccl for cuda: ``init_process_group(
 device_id=torch.device("sim", local_rank))``, ``init_process_group(backend="simgloo")``, ``"cpu:gloo,sim:simgloo"``
-and a bare ``init_process_group()`` (torch asks the current accelerator, sim) all work. torch treats a backend
+and a bare ``init_process_group()`` (torch asks the current accelerator, sim) all work (checked; ``dist.get_backend()``
+then reads ``"simgloo"``, the string given, or ``"undefined"`` for the bare call). torch treats a backend
 that is a ``ProcessGroup`` subclass as the whole group, so this one also serves CPU tensors, including the object
 collectives (``broadcast_object_list`` sends CPU byte tensors; a pickled sim tensor arrives tagged with the
 sender's device, ``sim:0``, unless the receiver remaps it).

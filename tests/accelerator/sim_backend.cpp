@@ -108,24 +108,18 @@ struct SimAllocator final : c10::DeviceAllocator {
     std::lock_guard<std::mutex> lock(mutex);
     return stats[device];
   }
-  void resetAccumulatedStats(DeviceIndex device) override {
+  template <typename F>
+  void each_stat(DeviceIndex device, F reset) {
     check_index(device);
     std::lock_guard<std::mutex> lock(mutex);
     auto& s = stats[device];
     for (auto* stat : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes, &s.allocation,
                        &s.segment, &s.active}) {
-      for (auto& one : *stat) one.reset_accumulated();
+      for (auto& one : *stat) reset(one);
     }
   }
-  void resetPeakStats(DeviceIndex device) override {
-    check_index(device);
-    std::lock_guard<std::mutex> lock(mutex);
-    auto& s = stats[device];
-    for (auto* stat : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes, &s.allocation,
-                       &s.segment, &s.active}) {
-      for (auto& one : *stat) one.reset_peak();
-    }
-  }
+  void resetAccumulatedStats(DeviceIndex d) override { each_stat(d, [](auto& one) { one.reset_accumulated(); }); }
+  void resetPeakStats(DeviceIndex d) override { each_stat(d, [](auto& one) { one.reset_peak(); }); }
 };
 
 SimAllocator g_allocator;
@@ -402,27 +396,24 @@ void set_enabled(int64_t n) {
   g_enabled.store(static_cast<int>(n));
 }
 
+template <typename F>
+auto with_generator(int64_t device, F use) {  // under the generator's lock, as torch.cuda's RNG functions
+  at::Generator gen = default_generator(static_cast<DeviceIndex>(device));
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return use(gen);
+}
+
 at::Tensor get_rng_state(int64_t device) {
-  at::Generator gen = default_generator(static_cast<DeviceIndex>(device));
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
+  return with_generator(device, [](at::Generator& gen) { return gen.get_state(); });
 }
-
 void set_rng_state(int64_t device, const at::Tensor& state) {
-  at::Generator gen = default_generator(static_cast<DeviceIndex>(device));
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
+  with_generator(device, [&](at::Generator& gen) { gen.set_state(state); });
 }
-
 void manual_seed(int64_t device, int64_t seed) {
-  at::Generator gen = default_generator(static_cast<DeviceIndex>(device));
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_current_seed(static_cast<uint64_t>(seed));
+  with_generator(device, [&](at::Generator& gen) { gen.set_current_seed(static_cast<uint64_t>(seed)); });
 }
-
 int64_t initial_seed(int64_t device) {
-  const at::Generator& gen = default_generator(static_cast<DeviceIndex>(device));
-  return static_cast<int64_t>(gen.current_seed());
+  return with_generator(device, [](at::Generator& gen) { return static_cast<int64_t>(gen.current_seed()); });
 }
 
 struct Registration {
