@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests import accelerator as sim
 from tests.helpers import TORCHRUN_VARS, save_with_device_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +50,32 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
             monkeypatch.setenv(name, str(value))
 
     return set_vars
+
+
+SIM_DEVICES = 2  # the accelerator fixture's sim devices: sim:0 and sim:1
+
+
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+def accelerator(request: pytest.FixtureRequest) -> Iterator[sim.Accel]:
+    """One test body, two accelerators: the test accelerator (``sim``, 2 devices, every CI run; built on first use,
+    skipped with the reason where it cannot be built) and CUDA (marked ``cuda``: the multi-GPU job). For sim the
+    devices are on for this test only: afterwards ``torch.accelerator.is_available()`` is False again."""
+    if request.param == "cuda":
+        yield sim.Accel("cuda", torch.accelerator.device_count())
+        return
+    reason = sim.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with sim.enabled(SIM_DEVICES):
+        yield sim.Accel("sim", SIM_DEVICES)
+
+
+@pytest.fixture(scope="session")
+def sim_worker_env() -> dict[str, str]:
+    """Environment for a sub-process on the test accelerator (a torchrun worker calling
+    ``tests.accelerator.worker_boot.boot()``): ``DIST_RESUME_SIM_LIB``, ``DIST_RESUME_SIM_DEVICES``, ``PYTHONPATH``.
+    Builds the library on first use; skips where it cannot be built."""
+    reason = sim.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return sim.worker_env(SIM_DEVICES)
