@@ -58,7 +58,7 @@ def test_empty_values_count_as_unset(env):
 )
 def test_inconsistent_values_raise_a_clear_error(env, values, words):
     env(**values)
-    with pytest.raises(dr.EnvironmentMismatchError) as info:
+    with pytest.raises(dr.errors.EnvironmentMismatchError) as info:
         dr.rank_info()
     for word in words:
         assert word in str(info.value)
@@ -94,7 +94,7 @@ def test_rank_device_rejects_local_rank_beyond_the_visible_gpus(env, monkeypatch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     env(RANK=2, LOCAL_RANK=2, WORLD_SIZE=3, LOCAL_WORLD_SIZE=3)
-    with pytest.raises(dr.EnvironmentMismatchError) as info:
+    with pytest.raises(dr.errors.EnvironmentMismatchError) as info:
         dr.rank_device()
     msg = str(info.value)
     assert (
@@ -103,9 +103,9 @@ def test_rank_device_rejects_local_rank_beyond_the_visible_gpus(env, monkeypatch
         and "CUDA_VISIBLE_DEVICES=4,5" in msg
         and "nproc_per_node" in msg
     )
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         dr.rank_device(5)
-    with pytest.raises(dr.EnvironmentMismatchError, match="negative"):
+    with pytest.raises(dr.errors.EnvironmentMismatchError, match="negative"):
         dr.rank_device(-1)
 
 
@@ -147,6 +147,6 @@ def test_init_distributed_returns_at_once_under_an_existing_group(env, tmp_path)
 
 def test_init_distributed_rejects_inconsistent_env_before_anything(env):
     env(RANK=2, WORLD_SIZE=2)
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         dr.init_distributed()
     assert not dist.is_initialized()

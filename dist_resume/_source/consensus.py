@@ -1,4 +1,8 @@
-"""Agreement between ranks on the checkpoint to resume from: rank 0 chooses, every rank confirms."""
+"""Agreement between ranks on the checkpoint to resume from: rank 0 chooses, every rank confirms.
+
+:func:`resolve_source` is where a resume decides what it reads, once: a torch file, a foreign source, or a
+``CheckpointManager`` folder's newest complete checkpoint (rank 0 chooses, every rank confirms it sees that file).
+"""
 
 from __future__ import annotations
 
@@ -19,11 +23,12 @@ from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
-from .._foreign.folders import checkpoint_subfolders, unrecognised_folder
+from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
 from .integrity import CheckpointInfo, archive_digest
 from .listing import find_latest
+from .source import Source, SourceKind
 
-__all__ = ["ViewStatus", "RankView", "resolve_checkpoint"]
+__all__ = ["ViewStatus", "RankView", "resolve_source", "resolve_checkpoint"]
 
 
 def _choose(folder: Path) -> CheckpointInfo:
@@ -117,28 +122,58 @@ def _agree(folder: Path) -> Path:
     return mine
 
 
-def resolve_checkpoint(path: PathLike) -> Path:
-    """The file to resume from: ``path`` itself, or for a folder the newest complete checkpoint in it.
+def _decide(path: Path, *, agree: bool, broadcast: bool, manager_folder: bool) -> Source:
+    """The source at ``path``; for a ``CheckpointManager`` folder its newest complete checkpoint, agreed on by
+    every rank when ``agree`` (collective), else chosen by this rank."""
+    if not manager_folder:
+        layout = foreign_kind(path)  # a .safetensors file or an HF Trainer / Accelerate / DCP folder; asked once
+        if layout is not None or not path.is_dir():
+            return Source.at(path, layout, broadcast=broadcast)
+    chosen = _agree(path) if agree else _choose(path).path
+    return Source(SourceKind.FOLDER_NEWEST, chosen, folder=path, broadcast=broadcast)
 
-    For a file: local, returns it unchanged (:func:`load_checkpoint` reports what is wrong with it).
-    For a folder: collective under torch.distributed (call it on every rank, each with its own view
-    of the folder): rank 0 chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts
-    the choice; every rank checks it sees that file with the same size and digest (a local copy in
-    its own folder is fine). A rank that sees something else makes every rank raise
-    :class:`CheckpointConsensusError` naming the ranks that differ; a dead or absent rank ends in
-    the same error within the process-group timeout. An empty folder raises
-    :class:`CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
-    :class:`CheckpointCorruptError` (never silently "start from scratch").
+
+def resolve_source(path: PathLike, *, broadcast: bool = False, manager_folder: bool = False) -> Source:
+    """What a resume of ``path`` reads: decided once, then passed down. Collective for a folder under
+    torch.distributed, local otherwise.
+
+    A file (torch or ``.safetensors``) and a foreign folder are what they are (each rank looks at its own
+    path). Any other folder is taken for a ``CheckpointManager`` folder: rank 0 chooses its newest complete
+    checkpoint and every rank confirms it sees that file (see :func:`resolve_checkpoint`). ``manager_folder``
+    says that rank 0 has found ``path`` to be one already (``CheckpointManager.resume``): every rank then
+    takes that branch, whatever it sees there itself. With ``broadcast`` (under torch.distributed) only
+    global rank 0 looks at the filesystem, and every rank receives its decision: the others need not see
+    the path at all.
+    """
+    p = Path(path)
+    if broadcast and is_distributed():
+        decided: Source = run_on_rank0(
+            lambda: _decide(p, agree=False, broadcast=True, manager_folder=manager_folder),
+            fallback=CheckpointError,
+            task=f"choose the checkpoint to read at {str(p)!r}",
+        )
+        return decided
+    return _decide(p, agree=is_distributed(), broadcast=False, manager_folder=manager_folder)
+
+
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The file (or foreign folder) to resume from: ``path`` itself, or for a checkpoint folder the newest
+    complete checkpoint in it.
+
+    For a file or a foreign folder (HF Trainer, Accelerate, DCP): local, returns it unchanged
+    (:func:`~dist_resume.load_checkpoint` reports what is wrong with it). For a ``CheckpointManager`` folder:
+    collective under torch.distributed (call it on every rank, each with its own view of the folder): rank 0
+    chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts the choice; every rank checks it sees
+    that file with the same size and digest (a local copy in its own folder is fine). A rank that sees
+    something else makes every rank raise :class:`~dist_resume.errors.CheckpointConsensusError` naming the ranks
+    that differ; a dead or absent rank ends in the same error within the process-group timeout. An empty folder
+    raises :class:`~dist_resume.errors.CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
+    :class:`~dist_resume.errors.CheckpointCorruptError` (never silently "start from scratch").
 
     Example::
 
-        >>> path = dist_resume.CheckpointManager("ckpts").save(5, model=torch.nn.Linear(2, 2))
-        >>> resolve_checkpoint("ckpts")
+        >>> path = dist_resume.CheckpointManager("ckpts", model=torch.nn.Linear(2, 2)).save(5)
+        >>> dist_resume.tools.resolve_checkpoint("ckpts")
         PosixPath('ckpts/ckpt_00000005.pt')
     """
-    p = Path(path)
-    if not p.is_dir():
-        return p
-    if is_distributed():
-        return _agree(p)
-    return _choose(p).path
+    return resolve_source(path).path

@@ -66,7 +66,7 @@ def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list
     return None, skipped
 
 
-def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
+def latest_checkpoint(folder: PathLike, *, verify: bool = True) -> Path | None:
     """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
 
     Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
@@ -80,7 +80,7 @@ def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
         >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
         >>> mgr.save(100, model=torch.nn.Linear(2, 2))
         PosixPath('ckpts/ckpt_00000100.pt')
-        >>> dist_resume.latest_checkpoint("ckpts")
+        >>> dist_resume.tools.latest_checkpoint("ckpts")
         PosixPath('ckpts/ckpt_00000100.pt')
     """
     info, _ = find_latest(Path(folder), verify)
