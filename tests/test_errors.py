@@ -36,7 +36,7 @@ _CASES: list[tuple[type[dr.DistResumeError], tuple[Any, ...], dict[str, Any]]] =
 
 
 def test_every_error_class_is_covered() -> None:
-    public = {getattr(dr, name) for name in E.__all__ if isinstance(getattr(dr, name, None), type)}
+    public = {getattr(dr.errors, name) for name in E.__all__ if isinstance(getattr(dr.errors, name, None), type)}
     assert public == {cls for cls, _, _ in _CASES}
 
 

@@ -22,9 +22,10 @@ from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
-from .._source.consensus import resolve_source
+from .._source.consensus import choose_newest, confirm_choice, resolve_source
+from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
-from .._source.source import Source
+from .._source.source import Source, SourceKind
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -39,8 +40,9 @@ class FolderState(enum.Enum):
     NONE_YET = "none yet"  # no such file, or no folder yet under an existing parent
 
 
-def folder_state(folder: Path) -> FolderState:
-    """Whether ``folder`` holds files named like checkpoints. Local (rank 0 calls it for everyone).
+def folder_state(folder: Path) -> tuple[FolderState, list[tuple[int, Path]]]:
+    """Whether ``folder`` holds files named like checkpoints, and those files (step, path), oldest first.
+    Local (rank 0 calls it for everyone).
 
     A missing folder whose parent exists is a first run (the manager creates it to take its lock);
     a missing parent is a mistyped path and raises :class:`CheckpointNotFoundError`.
@@ -53,14 +55,15 @@ def folder_state(folder: Path) -> FolderState:
                 "a mistyped path would quietly start from step 0, so this is an error; create the parent "
                 "folder for a first run, or fix the path"
             )
-        return FolderState.NONE_YET
+        return FolderState.NONE_YET, []
     if not folder.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
             "saves into (to resume from a single file use dist_resume.resume(path, ...))"
         )
-    if numbered_checkpoints(folder):
-        return FolderState.HOLDS_CHECKPOINTS
+    numbered = numbered_checkpoints(folder)
+    if numbered:
+        return FolderState.HOLDS_CHECKPOINTS, numbered
     kind = foreign_kind(folder)
     if kind is not None or checkpoint_subfolders(folder):  # starting fresh here would drop that run
         what = (
@@ -72,7 +75,7 @@ def folder_state(folder: Path) -> FolderState:
             f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: {what}; a CheckpointManager saves into a "
             "folder of its own: give it a new folder and pass that checkpoint as init_from="
         )
-    return FolderState.NONE_YET
+    return FolderState.NONE_YET, []
 
 
 def _every_rank_sees(path: Path, what: str) -> None:
@@ -99,32 +102,37 @@ def start_run(
 ) -> ResumeResult | None:
     """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed.
 
-    Rank 0 looks at the folder, then takes its write lock (``take_lock``), before any checkpoint is read:
-    a second job on the folder is refused here, before it trains.
+    In one step, rank 0 lists the folder, takes its write lock (``take_lock``: a second job on the folder is
+    refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
+    rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``).
     """
 
-    def look_and_lock() -> FolderState:
-        state = folder_state(folder)
+    def look_lock_choose() -> CheckpointInfo | None:
+        state, numbered = folder_state(folder)
         take_lock()
-        return state
+        return choose_newest(folder, numbered) if state is FolderState.HOLDS_CHECKPOINTS else None
 
-    state: FolderState = run_on_rank0(look_and_lock, fallback=CheckpointError, task="look at the checkpoint folder")
-    broadcast = options.broadcast_from_rank0
-    if state is FolderState.HOLDS_CHECKPOINTS:
-        return restore_from(resolve_source(folder, broadcast=broadcast, manager_folder=True), objects, options)
+    chosen: CheckpointInfo | None = run_on_rank0(
+        look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
+    )
+    broadcast = options.broadcast_from_rank0 and is_distributed()
+    if chosen is not None:
+        path = chosen.path if broadcast else confirm_choice(folder, chosen)
+        source = Source(SourceKind.FOLDER_NEWEST, path, folder=folder, broadcast=broadcast)
+        return restore_from(source, objects, options)
     if init_from is None:
         log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
         return None
-    path = Path(init_from)
-    exists: bool = run_on_rank0(path.exists, fallback=CheckpointError)
+    other = Path(init_from)
+    exists: bool = run_on_rank0(other.exists, fallback=CheckpointError)
     if not exists:
         raise CheckpointNotFoundError(
-            f"init_from {str(path)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
+            f"init_from {str(other)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
             "holds no checkpoint: fix the path, or pass init_from=None to start from scratch"
         )
     if not broadcast:
-        _every_rank_sees(path, "init_from")
-    return _init(resolve_source(path, broadcast=broadcast), objects, options)
+        _every_rank_sees(other, "init_from")
+    return _init(resolve_source(other, broadcast=broadcast), objects, options)
 
 
 def _init(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:

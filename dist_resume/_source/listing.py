@@ -54,10 +54,14 @@ def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
     return info
 
 
-def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
-    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
+def find_latest(
+    folder: Path, verify: bool, numbered: list[tuple[int, Path]] | None = None
+) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error.
+
+    ``numbered`` is the folder's :func:`numbered_checkpoints` when the caller has listed it already."""
     skipped: list[tuple[Path, Exception]] = []
-    for step, path in reversed(numbered_checkpoints(folder)):
+    for step, path in reversed(numbered_checkpoints(folder) if numbered is None else numbered):
         try:
             return _check(path, step, verify), skipped
         except (CheckpointError, OSError) as err:
