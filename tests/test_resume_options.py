@@ -4,6 +4,7 @@ the warnings that say what a resume did not do; argparse.Namespace in a file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import logging
 
@@ -41,6 +42,34 @@ def _plain_file(tmp_path, model, opt, name="plain.pt", **more):
     path = tmp_path / name
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **more}, path)
     return path
+
+
+# ---------------------------------------------------------------- ResumeOptions itself
+
+
+def test_resume_options_is_one_frozen_keyword_only_value_validated_when_built():
+    opts = dr.ResumeOptions(allow_missing=["scheduler", "ema"], optimizer_hparams="current", part_keys={"model": "net"})
+    assert opts.allow_missing == frozenset({"scheduler", "ema"})  # normalised once
+    assert opts.optimizer_hparams is OptimizerHparams.CURRENT and opts.part_keys == {"model": "net"}
+    assert dr.ResumeOptions(allow_missing="all").allow_missing == frozenset(
+        {"optimizer", "scheduler", "scaler", "sampler", "ema"}
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.strict = False  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        dr.ResumeOptions(False)  # type: ignore[misc]  # keyword-only
+    assert not hasattr(opts, "__dict__")  # slotted
+    for bad, match in [
+        ({"strict": "no"}, "strict must be True or False"),
+        ({"rng": 1}, "rng must be True or False"),
+        ({"key_prefix": "model"}, "key_prefix must be a dot-separated key prefix ending in '.'"),
+        ({"part_keys": {"modle": "net"}}, "part_keys names unknown part"),
+        ({"map_location": "cpu", "broadcast_from_rank0": True}, "nothing to map"),
+    ]:
+        with pytest.raises(dr.errors.UsageError, match=match):
+            dr.ResumeOptions(**bad)
+    with pytest.raises(dr.errors.UsageError, match="unknown parts"):
+        dataclasses.replace(opts, allow_missing="schedular")  # a changed copy is validated too
 
 
 # ---------------------------------------------------------------- allow_missing

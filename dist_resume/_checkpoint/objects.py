@@ -93,7 +93,7 @@ class LiveObjects:
         (a data position given, ``sampler`` or ``dataloader``, replaces both), checked: known names, a model, one
         data position."""
         if registered:
-            data_given = {"sampler", "dataloader"} & objects.keys()
+            data_given = any(k in objects for k in _DATA)
             objects = {**{k: v for k, v in registered.items() if not (data_given and k in _DATA)}, **objects}
         data = data_position(objects, saving=saving, where=where)
         model = objects.get("model")
