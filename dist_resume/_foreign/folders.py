@@ -109,11 +109,9 @@ def read_foreign_folder(
     mmap: bool = True,
     weights_only: bool = True,
 ) -> CheckpointParts:
-    """Read a foreign checkpoint folder into :class:`CheckpointParts`. Local (every rank may call it).
+    """Read a foreign checkpoint folder of ``layout`` (None: detect it) into :class:`CheckpointParts`. Local.
 
-    ``layout`` is the folder's kind when the caller knows it already (a resolved source); None detects it.
-    Raises :class:`NotACheckpointError` naming the files found and the folder kinds known when the folder
-    is none of :data:`FOLDER_LAYOUTS`.
+    Raises :class:`NotACheckpointError` naming the files found and the folder kinds known for anything else.
 
     Example::
 
