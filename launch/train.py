@@ -164,15 +164,17 @@ def resume_run(
     """Resume per --resume: (the result, or None for a fresh start; whether it is --init-from's).
 
     Collective: call on every rank. ``--resume auto`` is ``CheckpointManager.resume``: rank 0 looks at
-    --ckpt-dir and every rank follows. It restores the newest complete checkpoint of this run, or else
-    --init-from's model and optimizer state (a new run at step 0, with this run's learning rate and
+    --ckpt-dir, takes its write lock (a second job on it stops here) and every rank follows. It restores
+    the newest complete checkpoint of this run into the registered objects, or else --init-from's model
+    (and optimizer state, when that file has it: a new run at step 0, with this run's learning rate and
     schedule), or returns None. A folder whose checkpoints are all damaged, or a missing --init-from, raises.
+    Model, optimizer, scheduler, scaler, data position and RNG streams are restored (rng=True is the default).
     """
     if args.resume == "none":
         return None, False
     if args.resume != "auto":  # an explicit file or folder must exist
-        return dr.resume(args.resume, **objects, rng=True), False
-    res = ckpts.resume(**objects, rng=True, init_from=args.init_from)
+        return dr.resume(args.resume, **objects), False
+    res = ckpts.resume(init_from=args.init_from)
     init = args.init_from
     return res, init is not None and res is not None and init in (res.path, res.path.parent)
 
@@ -237,8 +239,8 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     )
 
     step = 0
-    ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)  # the first save creates the folder
-    objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler)
+    objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, dataloader=loader)
+    ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, **objects)  # registered once
     res, initialised = resume_run(args, ckpts, **objects)
     if res is not None and initialised:  # model and optimizer state only: this run's lr, schedule, data order
         log.info(
@@ -276,16 +278,7 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     def save() -> None:
         nonlocal saved_at
         extra = {"seed": args.seed, "num_samples": args.num_samples, "batch_size": args.batch_size}
-        ckpts.save(
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,  # collective
-            epoch=sampler.epoch,
-            sampler=sampler,
-            extra=extra,
-        )
+        ckpts.save(step, epoch=sampler.epoch, extra=extra)  # collective: the registered objects, RNG streams too
         saved_at = step
 
     model.train()

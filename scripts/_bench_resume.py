@@ -54,7 +54,12 @@ def resume_rank(
     dist.barrier()
     before, io0, start = proc_status_kib(), proc_io(), time.monotonic()
     if how == "dist_resume":
-        dist_resume.resume(my_path, model=model, optimizer=opt, mmap=mmap, broadcast_from_rank0=broadcast)
+        dist_resume.resume(
+            my_path,
+            model=model,
+            optimizer=opt,
+            options=dist_resume.ResumeOptions(mmap=mmap, broadcast_from_rank0=broadcast),
+        )
     else:
         naive_resume(path, model, opt)
     end, io1 = time.monotonic(), proc_io()

@@ -99,7 +99,7 @@ def _safetensors(src: Path, dst: Path) -> Path:
     """A ``.safetensors`` file written by dist_resume's own writer (the safetensors package is not needed)."""
     import dist_resume as dr
 
-    dr.convert_checkpoint(src, dst, format="safetensors", force=True)
+    dr.tools.convert_checkpoint(src, dst, format="safetensors", force=True)
     return dst
 
 

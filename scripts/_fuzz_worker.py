@@ -128,27 +128,27 @@ def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus
     if path_kind == "load_checkpoint":
         dr.load_checkpoint(target, map_location="cpu")
     elif path_kind == "inspect_checkpoint":
-        dr.inspect_checkpoint(target)
+        dr.tools.inspect_checkpoint(target)
     elif path_kind in ("resume", "resume folder"):
-        dr.resume(target, map_location="cpu", **objects())
+        dr.resume(target, **objects(), options=dr.ResumeOptions(map_location="cpu"))
     elif path_kind == "latest_checkpoint":
-        dr.latest_checkpoint(target)
+        dr.tools.latest_checkpoint(target)
     elif path_kind == "convert_checkpoint":
-        dr.convert_checkpoint(target, out, dr.KeyForm.DDP, force=True)
+        dr.tools.convert_checkpoint(target, out, dr.tools.KeyForm.DDP, force=True)
     elif path_kind == "convert_checkpoint safetensors":
-        dr.convert_checkpoint(target, scratch / "out.safetensors", format="safetensors", force=True)
+        dr.tools.convert_checkpoint(target, scratch / "out.safetensors", format="safetensors", force=True)
     elif path_kind == "convert_checkpoint dcp":
-        dr.convert_checkpoint(target, scratch / "out_dcp", dr.KeyForm.SINGLE, format="dcp", force=True)
+        dr.tools.convert_checkpoint(target, scratch / "out_dcp", dr.tools.KeyForm.SINGLE, format="dcp", force=True)
     elif path_kind == "manager resume":
         with dr.CheckpointManager(target) as mgr:
-            mgr.resume(map_location="cpu", **objects())
+            mgr.resume(**objects(), options=dr.ResumeOptions(map_location="cpu"))
     elif path_kind == INIT_FROM:
         with dr.CheckpointManager(scratch / "run") as mgr:
             wanted = {k: v for k, v in objects().items() if k in ("model", "optimizer")}
-            if mgr.resume(init_from=target, map_location="cpu", **wanted) is None:
+            if mgr.resume(init_from=target, **wanted, options=dr.ResumeOptions(map_location="cpu")) is None:
                 raise RuntimeError("CheckpointManager.resume(init_from=...) started fresh")
     elif path_kind == "verify_archive":
-        dr.verify_archive(target)
+        dr.tools.verify_archive(target)
     else:
         argv = {
             "cli inspect": ["inspect", str(target)],

@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from dist_resume import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    NotACheckpointError,
-    UnsafeCheckpointError,
-    load_checkpoint,
-    verify_archive,
-)
+from dist_resume import load_checkpoint
 from dist_resume._convert import archive_write as _archive_write
 from dist_resume._convert.archive_write import dump_pickle, rewrite_archive
 from dist_resume._format.archive import read_archive
 from dist_resume._format.records import FindingKind, read_records
+from dist_resume.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+from dist_resume.tools import verify_archive
 from tests.helpers import save_with_device_tag
 
 
@@ -352,8 +352,8 @@ def test_a_local_header_naming_another_record_is_refused(tmp_path: Path) -> None
 def test_read_archive_runs_the_security_check_before_unpickling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dist_resume import TorchSecurityWarning
     from dist_resume._core import security
+    from dist_resume.errors import TorchSecurityWarning
 
     torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
     monkeypatch.setattr(security, "_warned", False)

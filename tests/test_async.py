@@ -14,7 +14,7 @@ def _no_pending_between_tests():
     yield
     try:
         _async.wait_pending()
-    except dist_resume.CheckpointWriteError:
+    except dist_resume.errors.CheckpointWriteError:
         pass
 
 
@@ -48,7 +48,7 @@ def test_an_error_surfaces_on_wait_and_again_on_later_waits(tmp_path):
     model, _ = _model_and_opt()
     handle = dist_resume.save_checkpoint_async(tmp_path / "missing" / "a.pt", model=model)
     for _ in range(2):
-        with pytest.raises(dist_resume.CheckpointWriteError, match="does not exist"):
+        with pytest.raises(dist_resume.errors.CheckpointWriteError, match="does not exist"):
             handle.wait()
     assert not (tmp_path / "missing").exists()
 
@@ -56,7 +56,7 @@ def test_an_error_surfaces_on_wait_and_again_on_later_waits(tmp_path):
 def test_an_error_nobody_waited_for_surfaces_on_the_next_save(tmp_path):
     model, _ = _model_and_opt()
     dist_resume.save_checkpoint_async(tmp_path / "missing" / "a.pt", model=model)
-    with pytest.raises(dist_resume.CheckpointWriteError, match="missing"):
+    with pytest.raises(dist_resume.errors.CheckpointWriteError, match="missing"):
         dist_resume.save_checkpoint_async(tmp_path / "b.pt", model=model)
     assert not (tmp_path / "b.pt").exists()  # the failed call wrote nothing
     dist_resume.save_checkpoint_async(tmp_path / "b.pt", model=model).wait()  # the error was reported once

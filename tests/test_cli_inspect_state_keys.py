@@ -76,7 +76,7 @@ def test_state_that_fits_no_parameter_is_named_and_resume_refuses_it(
     assert "resume refuses this optimizer state with OptimizerStateMismatchError" in warning
     assert "warning: " in text and "no parameter of the saved param_groups" in text
     model, opt = _fresh()
-    with pytest.raises(dist_resume.OptimizerStateMismatchError):
+    with pytest.raises(dist_resume.errors.OptimizerStateMismatchError):
         dist_resume.resume(path, model=model, optimizer=opt)
 
 

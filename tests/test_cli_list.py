@@ -88,7 +88,7 @@ def test_verify_catches_a_flipped_byte(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0 and report["verified"] is True
     assert report["checkpoints"][1]["status"] == "damaged" and "CRC" in report["checkpoints"][1]["reason"]
     assert report["pick"] == checkpoint_name(10)
-    assert dr.latest_checkpoint(folder) == folder / checkpoint_name(10)  # the pick is resume's
+    assert dr.tools.latest_checkpoint(folder) == folder / checkpoint_name(10)  # the pick is resume's
 
 
 def test_the_pick_is_resumes_even_without_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

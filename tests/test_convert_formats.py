@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from dist_resume import KeyMismatchError, NotACheckpointError, UsageError
 from dist_resume._convert import archive_build
 from dist_resume._convert import formats as convert_formats
 from dist_resume._convert.convert import ConvertFormat, KeyForm, convert_checkpoint
 from dist_resume._foreign import safetensors_read as safetensors_io
 from dist_resume._foreign.safetensors_read import read_safetensors
 from dist_resume.cli import main
+from dist_resume.errors import KeyMismatchError, NotACheckpointError, UsageError
 from tests.models import TinyNet, make_batches, train_steps
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -166,47 +166,71 @@ def _random_bytes(good: Path, tmp_path: Path) -> Path:
 
 # (case, file factory, resume keywords, expected class, words that must be in the message: the fix)
 FILE_CASES: list[tuple[str, Callable[[Path, Path], Path], dict[str, Any], type[Exception], tuple[str, ...]]] = [
-    ("empty", lambda g, t: _write(t, "empty.pt", b""), {}, dr.CheckpointCorruptError, ("empty", "earlier checkpoint")),
-    ("truncated 0.1%", _truncated(0.001), {}, dr.CheckpointCorruptError, ("truncated", "earlier checkpoint")),
-    ("truncated 50%", _truncated(0.5), {}, dr.CheckpointCorruptError, ("truncated", "earlier checkpoint")),
-    ("truncated -1 byte", _truncated(0.9999), {}, dr.CheckpointCorruptError, ("truncated", "earlier checkpoint")),
-    ("random bytes", _random_bytes, {}, dr.NotACheckpointError, ("not a file written by torch.save", ".pt")),
-    ("flipped byte, verify", _flipped, {"verify": True}, dr.CheckpointCorruptError, ("CRC32", "earlier checkpoint")),
-    ("zip without data.pkl", _zip_without_pickle, {}, dr.NotACheckpointError, ("data.pkl", "saved with torch.save")),
-    ("legacy format", _legacy, {}, dr.NotACheckpointError, ("legacy", "re-save it")),
+    (
+        "empty",
+        lambda g, t: _write(t, "empty.pt", b""),
+        {},
+        dr.errors.CheckpointCorruptError,
+        ("empty", "earlier checkpoint"),
+    ),
+    ("truncated 0.1%", _truncated(0.001), {}, dr.errors.CheckpointCorruptError, ("truncated", "earlier checkpoint")),
+    ("truncated 50%", _truncated(0.5), {}, dr.errors.CheckpointCorruptError, ("truncated", "earlier checkpoint")),
+    (
+        "truncated -1 byte",
+        _truncated(0.9999),
+        {},
+        dr.errors.CheckpointCorruptError,
+        ("truncated", "earlier checkpoint"),
+    ),
+    ("random bytes", _random_bytes, {}, dr.errors.NotACheckpointError, ("not a file written by torch.save", ".pt")),
+    (
+        "flipped byte, verify",
+        _flipped,
+        {"verify": True},
+        dr.errors.CheckpointCorruptError,
+        ("CRC32", "earlier checkpoint"),
+    ),
+    (
+        "zip without data.pkl",
+        _zip_without_pickle,
+        {},
+        dr.errors.NotACheckpointError,
+        ("data.pkl", "saved with torch.save"),
+    ),
+    ("legacy format", _legacy, {}, dr.errors.NotACheckpointError, ("legacy", "re-save it")),
     (
         "legacy format, mmap=False, verify",
         _legacy,
         {"mmap": False, "verify": True},
-        dr.NotACheckpointError,
+        dr.errors.NotACheckpointError,
         ("legacy", "re-save it"),
     ),
     (
         "plain pickle calling os.system",
         lambda g, t: _write(t, "runs_code.pkl", pickle.dumps(_RunsCode(t / MARKER))),
         {},
-        dr.NotACheckpointError,
+        dr.errors.NotACheckpointError,
         ("plain pickle",),
     ),
     (
         "torch file calling os.system",
         _torch_zip_that_runs_code,
         {},
-        dr.UnsafeCheckpointError,
+        dr.errors.UnsafeCheckpointError,
         ("system", "would run code", "do not load it"),
     ),
     (
         "torch file calling os.system, verify",
         _torch_zip_that_runs_code,
         {"verify": True},
-        dr.UnsafeCheckpointError,
+        dr.errors.UnsafeCheckpointError,
         ("system", "would run code"),
     ),
     (
         "JSON",
         lambda g, t: _write(t, "ckpt.json", json.dumps({"model": {"w": [1.0]}}).encode()),
         {},
-        dr.NotACheckpointError,
+        dr.errors.NotACheckpointError,
         ("torch.save",),
     ),
 ]
@@ -226,7 +250,7 @@ def test_bad_file(
     model, opt = _trained(seed=2)
     before = (_bytes(model.state_dict()), _bytes(opt.state_dict()))
     with pytest.raises(dr.DistResumeError) as info:
-        dr.resume(path, model=model, optimizer=opt, **kwargs)
+        dr.resume(path, model=model, optimizer=opt, options=dr.ResumeOptions(**kwargs))
     assert type(info.value) is expected, f"{case}: {type(info.value).__name__}: {info.value}"
     msg = str(info.value)
     assert str(path) in msg, msg
@@ -239,9 +263,9 @@ def test_flipped_byte_loads_silently_without_verify(good: Path, tmp_path: Path) 
     """Why ``verify=True`` exists: torch.load never checks the CRC (and the flip is in a tensor)."""
     path = _flipped(good, tmp_path)
     model, opt = _trained(seed=2)
-    dr.resume(path, model=model, optimizer=opt, rng=False)
+    dr.resume(path, model=model, optimizer=opt, options=dr.ResumeOptions(rng=False))
     reference, _ = _trained(seed=2)
-    dr.resume(good, model=reference, rng=False)
+    dr.resume(good, model=reference, options=dr.ResumeOptions(rng=False))
     assert not _same(_bytes(model.state_dict()), _bytes(reference.state_dict()))
 
 
@@ -255,7 +279,7 @@ def test_bad_folder(tmp_path: Path, contents: str) -> None:
         torch.save({"hook": _RunsCode(tmp_path / MARKER)}, folder / checkpoint_name(3))
     model, opt = _trained(seed=2)
     before = (_bytes(model.state_dict()), _bytes(opt.state_dict()))
-    expected = dr.CheckpointNotFoundError if contents == "empty" else dr.CheckpointCorruptError
+    expected = dr.errors.CheckpointNotFoundError if contents == "empty" else dr.errors.CheckpointCorruptError
     with pytest.raises(dr.DistResumeError) as info:
         dr.resume(folder, model=model, optimizer=opt)
     assert type(info.value) is expected
@@ -293,9 +317,9 @@ def _fewer_params(good: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 MISMATCH_CASES = [
-    ("another architecture", _other_arch, dr.KeyMismatchError, ("conv.weight", "fc1.weight")),
-    ("another optimizer class", _other_optimizer, dr.OptimizerStateMismatchError, ("SGD", "Adam")),
-    ("param group size mismatch", _fewer_params, dr.OptimizerStateMismatchError, ("group sizes", "[6]", "[4]")),
+    ("another architecture", _other_arch, dr.errors.KeyMismatchError, ("conv.weight", "fc1.weight")),
+    ("another optimizer class", _other_optimizer, dr.errors.OptimizerStateMismatchError, ("SGD", "Adam")),
+    ("param group size mismatch", _fewer_params, dr.errors.OptimizerStateMismatchError, ("group sizes", "[6]", "[4]")),
 ]
 
 
@@ -340,7 +364,7 @@ def test_same_shaped_parameters_swapped_in_module_order_are_rematched_by_name(go
     saved_state = {name: saved_opt.state[p]["momentum_buffer"] for name, p in saved_model.named_parameters()}
     model, opt = _trained(seed=3, swapped=True)
     assert [n for n, _ in model.named_parameters()][:2] == ["fc2.weight", "fc2.bias"]
-    dr.resume(good, model=model, optimizer=opt, rng=False)
+    dr.resume(good, model=model, optimizer=opt, options=dr.ResumeOptions(rng=False))
     for name, p in model.named_parameters():
         assert torch.equal(p, saved_model.get_parameter(name)), name
         assert torch.equal(opt.state[p]["momentum_buffer"], saved_state[name]), name

@@ -57,7 +57,7 @@ def test_the_bug_users_hit_and_how_the_toolkit_prevents_and_catches_it(tmp_path,
         opt.step()
 
     # check_devices names the culprit and the fix before the step
-    with pytest.raises(dr.DeviceMismatchError) as info:
+    with pytest.raises(dr.errors.DeviceMismatchError) as info:
         dr.check_devices(net, opt)
     msg = str(info.value)
     assert "optimizer.state[fc.weight]['exp_avg'] is on cpu, its parameter on cuda:0" in msg
@@ -88,7 +88,7 @@ def test_the_bug_users_hit_and_how_the_toolkit_prevents_and_catches_it(tmp_path,
     opt3 = torch.optim.Adam(net3.parameters(), lr=1e-2, foreach=foreach)
     dr.resume(path, model=net3, optimizer=opt3)
     net3.to(CUDA)
-    with pytest.raises(dr.DeviceMismatchError, match="is on cpu, its parameter on cuda:0"):
+    with pytest.raises(dr.errors.DeviceMismatchError, match="is on cpu, its parameter on cuda:0"):
         dr.check_devices(net3, opt3)
 
 
@@ -121,7 +121,7 @@ def test_fused_and_capturable_step_lives_on_the_device(tmp_path, flag):
     opt3 = torch.optim.Adam(net3.parameters(), lr=1e-2, **{flag: True})
     opt3.load_state_dict(torch.load(path, weights_only=True, map_location="cpu")[Key.OPTIMIZER])
     net3.to(CUDA)
-    with pytest.raises(dr.DeviceMismatchError, match=r"\['step'\] is on cpu, its parameter on cuda:0"):
+    with pytest.raises(dr.errors.DeviceMismatchError, match=r"\['step'\] is on cpu, its parameter on cuda:0"):
         dr.check_devices(net3, opt3)
     dr.optimizer_to(opt3)
     assert _state_devices(opt3, "step") == {CUDA} and _state_devices(opt3, "exp_avg") == {CUDA}
@@ -138,7 +138,9 @@ def test_plain_adam_step_stays_on_cpu_even_when_loaded_onto_the_gpu(tmp_path):
 
     net2 = TinyNet(seed=1).to(CUDA)
     opt2 = torch.optim.Adam(net2.parameters(), lr=1e-2)
-    dr.resume(path, model=net2, optimizer=opt2, map_location=dr.rank_map_location())  # everything onto cuda:0
+    dr.resume(
+        path, model=net2, optimizer=opt2, options=dr.ResumeOptions(map_location=dr.rank_map_location())
+    )  # everything onto cuda:0
     assert _state_devices(opt2, "step") == {CPU}  # not a CUDA step: no host sync per parameter per step
     assert _state_devices(opt2, "exp_avg") == {CUDA}
     dr.check_devices(net2, opt2)
@@ -146,7 +148,7 @@ def test_plain_adam_step_stays_on_cpu_even_when_loaded_onto_the_gpu(tmp_path):
     # a CUDA step on a plain Adam is reported, and optimizer_to moves it back
     for p in net2.parameters():
         opt2.state[p]["step"] = opt2.state[p]["step"].to(CUDA)
-    with pytest.raises(dr.DeviceMismatchError, match=r"\['step'\] is on cuda:0; torch keeps it on cpu"):
+    with pytest.raises(dr.errors.DeviceMismatchError, match=r"\['step'\] is on cuda:0; torch keeps it on cpu"):
         dr.check_devices(net2, opt2)
     dr.optimizer_to(opt2)
     assert _state_devices(opt2, "step") == {CPU}
@@ -179,13 +181,13 @@ def test_check_devices_catches_a_cpu_exp_avg_for_a_cuda_param():
     train_steps(net, opt, _on(BATCHES[:1], CUDA))
     dr.check_devices(net, opt)
     opt.state[net.submodule.weight]["exp_avg"] = opt.state[net.submodule.weight]["exp_avg"].cpu()
-    report = dr.device_report(net, opt)
+    report = dr.tools.device_report(net, opt)
     assert report == ["optimizer.state[submodule.weight]['exp_avg'] is on cpu, its parameter on cuda:0"]
-    with pytest.raises(dr.DeviceMismatchError) as info:
+    with pytest.raises(dr.errors.DeviceMismatchError) as info:
         dr.check_devices(nn.DataParallel(net), opt)
     assert info.value.findings == report
     # and a batch left on the CPU
-    assert dr.device_report(net, batch=BATCHES[0]) == [
+    assert dr.tools.device_report(net, batch=BATCHES[0]) == [
         "batch[0] is on cpu, the model on cuda:0",
         "batch[1] is on cpu, the model on cuda:0",
     ]

@@ -96,7 +96,7 @@ def test_nested_one_level(trained):
 
 def test_two_models_are_ambiguous():
     obj = {"generator": TinyNet().state_dict(), "discriminator": nn.Linear(3, 1).state_dict(), "step": 3}
-    with pytest.raises(dr.NotACheckpointError) as info:
+    with pytest.raises(dr.errors.NotACheckpointError) as info:
         split_checkpoint(obj, "checkpoint 'gan.pt'")
     msg = str(info.value)
     assert "'generator'" in msg and "'discriminator'" in msg and "checkpoint 'gan.pt'" in msg
@@ -116,7 +116,7 @@ def test_model_keys_pick_the_entry_that_fits():
 def test_two_optimizers_are_ambiguous(trained):
     model, opt, _ = trained
     obj = {"model": model.state_dict(), "opt_g": opt.state_dict(), "opt_d": opt.state_dict()}
-    with pytest.raises(dr.NotACheckpointError, match=r"could each be the optimizer: 'opt_g', 'opt_d'"):
+    with pytest.raises(dr.errors.NotACheckpointError, match=r"could each be the optimizer: 'opt_g', 'opt_d'"):
         split_checkpoint(obj)
     assert split_checkpoint(obj, part_keys={"optimizer": "opt_d"}).optimizer is obj["opt_d"]
 
@@ -154,19 +154,19 @@ def test_part_keys_for_every_part(trained):
 
 def test_part_keys_name_that_does_not_exist(trained):
     obj = {"MODEL_STATE": trained[0].state_dict(), "EPOCHS_RUN": 1, "state": {"opt": {}}}
-    with pytest.raises(dr.NotACheckpointError) as info:
+    with pytest.raises(dr.errors.NotACheckpointError) as info:
         split_checkpoint(obj, "checkpoint 'snap.pt'", part_keys={"model": "model_state"})
     msg = str(info.value)
     assert "'model_state'" in msg and "checkpoint 'snap.pt'" in msg
     assert "'MODEL_STATE', 'EPOCHS_RUN', 'state', 'state.opt'" in msg
-    with pytest.raises(dr.NotACheckpointError, match="holds int, not a state dict"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="holds int, not a state dict"):
         split_checkpoint(obj, part_keys={"model": "EPOCHS_RUN"})
-    with pytest.raises(dr.NotACheckpointError, match="not a whole number"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="not a whole number"):
         split_checkpoint(obj, part_keys={"epoch": "state"})
 
 
 def test_unknown_part_name_is_a_usage_error(trained):
-    with pytest.raises(dr.UsageError) as info:
+    with pytest.raises(dr.errors.UsageError) as info:
         split_checkpoint({"model": trained[0].state_dict()}, part_keys={"weights": "model"})
     assert "'weights'" in str(info.value) and "'model', 'optimizer'" in info.value.hint
     assert isinstance(info.value, ValueError)
@@ -251,7 +251,7 @@ def test_without_a_model_the_module_like_or_largest_tensor_mapping_wins(trained)
     big = {"table": torch.zeros(100)}
     obj = {"small": {"mean": torch.zeros(3)}, "big": big}
     assert split_checkpoint(obj).model is big
-    with pytest.raises(dr.NotACheckpointError, match="could each be the model"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="could each be the model"):
         split_checkpoint({"x": {"a": torch.zeros(3)}, "y": {"b": torch.zeros(3)}})
 
 
@@ -267,7 +267,7 @@ def test_conventional_name_wins_over_content(trained):
 def test_same_conventional_name_in_two_containers_is_ambiguous(trained):
     sd = trained[0].state_dict()
     obj = {"student": {"model": sd}, "teacher": {"model": dict(sd)}}
-    with pytest.raises(dr.NotACheckpointError, match=re.escape("'student.model', 'teacher.model'")):
+    with pytest.raises(dr.errors.NotACheckpointError, match=re.escape("'student.model', 'teacher.model'")):
         split_checkpoint(obj)
     assert split_checkpoint(obj, part_keys={"model": "teacher.model"}).model is obj["teacher"]["model"]
 
@@ -314,7 +314,7 @@ def test_mingpt_snapshot_resumes_model_and_optimizer(trained, tmp_path):
 def test_a_conventional_name_holding_several_parts_is_no_convention(trained):
     model, opt, _ = trained
     obj = {"model": model.state_dict(), "optimizer": {"gen": opt.state_dict(), "disc": opt.state_dict()}}
-    with pytest.raises(dr.NotACheckpointError, match=re.escape("'optimizer.gen', 'optimizer.disc'")):
+    with pytest.raises(dr.errors.NotACheckpointError, match=re.escape("'optimizer.gen', 'optimizer.disc'")):
         split_checkpoint(obj)
     parts = split_checkpoint(obj, part_keys={"optimizer": "optimizer.disc"})
     assert parts.optimizer is obj["optimizer"]["disc"] and parts.extra == {
@@ -350,7 +350,7 @@ def test_counters_at_the_top_win_over_those_one_level_down(trained):
 )
 def test_counters_of_equal_rank_that_disagree_are_an_error_never_a_guess(trained, obj_counters):
     obj = {"net": trained[0].state_dict(), **obj_counters}
-    with pytest.raises(dr.NotACheckpointError, match="could each be the epoch, with different numbers") as err:
+    with pytest.raises(dr.errors.NotACheckpointError, match="could each be the epoch, with different numbers") as err:
         split_checkpoint(obj)
     assert "part_keys={'epoch':" in str(err.value)
     first = next(iter(obj_counters))
@@ -364,7 +364,9 @@ def test_counters_of_equal_rank_that_agree_are_one_number(trained):
 
 def test_part_keys_on_a_state_dict_for_a_counter_says_what_it_holds_briefly(trained):
     obj = {"net": trained[0].state_dict(), "epoch": 1}
-    with pytest.raises(dr.NotACheckpointError, match=r"holds \w*Dict with \d+ entries, not a whole number") as err:
+    with pytest.raises(
+        dr.errors.NotACheckpointError, match=r"holds \w*Dict with \d+ entries, not a whole number"
+    ) as err:
         split_checkpoint(obj, part_keys={"epoch": "net"})
     assert "tensor(" not in str(err.value)
 
@@ -379,9 +381,9 @@ def test_load_checkpoint_part_keys_gives_the_parts_view_of_a_torch_file(trained,
     assert view["meta"]["part_keys"] == {"model": "W", "optimizer": "opt", "step": "it"}
     assert set(view["extra"]) == {"V", "it"}
     assert set(dr.load_checkpoint(path)) == {"W", "V", "opt", "it"}  # without part_keys: the file as it is
-    with pytest.raises(dr.NotACheckpointError, match="no such key; its keys are 'W', 'V', 'opt', 'it'"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="no such key; its keys are 'W', 'V', 'opt', 'it'"):
         dr.load_checkpoint(path, part_keys={"model": "MODEL"})
-    with pytest.raises(dr.NotACheckpointError, match="could each be the model"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="could each be the model"):
         dr.load_checkpoint(path, part_keys={})  # the view with nothing named: detection alone, which refuses to guess
 
 
@@ -393,12 +395,17 @@ def test_a_part_two_entries_could_be_is_refused_only_when_it_is_restored(trained
         {"G": model.state_dict(), "D": model.state_dict(), "opt_G": opt.state_dict(), "opt_D": opt.state_dict()}, path
     )
     fresh = TinyNet(seed=4)
-    result = dr.resume(path, model=fresh, part_keys={"model": "G"})
+    result = dr.resume(path, model=fresh, options=dr.ResumeOptions(part_keys={"model": "G"}))
     assert result.restored == ("model",) and result.part_keys == {"model": "G"}
     assert set(result.extra) == {"D", "opt_G", "opt_D"}
-    with pytest.raises(dr.NotACheckpointError, match="could each be the optimizer: 'opt_G', 'opt_D'"):
-        dr.resume(path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()), part_keys={"model": "G"})
-    with pytest.raises(dr.NotACheckpointError, match="could each be the optimizer"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="could each be the optimizer: 'opt_G', 'opt_D'"):
+        dr.resume(
+            path,
+            model=fresh,
+            optimizer=torch.optim.AdamW(fresh.parameters()),
+            options=dr.ResumeOptions(part_keys={"model": "G"}),
+        )
+    with pytest.raises(dr.errors.NotACheckpointError, match="could each be the optimizer"):
         split_checkpoint(torch.load(path, weights_only=True), part_keys={"model": "G"})  # every part wanted
 
 

@@ -63,7 +63,7 @@ def _listing(folder: Path) -> dict[str, bytes]:
 
 
 def _assert_refused(err: BaseException, dest: Path) -> None:
-    assert isinstance(err, dr.CheckpointWriteError), f"{type(err).__name__}: {err}"
+    assert isinstance(err, dr.errors.CheckpointWriteError), f"{type(err).__name__}: {err}"
     message = str(err)
     assert "disk is full" in message and "ENOSPC" in message and str(dest) in message, message
     assert "previous checkpoint (if any) is untouched" in message, message
@@ -71,7 +71,7 @@ def _assert_refused(err: BaseException, dest: Path) -> None:
 
 def _check(folder: Path, dest: Path, save: Callable[[], object]) -> None:
     before = _listing(folder)
-    with pytest.raises(dr.CheckpointWriteError) as info:
+    with pytest.raises(dr.errors.CheckpointWriteError) as info:
         save()
     _assert_refused(info.value, dest)
     assert _listing(folder) == before  # the previous file byte for byte, no temporary file, no partial dest
@@ -81,7 +81,7 @@ def test_save_checkpoint_on_a_full_disk(full_disk: Path) -> None:
     dest = full_disk / "ckpt.pt"
     dr.save_checkpoint(dest, model=_small(1.0), step=1)
     _check(full_disk, dest, lambda: dr.save_checkpoint(dest, model=_big(), step=2))
-    assert dr.resume(dest, model=_small(0.0), rng=False).step == 1
+    assert dr.resume(dest, model=_small(0.0), options=dr.ResumeOptions(rng=False)).step == 1
 
 
 def test_save_checkpoint_async_on_a_full_disk(full_disk: Path) -> None:
@@ -108,4 +108,4 @@ def test_convert_checkpoint_on_a_full_disk(tmp_path: Path, full_disk: Path) -> N
     torch.save(_big().state_dict(), src)
     dst = full_disk / "ddp.pt"
     torch.save(_small(1.0).state_dict(), dst)
-    _check(full_disk, dst, lambda: dr.convert_checkpoint(src, dst, dr.KeyForm.DDP, force=True))
+    _check(full_disk, dst, lambda: dr.tools.convert_checkpoint(src, dst, dr.tools.KeyForm.DDP, force=True))

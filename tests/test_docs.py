@@ -157,16 +157,24 @@ def test_readme_commands_match_ci_and_train_py():
     assert (REPO / "launch" / "single_node.sh").is_file()
 
 
+PUBLIC_MODULES = (dist_resume, dist_resume.tools, dist_resume.errors)
+
+
 def _docstring_examples() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder(recurse=True)
     tests: dict[str, doctest.DocTest] = {}
-    for name in dist_resume.__all__:
-        obj = getattr(dist_resume, name)
-        if not callable(obj):
-            continue
-        for test in finder.find(obj, f"dist_resume.{name}", globs={}):
-            if test.examples:
+    for module in PUBLIC_MODULES[1:]:  # the public modules' own docstrings
+        for test in finder.find(module, module.__name__, globs={}):
+            if test.examples and test.name == module.__name__:
                 tests.setdefault(test.name, test)
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not callable(obj):
+                continue
+            for test in finder.find(obj, f"{module.__name__}.{name}", module=False, globs={}):
+                if test.examples:
+                    tests.setdefault(test.name, test)
     return sorted(tests.values(), key=lambda t: t.name)
 
 
@@ -191,7 +199,11 @@ def _doctest_params() -> list[Any]:
 
 @pytest.mark.parametrize("test", _doctest_params())
 def test_public_docstring_examples(test, single_cpu_process):
-    test.globs = {"torch": torch, "dist_resume": dist_resume, **vars(dist_resume)}
+    test.globs = {
+        "torch": torch,
+        "dist_resume": dist_resume,
+        **{k: v for m in PUBLIC_MODULES for k, v in vars(m).items()},
+    }
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     out: list[str] = []
     runner.run(test, out=out.append, clear_globs=True)

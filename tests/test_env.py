@@ -61,7 +61,7 @@ def test_empty_values_count_as_unset(env):
 )
 def test_inconsistent_values_raise_a_clear_error(env, values, words):
     env(**values)
-    with pytest.raises(dr.EnvironmentMismatchError) as info:
+    with pytest.raises(dr.errors.EnvironmentMismatchError) as info:
         dr.rank_info()
     for word in words:
         assert word in str(info.value)
@@ -107,14 +107,14 @@ def test_rank_device_rejects_local_rank_beyond_the_visible_devices(env, monkeypa
     fake_accelerator(monkeypatch, device_type, count=2)
     monkeypatch.setenv(variable, value)
     env(RANK=2, LOCAL_RANK=2, WORLD_SIZE=3, LOCAL_WORLD_SIZE=3)
-    with pytest.raises(dr.EnvironmentMismatchError) as info:
+    with pytest.raises(dr.errors.EnvironmentMismatchError) as info:
         dr.rank_device()
     msg = str(info.value)
     assert "LOCAL_RANK=2" in msg and f"2 visible {device_type} device(s)" in msg and "nproc_per_node" in msg
     assert f"{variable}={value}" in msg
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         dr.rank_device(5)
-    with pytest.raises(dr.EnvironmentMismatchError, match="negative"):
+    with pytest.raises(dr.errors.EnvironmentMismatchError, match="negative"):
         dr.rank_device(-1)
 
 
@@ -123,7 +123,7 @@ def test_rank_device_names_an_unset_visible_devices_variable(env, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
     with pytest.raises(
-        dr.EnvironmentMismatchError, match=r"1 visible cuda device\(s\) \(CUDA_VISIBLE_DEVICES=<unset>\)"
+        dr.errors.EnvironmentMismatchError, match=r"1 visible cuda device\(s\) \(CUDA_VISIBLE_DEVICES=<unset>\)"
     ):
         dr.rank_device(1)
 
@@ -132,7 +132,7 @@ def test_mps_has_one_device_a_second_local_rank_is_an_error(env, monkeypatch):
     fake_accelerator(monkeypatch, "mps", count=1)
     assert dr.rank_device() == torch.device("mps", 0)
     env(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
-    with pytest.raises(dr.EnvironmentMismatchError) as info:
+    with pytest.raises(dr.errors.EnvironmentMismatchError) as info:
         dr.rank_device()
     assert "LOCAL_RANK=1" in str(info.value) and "1 visible mps device(s) (no visible-devices variable)" in str(
         info.value
@@ -287,6 +287,6 @@ def test_destroy_distributed_ends_a_group_the_script_made_itself(env, tmp_path):
 
 def test_init_distributed_rejects_inconsistent_env_before_anything(env):
     env(RANK=2, WORLD_SIZE=2)
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         dr.init_distributed()
     assert not dist.is_initialized()

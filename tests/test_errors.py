@@ -15,24 +15,28 @@ from dist_resume._dist.comm import Outcome, RelayedError
 # every public error class, with the attributes its constructor takes
 _CASES: list[tuple[type[dr.DistResumeError], tuple[Any, ...], dict[str, Any]]] = [
     (dr.DistResumeError, ("base",), {}),
-    (dr.EnvironmentMismatchError, ("bad RANK",), {}),
-    (dr.CheckpointError, ("cannot read",), {}),
-    (dr.CheckpointNotFoundError, ("no such file",), {}),
-    (dr.CheckpointCorruptError, ("truncated",), {}),
-    (dr.NotACheckpointError, ("a zip",), {}),
-    (dr.UnsafeCheckpointError, ("refused",), {}),
-    (dr.CheckpointWriteError, ("disk full",), {}),
-    (dr.CheckpointConsensusError, ("ranks differ",), {"ranks": [1, 3]}),
-    (dr.StateMismatchError, ("no scheduler",), {}),
-    (dr.KeyMismatchError, ("keys",), {"missing": ["fc.weight"], "unexpected": ["head.bias"], "mismatched": ["x"]}),
-    (dr.OptimizerStateMismatchError, ("groups",), {}),
-    (dr.DeviceMismatchError, ("devices",), {"findings": ["optimizer state on cpu, param on cuda:0"]}),
-    (dr.UsageError, ("SRC == DST", "pick another DST"), {}),
+    (dr.errors.EnvironmentMismatchError, ("bad RANK",), {}),
+    (dr.errors.CheckpointError, ("cannot read",), {}),
+    (dr.errors.CheckpointNotFoundError, ("no such file",), {}),
+    (dr.errors.CheckpointCorruptError, ("truncated",), {}),
+    (dr.errors.NotACheckpointError, ("a zip",), {}),
+    (dr.errors.UnsafeCheckpointError, ("refused",), {}),
+    (dr.errors.CheckpointWriteError, ("disk full",), {}),
+    (dr.errors.CheckpointConsensusError, ("ranks differ",), {"ranks": [1, 3]}),
+    (dr.errors.StateMismatchError, ("no scheduler",), {}),
+    (
+        dr.errors.KeyMismatchError,
+        ("keys",),
+        {"missing": ["fc.weight"], "unexpected": ["head.bias"], "mismatched": ["x"]},
+    ),
+    (dr.errors.OptimizerStateMismatchError, ("groups",), {}),
+    (dr.errors.DeviceMismatchError, ("devices",), {"findings": ["optimizer state on cpu, param on cuda:0"]}),
+    (dr.errors.UsageError, ("SRC == DST", "pick another DST"), {}),
 ]
 
 
 def test_every_error_class_is_covered() -> None:
-    public = {getattr(dr, name) for name in E.__all__ if isinstance(getattr(dr, name, None), type)}
+    public = {getattr(dr.errors, name) for name in E.__all__ if isinstance(getattr(dr.errors, name, None), type)}
     assert public == {cls for cls, _, _ in _CASES}
 
 
@@ -47,7 +51,7 @@ def test_error_round_trips_through_pickle_with_its_attributes(
     assert vars(back) == vars(err) and back.rank == 2
     for key, value in kwargs.items():
         assert getattr(back, key) == value
-    if cls is dr.UsageError:
+    if cls is dr.errors.UsageError:
         assert back.hint == "pick another DST"
 
 
@@ -66,45 +70,45 @@ def test_a_subclass_with_a_required_keyword_still_pickles() -> None:
     assert (type(back).__name__, str(back), back.code) == ("_Strict", "msg", 7)
 
 
-def _relay(err: BaseException, rank: int = 1, fallback: type[dr.DistResumeError] = dr.CheckpointError) -> Any:
+def _relay(err: BaseException, rank: int = 1, fallback: type[dr.DistResumeError] = dr.errors.CheckpointError) -> Any:
     """What another rank rebuilds from ``err``, after the wire (a pickle round trip)."""
     relayed = pickle.loads(pickle.dumps(RelayedError.of(rank, err)))
     return relayed.rebuild(fallback)
 
 
 def test_relayed_error_keeps_class_attributes_and_names_its_rank() -> None:
-    got = _relay(dr.KeyMismatchError("keys", missing=["a", "b"], unexpected=["c"]), rank=3)
-    assert type(got) is dr.KeyMismatchError and got.missing == ["a", "b"] and got.unexpected == ["c"]
+    got = _relay(dr.errors.KeyMismatchError("keys", missing=["a", "b"], unexpected=["c"]), rank=3)
+    assert type(got) is dr.errors.KeyMismatchError and got.missing == ["a", "b"] and got.unexpected == ["c"]
     assert got.rank == 3 and str(got) == "keys"
 
 
 def test_an_error_that_does_not_pickle_arrives_as_class_message_and_attributes() -> None:
-    err = dr.UsageError("cannot convert", "pass --force")
+    err = dr.errors.UsageError("cannot convert", "pass --force")
     err.callback = lambda: None  # type: ignore[attr-defined]
     with pytest.raises((AttributeError, pickle.PicklingError, TypeError)):  # whatever pickle raises for a lambda
         pickle.dumps(err)
     relayed = RelayedError.of(1, err)
     assert relayed.pickled is None
     got = _relay(err)
-    assert type(got) is dr.UsageError and str(got) == "cannot convert" and got.hint == "pass --force"
+    assert type(got) is dr.errors.UsageError and str(got) == "cannot convert" and got.hint == "pass --force"
     assert got.rank == 1 and got.callback.startswith("<function")  # what did not pickle, as its repr
 
 
 def test_an_error_whose_class_is_not_importable_arrives_as_its_dist_resume_class() -> None:
     relayed = RelayedError(1, "dist_resume._core.errors.KeyMismatchError", "keys", {"missing": ["w"]}, b"garbage")
-    got = relayed.rebuild(dr.CheckpointError)
-    assert type(got) is dr.KeyMismatchError and got.missing == ["w"] and got.rank == 1
+    got = relayed.rebuild(dr.errors.CheckpointError)
+    assert type(got) is dr.errors.KeyMismatchError and got.missing == ["w"] and got.rank == 1
 
 
 def test_a_foreign_exception_becomes_the_fallback_chained_to_it() -> None:
-    got = _relay(PermissionError(13, "denied"), rank=0, fallback=dr.CheckpointWriteError)
-    assert type(got) is dr.CheckpointWriteError and got.rank == 0
+    got = _relay(PermissionError(13, "denied"), rank=0, fallback=dr.errors.CheckpointWriteError)
+    assert type(got) is dr.errors.CheckpointWriteError and got.rank == 0
     assert str(got).startswith("PermissionError: ") and "denied" in str(got)
     assert isinstance(got.__cause__, PermissionError)
     unpicklable = ValueError("bad")
     unpicklable.hook = lambda: None  # type: ignore[attr-defined]
-    got = _relay(unpicklable, fallback=dr.StateMismatchError)
-    assert type(got) is dr.StateMismatchError and str(got) == "ValueError: bad" and got.__cause__ is None
+    got = _relay(unpicklable, fallback=dr.errors.StateMismatchError)
+    assert type(got) is dr.errors.StateMismatchError and str(got) == "ValueError: bad" and got.__cause__ is None
 
 
 def test_outcome_run_carries_the_value_or_the_error() -> None:
@@ -112,10 +116,10 @@ def test_outcome_run_carries_the_value_or_the_error() -> None:
     assert (ok.value, ok.error, failure) == (5, None, None)
 
     def fails() -> None:
-        raise dr.DeviceMismatchError("devices", findings=["f"])
+        raise dr.errors.DeviceMismatchError("devices", findings=["f"])
 
     bad, failure = Outcome.run(fails, rank=0)
-    assert isinstance(failure, dr.DeviceMismatchError) and bad.error is not None and bad.error.rank == 0
+    assert isinstance(failure, dr.errors.DeviceMismatchError) and bad.error is not None and bad.error.rank == 0
 
 
 def _agree_on_rank(monkeypatch: pytest.MonkeyPatch, rank: int, errors: list[BaseException | None]) -> None:
@@ -130,10 +134,10 @@ def test_agreement_raises_the_lowest_failing_ranks_error_and_names_the_others(mo
     errors: list[BaseException | None] = [
         None,
         None,
-        dr.KeyMismatchError("model keys differ", missing=["fc.weight"]),
-        dr.DeviceMismatchError("devices differ", findings=["x"]),
+        dr.errors.KeyMismatchError("model keys differ", missing=["fc.weight"]),
+        dr.errors.DeviceMismatchError("devices differ", findings=["x"]),
     ]
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         _agree_on_rank(monkeypatch, 0, errors)
     assert info.value.missing == ["fc.weight"] and info.value.rank == 2
     msg = str(info.value)
@@ -143,6 +147,8 @@ def test_agreement_raises_the_lowest_failing_ranks_error_and_names_the_others(mo
 
 
 def test_agreement_turns_a_foreign_error_into_state_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(dr.StateMismatchError, match=r"rank\(s\) \[1\].*rank 1: RuntimeError: size mismatch") as info:
+    with pytest.raises(
+        dr.errors.StateMismatchError, match=r"rank\(s\) \[1\].*rank 1: RuntimeError: size mismatch"
+    ) as info:
         _agree_on_rank(monkeypatch, 0, [None, RuntimeError("size mismatch")])
     assert isinstance(info.value.__cause__, RuntimeError) and info.value.rank == 1

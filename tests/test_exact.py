@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import dist_resume
 from dist_resume import ResumableDistributedSampler as Sampler
-from dist_resume import StateMismatchError
 from dist_resume._exact import rng as _rng
 from dist_resume._exact import sampler as _exact
+from dist_resume.errors import StateMismatchError
 from tests.helpers import PRIVATEUSE1, fake_accelerator
 
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
@@ -434,26 +434,53 @@ def test_save_and_resume_restore_sampler_and_rng(tmp_path):
     next(it), next(it), next(it)
     path = tmp_path / "c.pt"
     dist_resume.seed_rng(5, rank=0)
-    dist_resume.save_checkpoint(path, model=model, optimizer=opt, step=3, epoch=0, sampler=sampler)
+    dist_resume.save_checkpoint(path, model=model, optimizer=opt, step=3, epoch=0, dataloader=sampler)
     expected = (model(torch.ones(2, 4)), list(it))
     raw = torch.load(path, weights_only=True)
     assert len(raw["rng"]) == 1 and raw["sampler"]["consumed"] == 3
 
     model2, opt2 = _setup()
     sampler2 = Sampler(10, 1, 0, seed=4)
-    res = dist_resume.resume(path, model=model2, optimizer=opt2, sampler=sampler2, rng=True)
+    res = dist_resume.resume(
+        path, model=model2, optimizer=opt2, dataloader=sampler2, options=dist_resume.ResumeOptions(rng=True)
+    )
     assert res.restored[-2:] == ("sampler", "rng")
     assert torch.equal(model2(torch.ones(2, 4)), expected[0])  # same dropout mask
     assert list(sampler2) == expected[1]
 
-    plain = dist_resume.resume(path, model=model2, optimizer=opt2)  # rng is opt-in
-    assert "rng" not in plain.restored
+    plain = dist_resume.resume(path, model=model2, optimizer=opt2)  # rng=True is the default, as on save
+    assert plain.restored[-1] == "rng"
+    assert torch.equal(model2(torch.ones(2, 4)), expected[0])  # the same streams again
+    off = dist_resume.resume(path, model=model2, optimizer=opt2, options=dist_resume.ResumeOptions(rng=False))
+    assert "rng" not in off.restored and "rng" not in off.skipped
+
+
+def test_a_dataloader_over_the_sampler_is_its_data_position_and_one_without_is_refused(tmp_path):
+    model, opt = _setup()
+    sampler = Sampler(10, 1, 0, seed=4)
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=3, sampler=sampler)
+    next(iter(loader))
+    path = dist_resume.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=1, dataloader=loader)
+    assert torch.load(path, weights_only=True)["sampler"]["consumed"] == 3
+    batches = torch.utils.data.DataLoader(
+        list(range(10)), batch_sampler=torch.utils.data.BatchSampler(Sampler(10, 1, 0, seed=4), 3, drop_last=False)
+    )
+    res = dist_resume.resume(path, model=model, optimizer=opt, dataloader=batches)  # batch_sampler.sampler
+    assert "sampler" in res.restored and batches.batch_sampler.sampler.consumed == 3
+    plain = torch.utils.data.DataLoader(list(range(10)), batch_size=3, shuffle=True)
+    with pytest.raises(dist_resume.errors.UsageError, match="whose sampler is RandomSampler") as info:
+        dist_resume.resume(path, model=model, dataloader=plain)
+    assert "ResumableDistributedSampler" in info.value.hint
+    with pytest.raises(dist_resume.errors.UsageError, match=r"dataloader= is builtins\.list"):
+        dist_resume.save_checkpoint(tmp_path / "d.pt", model=model, dataloader=[1, 2])
+    with pytest.raises(dist_resume.errors.UsageError, match="not a DataLoader"):  # a state dict saves, never restores
+        dist_resume.resume(path, model=model, dataloader=sampler.state_dict())
 
 
 def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_path):
     model, opt = _setup()
     path = tmp_path / "c.pt"
-    dist_resume.save_checkpoint(path, model=model, optimizer=opt, step=1, sampler=Sampler(10, 1, 0, seed=4))
+    dist_resume.save_checkpoint(path, model=model, optimizer=opt, step=1, dataloader=Sampler(10, 1, 0, seed=4))
     dist_resume.save_checkpoint(tmp_path / "none.pt", model=model, optimizer=opt, step=1, rng=False)
     assert "rng" not in torch.load(tmp_path / "none.pt", weights_only=True)
     target, opt2 = _setup()
@@ -461,12 +488,16 @@ def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_pat
         target[0].weight.add_(1.0)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(StateMismatchError, match="seed 4 saved, 5 now"):
-        dist_resume.resume(path, model=target, optimizer=opt2, sampler=Sampler(10, 1, 0, seed=5))
-    with pytest.raises(StateMismatchError, match="has no sampler state but a sampler was passed"):
-        dist_resume.resume(tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0))
+        dist_resume.resume(path, model=target, optimizer=opt2, dataloader=Sampler(10, 1, 0, seed=5))
+    with pytest.raises(StateMismatchError, match=r"has no sampler state but a sampler was passed.*no dataloader="):
+        dist_resume.resume(tmp_path / "none.pt", model=target, optimizer=opt2, dataloader=Sampler(10, 1, 0))
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
     res = dist_resume.resume(
-        tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0), strict=False, rng=True
+        tmp_path / "none.pt",
+        model=target,
+        optimizer=opt2,
+        dataloader=Sampler(10, 1, 0),
+        options=dist_resume.ResumeOptions(strict=False, rng=True),
     )
     assert "sampler" in res.skipped and "rng" not in res.restored
 

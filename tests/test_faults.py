@@ -134,7 +134,7 @@ def _check_folder(folder: Path, previous: int, new: int, width: int = WIDTH) -> 
     if latest.name != names[-1]:  # the completion rule: a checkpoint name means a complete file
         problems.append(f"{names[-1]} carries a checkpoint name but is not complete (latest() skipped it)")
     model, opt = _big(-1, width)
-    step = dr.resume(latest, model=model, optimizer=opt, rng=False).step
+    step = dr.resume(latest, model=model, optimizer=opt, options=dr.ResumeOptions(rng=False)).step
     if step is None or step not in (previous, new):
         return "wrong step", problems + [f"latest() returned step {step}, expected {previous} or {new}"]
     if not all(bool(torch.all(p == step)) for p in model.parameters()):

@@ -96,7 +96,7 @@ def test_bad_step_is_refused_before_anything_is_written(tmp_path: Path, step: ob
 def test_failed_save_keeps_the_previous_checkpoints_and_rotates_nothing(tmp_path: Path) -> None:
     mgr = _save_steps(tmp_path, [1, 2], keep_last=2)
     before = {p.name: p.read_bytes() for p in mgr.checkpoints()}
-    with pytest.raises(dr.CheckpointWriteError, match="weights_only"):
+    with pytest.raises(dr.errors.CheckpointWriteError, match="weights_only"):
         mgr.save(3, model=Net(), extra={"args": object()})
     assert {p.name: p.read_bytes() for p in mgr.checkpoints()} == before
     assert sorted(os.listdir(tmp_path)) == sorted([*before, ".dist_resume.lock"])  # and no temporary file
@@ -199,20 +199,20 @@ def test_resolve_folder_picks_the_latest_valid(tmp_path: Path) -> None:
 
 
 def test_resolve_empty_folder_is_not_found(tmp_path: Path) -> None:
-    with pytest.raises(dr.CheckpointNotFoundError, match="is empty") as info:
+    with pytest.raises(dr.errors.CheckpointNotFoundError, match="is empty") as info:
         resolve_checkpoint(tmp_path)
     assert str(tmp_path) in str(info.value) and "start from scratch" in str(info.value)
     (tmp_path / "model.pt").write_bytes(b"x")
-    with pytest.raises(dr.CheckpointNotFoundError, match=r"model\.pt"):
+    with pytest.raises(dr.errors.CheckpointNotFoundError, match=r"model\.pt"):
         resolve_checkpoint(tmp_path)
 
 
 def test_resolve_folder_of_broken_checkpoints_is_corrupt_not_not_found(tmp_path: Path) -> None:
     (tmp_path / checkpoint_name(1)).write_bytes(b"")
     (tmp_path / checkpoint_name(2)).write_bytes(b"PK\x03\x04 torn")
-    with pytest.raises(dr.CheckpointCorruptError) as info:
+    with pytest.raises(dr.errors.CheckpointCorruptError) as info:
         resolve_checkpoint(tmp_path)
-    assert not isinstance(info.value, dr.CheckpointNotFoundError)  # "start from scratch" must not catch it
+    assert not isinstance(info.value, dr.errors.CheckpointNotFoundError)  # "start from scratch" must not catch it
     msg = str(info.value)
     assert str(tmp_path) in msg and "ckpt_00000001.pt" in msg and "ckpt_00000002.pt" in msg
     assert "none is complete" in msg and "restore a good checkpoint" in msg
@@ -225,6 +225,6 @@ def test_resume_from_a_folder(tmp_path: Path) -> None:
     mgr.save(2, model=_filled(2))
     (tmp_path / checkpoint_name(3)).write_bytes(b"PK\x03\x04 torn")
     target = _filled(0)
-    result = dr.resume(tmp_path, model=target, verify=True)
+    result = dr.resume(tmp_path, model=target, options=dr.ResumeOptions(verify=True))
     assert result.step == 2 and result.path == tmp_path / checkpoint_name(2)
     assert all(torch.all(p == 2) for p in target.parameters())

@@ -90,7 +90,7 @@ FUZZ_CASES = REPO_ROOT / "tests" / "fuzz_cases"
 
 @pytest.mark.parametrize("name", ["14-assertionerror_load_torch_file.pt", "21-runtimeerror_version_load_torch_file.pt"])
 def test_a_damaged_torch_file_raw_torch_error_is_a_corrupt_checkpoint(name: str) -> None:
-    with pytest.raises(dr.CheckpointCorruptError, match="damaged"):
+    with pytest.raises(dr.errors.CheckpointCorruptError, match="damaged"):
         dr.load_checkpoint(FUZZ_CASES / name, map_location="cpu")
 
 
@@ -107,13 +107,13 @@ def test_damaged_dcp_metadata_is_refused_without_a_huge_allocation(tmp_path: Pat
     from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 
     shutil.copy(FUZZ_CASES / name, tmp_path / ".metadata")
-    with pytest.raises(dr.CheckpointCorruptError, match=r"\.metadata' is damaged"):
+    with pytest.raises(dr.errors.CheckpointCorruptError, match=r"\.metadata' is damaged"):
         read_dcp_metadata(tmp_path)
 
 
 def test_a_safetensors_dtype_that_is_not_a_string_is_corruption(tmp_path: Path) -> None:
     shutil.copy(FUZZ_CASES / "18-typeerror_check_entry.safetensors", tmp_path / "m.safetensors")
-    with pytest.raises(dr.CheckpointCorruptError, match="has dtype"):
+    with pytest.raises(dr.errors.CheckpointCorruptError, match="has dtype"):
         dr.load_checkpoint(tmp_path / "m.safetensors", map_location="cpu")
 
 
@@ -123,7 +123,7 @@ def test_a_shard_index_mapping_to_a_non_name_is_corruption(tmp_path: Path, name:
 
     folder = _hf_sharded(tmp_path / "checkpoint-3", {"a.w": torch.ones(2), "b.w": torch.ones(3), "c.w": torch.ones(1)})
     shutil.copy(FUZZ_CASES / name, folder / "model.safetensors.index.json")
-    with pytest.raises(dr.CheckpointCorruptError, match="not shard file names"):
+    with pytest.raises(dr.errors.CheckpointCorruptError, match="not shard file names"):
         dr.load_checkpoint(folder, map_location="cpu")
 
 
@@ -154,11 +154,11 @@ def test_a_pickle_built_to_overflow_the_walkers_is_not_a_checkpoint(tmp_path: Pa
     path = FUZZ_CASES / name
     model = trained()[0]
     for read in (
-        lambda: dr.resume(path, model=model, map_location="cpu"),
+        lambda: dr.resume(path, model=model, options=dr.ResumeOptions(map_location="cpu")),
         lambda: dr.load_checkpoint(path, map_location="cpu"),
-        lambda: dr.convert_checkpoint(path, tmp_path / "out.pt", dr.KeyForm.DDP),
+        lambda: dr.tools.convert_checkpoint(path, tmp_path / "out.pt", dr.tools.KeyForm.DDP),
     ):
-        with pytest.raises(dr.NotACheckpointError, match=problem):
+        with pytest.raises(dr.errors.NotACheckpointError, match=problem):
             read()
     assert not (tmp_path / "out.pt").exists()
 
@@ -166,7 +166,7 @@ def test_a_pickle_built_to_overflow_the_walkers_is_not_a_checkpoint(tmp_path: Pa
 def test_save_refuses_extra_that_contains_itself(tmp_path: Path) -> None:
     history: list[object] = [1]
     history.append(history)
-    with pytest.raises(dr.CheckpointWriteError, match=r"a list at \[1\] contains itself \(paths inside extra\)"):
+    with pytest.raises(dr.errors.CheckpointWriteError, match=r"a list at \[1\] contains itself \(paths inside extra\)"):
         dr.save_checkpoint(tmp_path / "c.pt", model=torch.nn.Linear(2, 2), extra=history)
     assert list(tmp_path.iterdir()) == []
 
@@ -182,15 +182,15 @@ def test_a_record_flagged_encrypted_is_damage_at_every_reader(tmp_path: Path, he
     at = data.index(signature) + flags_at  # the first record's general-purpose flags
     data[at] |= 0x01
     path.write_bytes(bytes(data))
-    findings = dr.verify_archive(path, strict=False)
-    assert [f.kind for f in findings] == [dr.FindingKind.UNREADABLE] and "encrypted" in str(findings[0])
-    with pytest.raises(dr.CheckpointCorruptError, match="encrypted"):
-        dr.inspect_checkpoint(path)
-    with pytest.raises(dr.CheckpointCorruptError):
+    findings = dr.tools.verify_archive(path, strict=False)
+    assert [f.kind for f in findings] == [dr.tools.FindingKind.UNREADABLE] and "encrypted" in str(findings[0])
+    with pytest.raises(dr.errors.CheckpointCorruptError, match="encrypted"):
+        dr.tools.inspect_checkpoint(path)
+    with pytest.raises(dr.errors.CheckpointCorruptError):
         dr.load_checkpoint(path, map_location="cpu")
 
 
 def test_the_fuzzers_encrypted_flag_files_are_damage() -> None:
     for name in sorted(FUZZ_CASES.glob("3[5-7]-runtimeerror_encrypted_*.pt")):
-        with pytest.raises(dr.CheckpointCorruptError, match="encrypted"):
-            dr.inspect_checkpoint(name)
+        with pytest.raises(dr.errors.CheckpointCorruptError, match="encrypted"):
+            dr.tools.inspect_checkpoint(name)

@@ -44,7 +44,7 @@ def test_toolkit_layout(model_sd, opt_sd):
 
 
 def test_toolkit_layout_without_model_is_an_error():
-    with pytest.raises(dr.NotACheckpointError, match="no model state"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="no model state"):
         split_checkpoint({Key.FORMAT: FORMAT_NAME, Key.META: {}})
 
 
@@ -96,7 +96,7 @@ def test_non_integer_counters_are_ignored(model_sd, bad):
 
 
 def test_no_model_entry_is_an_error(opt_sd):
-    with pytest.raises(dr.NotACheckpointError) as info:
+    with pytest.raises(dr.errors.NotACheckpointError) as info:
         split_checkpoint({"net": {"w": [1.0]}, "opt": opt_sd, "epoch": 2}, "checkpoint 'x.pt'")
     msg = str(info.value)
     assert "checkpoint 'x.pt'" in msg and "'net', 'opt', 'epoch'" in msg and "'model_state_dict'" in msg
@@ -114,12 +114,12 @@ def test_parts_say_which_key_they_came_from(model_sd, opt_sd):
 
 @pytest.mark.parametrize("obj", [[1, 2], torch.ones(2), 3, None])
 def test_not_a_mapping(obj):
-    with pytest.raises(dr.NotACheckpointError, match="not a state dict"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="not a state dict"):
         split_checkpoint(obj)
 
 
 def test_empty_dict_is_not_a_checkpoint():
-    with pytest.raises(dr.NotACheckpointError):
+    with pytest.raises(dr.errors.NotACheckpointError):
         split_checkpoint({})
 
 

@@ -48,7 +48,7 @@ def test_rank_map_location_values(monkeypatch):
     assert dr.rank_map_location("cpu") == torch.device("cpu")
     assert dr.rank_map_location(torch.device("meta")) == torch.device("meta")
     assert dr.rank_map_location("cuda:2") == torch.device("cuda", 2)
-    with pytest.raises(dr.EnvironmentMismatchError, match=r"map_location=1 .* has none"):
+    with pytest.raises(dr.errors.EnvironmentMismatchError, match=r"map_location=1 .* has none"):
         dr.rank_map_location(1)  # an index of the accelerator this host lacks (torch.device(1) raises too)
     fake_accelerator(monkeypatch, "xpu", count=2)
     assert dr.rank_map_location(1) == torch.device("xpu", 1)
@@ -82,11 +82,11 @@ def test_a_dict_map_location_does_not_move_other_tags(tmp_path, state, tag):
     """FACTS #3: {'cuda:0': 'cpu'} maps the exact tag only; a cuda:3 (or npu:0...) storage still targets it."""
     path = tmp_path / "other.pt"
     save_with_device_tag(state, path, tag=tag)
-    with pytest.raises(dr.CheckpointError) as info:
+    with pytest.raises(dr.errors.CheckpointError) as info:
         dr.load_checkpoint(path, map_location={"cuda:0": "cpu"})
     msg = str(info.value)
     assert str(path) in msg and "rank_map_location" in msg and "saved on an accelerator" in msg
-    assert not isinstance(info.value, dr.CheckpointCorruptError)  # the file is fine: the placement is not
+    assert not isinstance(info.value, dr.errors.CheckpointCorruptError)  # the file is fine: the placement is not
     assert isinstance(info.value.__cause__, RuntimeError)
     # while the same dict works for a cuda:0 file
     cuda0 = tmp_path / "cuda0.pt"
@@ -96,7 +96,7 @@ def test_a_dict_map_location_does_not_move_other_tags(tmp_path, state, tag):
 
 @pytest.mark.parametrize("where", ["cuda", "cuda:1", torch.device("cuda", 0), "xpu:1"])
 def test_map_location_to_a_device_this_host_lacks(good_file, where):
-    err = _expect(dr.CheckpointError, good_file, map_location=where)
+    err = _expect(dr.errors.CheckpointError, good_file, map_location=where)
     msg = str(err)
     assert f"0 visible {torch.device(where).type} device(s)" in msg and "rank_map_location" in msg
     assert "saved on an accelerator" not in msg  # it was not: the map_location asked for one
@@ -141,7 +141,7 @@ def _expect(exc_type, path, **kwargs):
     with pytest.raises(exc_type) as info:
         dr.load_checkpoint(path, **kwargs)
     err = info.value
-    assert isinstance(err, dr.CheckpointError)
+    assert isinstance(err, dr.errors.CheckpointError)
     assert str(path) in str(err), str(err)
     for bare in (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
         assert not isinstance(err, bare)
@@ -150,15 +150,15 @@ def _expect(exc_type, path, **kwargs):
 
 @pytest.mark.parametrize("mmap", [True, False])
 def test_missing_file(tmp_path, mmap):
-    err = _expect(dr.CheckpointNotFoundError, tmp_path / "nope.pt", mmap=mmap)
+    err = _expect(dr.errors.CheckpointNotFoundError, tmp_path / "nope.pt", mmap=mmap)
     assert "does not exist" in str(err)
-    err = _expect(dr.CheckpointNotFoundError, tmp_path / "no_dir" / "nope.pt", mmap=mmap)
+    err = _expect(dr.errors.CheckpointNotFoundError, tmp_path / "no_dir" / "nope.pt", mmap=mmap)
     assert "folder" in str(err)
     assert isinstance(err, FileNotFoundError)  # still catchable the usual way
 
 
 def test_folder_is_not_a_file(tmp_path):
-    err = _expect(dr.CheckpointNotFoundError, tmp_path)
+    err = _expect(dr.errors.CheckpointNotFoundError, tmp_path)
     assert "folder" in str(err)
 
 
@@ -166,7 +166,7 @@ def test_folder_is_not_a_file(tmp_path):
 def test_empty_file(tmp_path, mmap):
     path = tmp_path / "empty.pt"
     path.write_bytes(b"")
-    err = _expect(dr.CheckpointCorruptError, path, mmap=mmap)
+    err = _expect(dr.errors.CheckpointCorruptError, path, mmap=mmap)
     assert "empty" in str(err) and "earlier checkpoint" in str(err)
 
 
@@ -177,15 +177,15 @@ def test_truncated_file(tmp_path, good_file, fraction, mmap):
     cut = max(1, int(len(data) * fraction)) if fraction > 0 else len(data) + fraction
     path = tmp_path / "truncated.pt"
     path.write_bytes(data[:cut])
-    with pytest.raises(dr.CheckpointError) as info:
+    with pytest.raises(dr.errors.CheckpointError) as info:
         dr.load_checkpoint(path, mmap=mmap)
     err = info.value
     assert str(path) in str(err)
     if cut >= 4:  # with the zip magic intact the file is recognisably a damaged checkpoint
-        assert isinstance(err, dr.CheckpointCorruptError)
+        assert isinstance(err, dr.errors.CheckpointCorruptError)
         assert "interrupted" in str(err)
     else:
-        assert isinstance(err, (dr.CheckpointCorruptError, dr.NotACheckpointError))
+        assert isinstance(err, (dr.errors.CheckpointCorruptError, dr.errors.NotACheckpointError))
 
 
 @pytest.mark.parametrize("mmap", [True, False])
@@ -194,20 +194,20 @@ def test_random_bytes(tmp_path, mmap):
     g = torch.Generator().manual_seed(0)
     path.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).tolist()))
     assert path.read_bytes()[:1] != b"\x80"
-    err = _expect(dr.NotACheckpointError, path, mmap=mmap)
+    err = _expect(dr.errors.NotACheckpointError, path, mmap=mmap)
     assert "torch.save" in str(err)
 
 
 def test_json_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"lr": 0.1}))
-    _expect(dr.NotACheckpointError, path)
+    _expect(dr.errors.NotACheckpointError, path)
 
 
 def test_plain_pickle(tmp_path):
     path = tmp_path / "plain.pkl"
     path.write_bytes(pickle.dumps({"w": [1, 2, 3]}))
-    err = _expect(dr.NotACheckpointError, path, mmap=False)
+    err = _expect(dr.errors.NotACheckpointError, path, mmap=False)
     assert "pickle" in str(err)
 
 
@@ -216,21 +216,21 @@ def test_zip_without_data_pkl(tmp_path, mmap):
     path = tmp_path / "other.zip"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("archive/notes.txt", "hello")
-    err = _expect(dr.CheckpointError, path, mmap=mmap)
-    assert isinstance(err, (dr.NotACheckpointError, dr.CheckpointCorruptError))
+    err = _expect(dr.errors.CheckpointError, path, mmap=mmap)
+    assert isinstance(err, (dr.errors.NotACheckpointError, dr.errors.CheckpointCorruptError))
     path2 = tmp_path / "almost.pt"  # a torch-like archive that lacks its data.pkl
     with zipfile.ZipFile(path2, "w") as zf:
         zf.writestr("archive/version", "3\n")
         zf.writestr("archive/byteorder", "little")
-    err = _expect(dr.CheckpointError, path2, mmap=mmap)
-    assert isinstance(err, (dr.NotACheckpointError, dr.CheckpointCorruptError))
+    err = _expect(dr.errors.CheckpointError, path2, mmap=mmap)
+    assert isinstance(err, (dr.errors.NotACheckpointError, dr.errors.CheckpointCorruptError))
     assert "data.pkl" in str(err)
 
 
 def test_legacy_format(tmp_path, state):
     path = tmp_path / "legacy.pt"
     torch.save(state, path, _use_new_zipfile_serialization=False)
-    err = _expect(dr.NotACheckpointError, path, mmap=True)
+    err = _expect(dr.errors.NotACheckpointError, path, mmap=True)
     assert "legacy" in str(err) and "mmap=False" in str(err)
     _assert_loaded(dr.load_checkpoint(path, mmap=False), state)
 
@@ -247,7 +247,7 @@ def test_legacy_format_saved_on_gpu(tmp_path, state):
 def test_weights_only_refused_global_names_it_and_the_fix(tmp_path):
     path = tmp_path / "frac.pt"  # argparse.Namespace is allowed by default: see test_resume_options
     torch.save({"model": {"w": torch.ones(1)}, "ratio": fractions.Fraction(1, 3)}, path)
-    err = _expect(dr.UnsafeCheckpointError, path)
+    err = _expect(dr.errors.UnsafeCheckpointError, path)
     msg = str(err)
     assert "fractions.Fraction" in msg and "add_safe_globals" in msg and "weights_only=False" in msg
     assert isinstance(err.__cause__, pickle.UnpicklingError)
@@ -276,15 +276,15 @@ def test_code_running_pickle_is_refused_and_never_runs(tmp_path, cls, mmap):
     marker = tmp_path / "PWNED"
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(1), "payload": cls(str(marker))}, path)
-    err = _expect(dr.UnsafeCheckpointError, path, mmap=mmap)
+    err = _expect(dr.errors.UnsafeCheckpointError, path, mmap=mmap)
     assert not marker.exists()
     name = "system" if cls is _Boom else "open"
     assert name in str(err)  # names the refused global
     # a bare pickle with the same payload is not even unpickled
     raw = tmp_path / "evil.pkl"
     raw.write_bytes(pickle.dumps(cls(str(marker))))
-    _expect(dr.NotACheckpointError, raw, mmap=mmap)
-    _expect(dr.NotACheckpointError, raw, mmap=False, weights_only=False)
+    _expect(dr.errors.NotACheckpointError, raw, mmap=mmap)
+    _expect(dr.errors.NotACheckpointError, raw, mmap=False, weights_only=False)
     assert not marker.exists()
 
 
@@ -297,7 +297,7 @@ def test_corrupt_pickle_inside_a_valid_archive(tmp_path, good_file):
                 data = data[:2] + b"\xff\xfe\xfd" + data[5:]
             dst.writestr(item, data)
     for weights_only in (True, False):
-        err = _expect(dr.CheckpointCorruptError, path, weights_only=weights_only)
+        err = _expect(dr.errors.CheckpointCorruptError, path, weights_only=weights_only)
         assert "weights_only=False" not in str(err)  # damaged bytes are no reason to lower the guard
         assert "Weights only load failed" not in str(err)
 
@@ -318,7 +318,7 @@ def test_a_pickle_calling_exec_is_refused_without_import_advice(tmp_path):
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         for name, data in records.items():
             z.writestr(name, data)
-    with pytest.raises(dr.UnsafeCheckpointError, match="builtin exec") as info:
+    with pytest.raises(dr.errors.UnsafeCheckpointError, match="builtin exec") as info:
         dr.load_checkpoint(path)
     assert "add_safe_globals" not in str(info.value) and "from  import" not in str(info.value)
     assert not marker.exists()
@@ -341,7 +341,7 @@ FUZZ_CASES = os.path.join(os.path.dirname(__file__), "fuzz_cases")
     ],
 )
 def test_a_damaged_pickle_or_directory_is_a_corrupt_checkpoint(name):
-    err = _expect(dr.CheckpointCorruptError, os.path.join(FUZZ_CASES, name), mmap=False)
+    err = _expect(dr.errors.CheckpointCorruptError, os.path.join(FUZZ_CASES, name), mmap=False)
     assert name in str(err) and "earlier checkpoint" in str(err)
 
 
@@ -358,5 +358,5 @@ def test_load_checkpoint_runs_the_security_check(good_file, monkeypatch):
 
     monkeypatch.setattr(security, "_warned", False)
     monkeypatch.setattr(torch, "__version__", "2.5.1")
-    with pytest.warns(dr.TorchSecurityWarning, match="CVE-2025-32434"):
+    with pytest.warns(dr.errors.TorchSecurityWarning, match="CVE-2025-32434"):
         dr.load_checkpoint(good_file, map_location="cpu")

@@ -78,18 +78,26 @@ def test_a_second_process_is_refused_naming_the_folder_and_holder_before_writing
         before = {name: (tmp_path / name).stat().st_mtime_ns for name in os.listdir(tmp_path)}
         mgr = CheckpointManager(tmp_path, keep_last=1)
         for save in (mgr.save, mgr.save_async):
-            with pytest.raises(dr.CheckpointWriteError) as info:
+            with pytest.raises(dr.errors.CheckpointWriteError) as info:
                 save(2, model=_linear(2.0))
             message = str(info.value)
             assert str(tmp_path) in message and f"pid {proc.pid}" in message, message
             assert f"host {socket.gethostname()}" in message and "another job" in message, message
+        # a second job's resume is refused at once, naming the holder, before it reads (or trains) anything
+        model = _linear(5.0)
+        with pytest.raises(dr.errors.CheckpointWriteError) as info:
+            CheckpointManager(tmp_path, model=model).resume()
+        message = str(info.value)
+        assert "takes the folder's write lock before it reads anything" in message, message
+        assert str(tmp_path) in message and f"pid {proc.pid}" in message and "another job" in message, message
+        assert all(torch.all(p == 5.0) for p in model.parameters())
         # nothing written, nothing rotated, no temporary file: the refusal came first
         assert {name: (tmp_path / name).stat().st_mtime_ns for name in os.listdir(tmp_path)} == before
         # readers need no lock
-        assert dr.latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(1)
+        assert dr.tools.latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(1)
         assert mgr.checkpoints() == [tmp_path / checkpoint_name(1)] and mgr.latest() == tmp_path / checkpoint_name(1)
         model = nn.Linear(2, 2)
-        assert dr.resume(tmp_path, model=model, rng=False).step == 1
+        assert dr.resume(tmp_path, model=model, options=dr.ResumeOptions(rng=False)).step == 1
         assert proc.stdin is not None
         proc.stdin.close()  # the holder closes its manager and exits
         assert proc.wait(timeout=60) == 0
@@ -100,7 +108,7 @@ def test_a_second_process_is_refused_naming_the_folder_and_holder_before_writing
 
 def test_sigkill_of_the_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     with _holder(tmp_path, step=1) as proc:
-        with pytest.raises(dr.CheckpointWriteError, match=f"pid {proc.pid}"):
+        with pytest.raises(dr.errors.CheckpointWriteError, match=f"pid {proc.pid}"):
             CheckpointManager(tmp_path).save(2, model=_linear(2.0))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -116,14 +124,16 @@ def test_a_second_manager_in_the_same_process_is_refused_until_the_first_closes(
     second = CheckpointManager(tmp_path)
     assert not (tmp_path / LOCK_NAME).exists()  # lazily: constructing a manager takes no lock
     first.save(1, model=_linear(1.0))
-    with pytest.raises(dr.CheckpointWriteError, match="this very process") as info:
+    with pytest.raises(dr.errors.CheckpointWriteError, match="this very process") as info:
         second.save(2, model=_linear(2.0))
     assert str(tmp_path) in str(info.value) and f"pid {os.getpid()}" in str(info.value)
+    with pytest.raises(dr.errors.CheckpointWriteError, match="this very process"):
+        second.resume(model=_linear(2.0))  # resuming takes the lock too
     assert first.save(2, model=_linear(2.0)).exists()  # the holder keeps saving
     first.close()
     first.close()  # idempotent
     assert second.save(3, model=_linear(3.0)).exists()
-    with pytest.raises(dr.CheckpointWriteError, match="this very process"):
+    with pytest.raises(dr.errors.CheckpointWriteError, match="this very process"):
         first.save(4, model=_linear(4.0))  # a closed manager takes the lock again on its next save
     del second, info  # the traceback of the refusal refers to the manager too
     gc.collect()  # a manager that is garbage-collected releases its lock

@@ -126,7 +126,7 @@ def test_optimizer_to_moves_state_onto_each_parameters_device(name):
             assert value.device == CPU
         else:
             assert value.device == p.device == META, key
-    assert dr.device_report(meta_model, opt) == []
+    assert dr.tools.device_report(meta_model, opt) == []
 
 
 def test_capturable_group_puts_step_on_the_device():
@@ -179,7 +179,7 @@ def test_torch_alone_pairs_state_by_position_and_never_checks_shapes():
     assert plain.state[dst.weight]["momentum_buffer"].shape == (3, 3)
 
     fresh = torch.optim.SGD(dst.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         prepare_optimizer_state(opt.state_dict(), fresh, dst)
     msg = str(info.value)
     assert "state[weight]['momentum_buffer'] has shape (3, 3), the parameter (3, 2)" in msg
@@ -190,28 +190,28 @@ def test_torch_alone_pairs_state_by_position_and_never_checks_shapes():
 def test_group_count_mismatch():
     model, _, opt = _adam_checkpoint()
     live = torch.optim.Adam([{"params": model.a.parameters()}, {"params": model.b.parameters()}])
-    with pytest.raises(dr.OptimizerStateMismatchError, match=r"1 parameter group\(s\), Adam has 2"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=r"1 parameter group\(s\), Adam has 2"):
         prepare_optimizer_state(opt.state_dict(), live, model)
 
 
 def test_group_size_mismatch():
     model, _, opt = _adam_checkpoint()
     live = torch.optim.Adam(model.a.parameters())
-    with pytest.raises(dr.OptimizerStateMismatchError, match=r"saved \[4\], Adam has \[2\]"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=r"saved \[4\], Adam has \[2\]"):
         prepare_optimizer_state(opt.state_dict(), live, model)
 
 
 @pytest.mark.parametrize("other", [torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad])
 def test_other_optimizer_class(other):
     model, _, opt = _adam_checkpoint()
-    with pytest.raises(dr.OptimizerStateMismatchError, match="not from a") as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match="not from a") as info:
         prepare_optimizer_state(opt.state_dict(), other(model.parameters(), lr=0.1), model)
     assert other.__name__ in str(info.value)
 
 
 def test_not_an_optimizer_state_dict():
     model = TwinNet()
-    with pytest.raises(dr.OptimizerStateMismatchError, match="not an optimizer state dict"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match="not an optimizer state dict"):
         prepare_optimizer_state({"weight": torch.ones(1)}, torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 
@@ -279,7 +279,7 @@ def test_different_parameter_names_are_an_error():
 
     target = Renamed()
     live = torch.optim.Adam(target.named_parameters(), lr=1e-2)
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         prepare_optimizer_state(opt.state_dict(), live, target)
     msg = str(info.value)
     assert "'c.weight'" in msg and "'b.weight'" in msg and "not in checkpoint" in msg
@@ -332,7 +332,7 @@ def test_lbfgs_history_lists_move_too():
     meta_model = TwinNet().to(META)
     meta_opt = torch.optim.LBFGS(meta_model.parameters(), history_size=3)
     meta_opt.state[meta_model.a.weight] = copy.deepcopy(dict(state))
-    report = dr.device_report(meta_model, meta_opt)
+    report = dr.tools.device_report(meta_model, meta_opt)
     assert "optimizer.state[a.weight]['old_dirs'][0] is on cpu, its parameter on meta" in report
     dr.optimizer_to(meta_opt)
     moved = meta_opt.state[meta_model.a.weight]
@@ -341,7 +341,7 @@ def test_lbfgs_history_lists_move_too():
         assert values and all(v.device == META for v in values), key
     assert [v is None for v in moved["al"]] == [v is None for v in state["al"]]
     assert moved["n_iter"] == state["n_iter"] and moved["prev_loss"] == state["prev_loss"]
-    assert dr.device_report(meta_model, meta_opt) == []
+    assert dr.tools.device_report(meta_model, meta_opt) == []
 
 
 def test_lbfgs_resumes_and_continues_identically(tmp_path):
@@ -378,7 +378,7 @@ def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
     mixed = {"state": {0: {}, "1": {}}, "param_groups": [{"params": [0, 1]}]}
     assert optim_keys.normalize_optimizer_state(mixed) is mixed  # not every key a digit string: left alone
     assert optim_keys.unfit_state_keys(mixed) == []  # '1' could be read as 1 ...
-    with pytest.raises(dr.OptimizerStateMismatchError, match=r"1 optimizer state entry fits no parameter.*'1'"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=r"1 optimizer state entry fits no parameter.*'1'"):
         optim_keys.check_state_keys(mixed, "f.pt")  # ... but a half-normalised file is not guessed at
 
 
@@ -386,7 +386,7 @@ def test_regrouped_live_optimizer_without_names_is_refused():
     model, _, opt = _adam_checkpoint(named=True)
     live = torch.optim.Adam([{"params": model.a.parameters()}, {"params": model.b.parameters()}])
     unchanged = copy.deepcopy(live.state_dict())
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         prepare_optimizer_state(opt.state_dict(), live)  # no model: the live parameters have no names
     msg = str(info.value)
     assert "1 parameter group(s), Adam has 2" in msg and "pass the model" in msg

@@ -94,7 +94,7 @@ def test_digit_string_state_resumes_fully(tmp_path: Path) -> None:
     path = _save(tmp_path / "digits.pt", model, _digit_strings(opt))
     target = TwinNet(seed=1)
     live = torch.optim.Adam(target.parameters(), lr=1e-2)
-    result = dr.resume(path, model=target, optimizer=live, strict=True)
+    result = dr.resume(path, model=target, optimizer=live, options=dr.ResumeOptions(strict=True))
     assert "optimizer" in result.restored
     _assert_state_by_name(target, live, expected)
     assert all(isinstance(k, torch.Tensor) for k in live.state)  # no '0'..'3' entries left behind
@@ -125,13 +125,13 @@ def test_state_that_fits_no_parameter_is_refused(tmp_path: Path, rekey: Any, nam
     sd["state"] = rekey(sd["state"])
     target = TwinNet(seed=1)
     live = torch.optim.Adam(target.parameters(), lr=1e-2)
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         prepare_optimizer_state(sd, live, target)
     msg = str(info.value)
     assert all(repr(k) in msg for k in named), msg
     assert "no parameter of the saved param_groups" in msg and "Nothing was restored" in msg
     unchanged = _unchanged(target, live)
-    with pytest.raises(dr.OptimizerStateMismatchError):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError):
         dr.resume(_save(tmp_path / "orphan.pt", model, sd), model=target, optimizer=live)
     unchanged()
 
@@ -166,7 +166,7 @@ def test_fqn_keyed_state_with_an_unknown_name_is_refused() -> None:
     fqn = _fqn_keyed(model, opt)
     fqn["state"]["c.weight"] = fqn["state"]["a.weight"]
     live = torch.optim.Adam(TwinNet().parameters(), lr=1e-2)
-    with pytest.raises(dr.OptimizerStateMismatchError, match=r"'c\.weight'"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=r"'c\.weight'"):
         prepare_optimizer_state(fqn, live, TwinNet())
 
 
@@ -256,7 +256,7 @@ def test_regrouped_without_names_is_refused(tmp_path: Path) -> None:
     target = TwinNet(seed=1)
     live = torch.optim.AdamW(_decay_split(target), lr=5e-2)
     unchanged = _unchanged(target, live)
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         dr.resume(path, model=target, optimizer=live)
     msg = str(info.value)
     assert "1 parameter group(s), AdamW has 2" in msg  # today's wording is kept
@@ -289,7 +289,7 @@ def test_regrouped_with_new_or_vanished_parameters(caplog: pytest.LogCaptureFixt
     expected = _by_name(model, opt)
     target = _Grown(seed=1)
     live = torch.optim.AdamW(_decay_split(target), lr=5e-2)
-    with pytest.raises(dr.OptimizerStateMismatchError) as info:
+    with pytest.raises(dr.errors.OptimizerStateMismatchError) as info:
         prepare_optimizer_state(opt.state_dict(), live, target)
     msg = str(info.value)
     assert "not in checkpoint (2: 'c.weight', 'c.bias')" in msg and "strict=False" in msg
@@ -311,7 +311,7 @@ def test_regrouped_with_new_or_vanished_parameters(caplog: pytest.LogCaptureFixt
     train_steps(grown, grown_opt, [(torch.randn(4, 3), torch.randn(4, 3))])
     small = TwinNet(seed=3)
     small_opt = torch.optim.AdamW(_decay_split(small), lr=5e-2)
-    with pytest.raises(dr.OptimizerStateMismatchError, match=r"only in checkpoint \(2: 'c.weight', 'c.bias'\)"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=r"only in checkpoint \(2: 'c.weight', 'c.bias'\)"):
         prepare_optimizer_state(grown_opt.state_dict(), small_opt, small)
     prepared = prepare_optimizer_state(grown_opt.state_dict(), small_opt, small, strict=False)
     assert state_coverage(prepared) == (4, 4) and len(prepared["state"]) == 4  # c.*'s state is not applied
@@ -328,7 +328,7 @@ def test_nothing_fits_by_name_is_refused_even_without_strict() -> None:
 
     target = Other()
     live = torch.optim.Adam([{"params": [target.x.weight]}, {"params": [target.x.bias, *target.y.parameters()]}])
-    with pytest.raises(dr.OptimizerStateMismatchError, match="no parameter"):
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match="no parameter"):
         prepare_optimizer_state(opt.state_dict(), live, target, strict=False)
 
 
@@ -342,8 +342,10 @@ def test_a_refused_regroup_changes_nothing(tmp_path: Path) -> None:
     train_steps(target, live, [(torch.randn(4, 3), torch.randn(4, 3))])  # live state exists already
     unchanged = _unchanged(target, live)
     for strict in (True, False):
-        with pytest.raises(dr.OptimizerStateMismatchError, match=r"state\[b\.bias\]\['exp_avg'\] has shape \(4,\)"):
-            dr.resume(path, model=target, optimizer=live, strict=strict)
+        with pytest.raises(
+            dr.errors.OptimizerStateMismatchError, match=r"state\[b\.bias\]\['exp_avg'\] has shape \(4,\)"
+        ):
+            dr.resume(path, model=target, optimizer=live, options=dr.ResumeOptions(strict=strict))
         unchanged()
 
 
@@ -358,10 +360,12 @@ def test_regrouped_and_digit_string_state_through_broadcast_loading(tmp_path: Pa
     with single_rank_group(tmp_path):
         target = TwinNet(seed=1)
         live = torch.optim.AdamW(_decay_split(target), lr=5e-2)
-        dr.resume(tmp_path / "named.pt", model=target, optimizer=live, broadcast_from_rank0=True)
+        dr.resume(
+            tmp_path / "named.pt", model=target, optimizer=live, options=dr.ResumeOptions(broadcast_from_rank0=True)
+        )
         target2 = TwinNet(seed=1)
         live2 = torch.optim.Adam(target2.parameters(), lr=1e-2)
-        dr.resume(digits, model=target2, optimizer=live2, broadcast_from_rank0=True)
+        dr.resume(digits, model=target2, optimizer=live2, options=dr.ResumeOptions(broadcast_from_rank0=True))
     _assert_state_by_name(target, live, expected)
     assert [g["weight_decay"] for g in live.param_groups] == [0.05, 0.0]
     _assert_state_by_name(target2, live2, plain_expected)

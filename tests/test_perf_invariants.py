@@ -76,7 +76,7 @@ def test_resume_writes_into_the_existing_tensors_and_keeps_nothing_of_the_file(t
             train_steps(model, opt, make_batches(1, seed=9))
         before = {k: (v, v.data_ptr()) for k, v in net.state_dict(keep_vars=True).items()}
         live_state = {(id(p), key): (v, v.data_ptr()) for p, st in opt.state.items() for key, v in st.items()}
-        dr.resume(path, model=model, optimizer=opt, mmap=True)
+        dr.resume(path, model=model, optimizer=opt, options=dr.ResumeOptions(mmap=True))
         gc.collect()
         after = net.state_dict(keep_vars=True)
         for key, (tensor, ptr) in before.items():  # parameters and buffers: same objects, same memory
@@ -164,7 +164,7 @@ def gated_async_save(monkeypatch):
         yield gate, snapshots
     finally:
         gate.set()  # never leave the (non-daemon) writer thread waiting
-        with contextlib.suppress(dr.CheckpointWriteError):
+        with contextlib.suppress(dr.errors.CheckpointWriteError):
             _async.wait_pending()
 
 

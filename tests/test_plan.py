@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dist_resume as dr
+from dist_resume._checkpoint.objects import LiveObjects
 from dist_resume._checkpoint.plan import plan_restore
 from dist_resume._core.tree import iter_tensors, map_tensors
 from dist_resume._layout.layout import Key, split_checkpoint
@@ -33,7 +34,7 @@ def _checkpoint(tmp_path):
     it = iter(sampler)
     next(it), next(it)
     path = tmp_path / "ckpt.pt"
-    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, step=3)
+    dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, dataloader=sampler, step=3)
     return path
 
 
@@ -51,6 +52,10 @@ def _frozen(model, opt, sched, scaler, sampler):
     }
 
 
+def _plan(parts, model, optimizer=None, scheduler=None, scaler=None, sampler=None, **options):
+    return plan_restore(parts, LiveObjects(model, optimizer, scheduler, scaler, sampler), dr.ResumeOptions(**options))
+
+
 def _parts(path, **edits):
     obj = load_checkpoint(path, mmap=False)
     for key, value in edits.items():
@@ -62,9 +67,7 @@ def test_the_plan_changes_nothing_until_apply(tmp_path):
     path = _checkpoint(tmp_path)
     model, opt, sched, scaler, sampler = objs = _live()
     frozen = _frozen(*objs)
-    plan = plan_restore(
-        _parts(path), model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True
-    )
+    plan = _plan(_parts(path), model, opt, sched, scaler, sampler, rng=True)
     assert_same(_frozen(*objs), frozen)
     assert plan.restore == ("model", "scaler", "optimizer", "scheduler", "sampler", "rng")
     assert plan.skipped == () and plan.missing_keys == () and plan.unexpected_keys == ()
@@ -84,12 +87,12 @@ def _bad_rng():
 @pytest.mark.parametrize(
     ("edits", "error", "words"),
     [
-        ({Key.MODEL: {}}, dr.KeyMismatchError, "missing from checkpoint"),
-        ({Key.SCHEDULER: {"not": "a StepLR"}}, dr.StateMismatchError, "StepLR"),
-        ({Key.SCALER: {}}, dr.StateMismatchError, "disabled scaler"),
-        ({Key.SAMPLER: {"epoch": 0, "consumed": 99, "num_samples": 10}}, dr.StateMismatchError, "exceeds"),
-        ({Key.RNG: "junk"}, dr.StateMismatchError, "not a list of per-rank states"),
-        ({Key.RNG: _bad_rng()}, dr.StateMismatchError, "RNG state of rank 0 lacks"),
+        ({Key.MODEL: {}}, dr.errors.KeyMismatchError, "missing from checkpoint"),
+        ({Key.SCHEDULER: {"not": "a StepLR"}}, dr.errors.StateMismatchError, "StepLR"),
+        ({Key.SCALER: {}}, dr.errors.StateMismatchError, "disabled scaler"),
+        ({Key.SAMPLER: {"epoch": 0, "consumed": 99, "num_samples": 10}}, dr.errors.StateMismatchError, "exceeds"),
+        ({Key.RNG: "junk"}, dr.errors.StateMismatchError, "not a list of per-rank states"),
+        ({Key.RNG: _bad_rng()}, dr.errors.StateMismatchError, "RNG state of rank 0 lacks"),
     ],
     ids=["model", "scheduler", "scaler", "sampler", "rng_entry", "rng_rank"],
 )
@@ -98,9 +101,7 @@ def test_a_failed_validation_raises_before_any_change(tmp_path, edits, error, wo
     model, opt, sched, scaler, sampler = objs = _live()
     frozen = _frozen(*objs)
     with pytest.raises(error, match=words):
-        plan_restore(
-            _parts(path, **edits), model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True
-        )
+        _plan(_parts(path, **edits), model, opt, sched, scaler, sampler, rng=True)
     assert_same(_frozen(*objs), frozen)
 
 
@@ -112,8 +113,16 @@ def test_resume_validates_the_rng_entry_before_changing_anything(tmp_path):
     torch.save(obj, path)
     model, opt, sched, scaler, sampler = objs = _live()
     frozen = _frozen(*objs)
-    with pytest.raises(dr.StateMismatchError, match="RNG state of rank 0"):
-        dr.resume(path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True)
+    with pytest.raises(dr.errors.StateMismatchError, match="RNG state of rank 0"):
+        dr.resume(
+            path,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            scaler=scaler,
+            dataloader=sampler,
+            options=dr.ResumeOptions(rng=True),
+        )
     assert_same(_frozen(*objs), frozen)
 
 
@@ -121,12 +130,10 @@ def test_strict_false_plans_what_the_file_has_and_apply_returns_it(tmp_path):
     path = _checkpoint(tmp_path)
     model, opt, sched, scaler, sampler = _live()
     parts = _parts(path, **{Key.SCHEDULER: None, Key.SAMPLER: None, Key.RNG: None})
-    with pytest.raises(dr.StateMismatchError, match="has no scheduler state"):
-        plan_restore(parts, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler)
+    with pytest.raises(dr.errors.StateMismatchError, match="has no scheduler state"):
+        _plan(parts, model, opt, sched, scaler, sampler)
     frozen_sched = sched.state_dict()
-    plan = plan_restore(
-        parts, model=model, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, rng=True, strict=False
-    )
+    plan = _plan(parts, model, opt, sched, scaler, sampler, rng=True, strict=False)
     assert plan.restore == ("model", "scaler", "optimizer")
     assert plan.skipped == ("scheduler", "sampler", "rng")
     assert plan.apply() == ("model", "scaler", "optimizer")
@@ -140,9 +147,7 @@ def test_a_plan_built_on_stand_ins_applies_the_data_it_is_rebound_to(tmp_path):
     stand_ins = map_tensors(real, lambda t: torch.empty_like(t, device="meta"))
     model, opt, sched, scaler, sampler = _live()
     params = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
-    plan = plan_restore(
-        split_checkpoint(stand_ins, "stand-ins"), model=model, optimizer=opt, scheduler=sched, scaler=scaler
-    )
+    plan = _plan(split_checkpoint(stand_ins, "stand-ins"), model, opt, sched, scaler, rng=False)
     dests = plan.destinations()
     stand_in_model = stand_ins[Key.MODEL]
     assert {id(stand_in_model[k]) for k in params} <= dests.keys()  # every model entry lands in place

@@ -75,7 +75,7 @@ def test_strip_prefix_works_on_plain_dicts_without_metadata():
 
 
 def test_strip_prefix_refuses_to_collapse_two_keys_into_one():
-    with pytest.raises(dr.KeyMismatchError, match="collide"):
+    with pytest.raises(dr.errors.KeyMismatchError, match="collide"):
         dr.strip_prefix({"module.w": torch.ones(1), "w": torch.zeros(1)})
 
 
@@ -200,7 +200,7 @@ def test_adapt_state_dict_reports_missing_unexpected_and_shapes_with_counts():
     saved["extra.weight"] = torch.zeros(1)
     del saved["head.bias"]
     model = nn.DataParallel(TinyNet(width=3))
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.adapt_state_dict(saved, model)
     err = info.value
     msg = str(err)
@@ -215,7 +215,7 @@ def test_adapt_state_dict_reports_missing_unexpected_and_shapes_with_counts():
 
 def test_adapt_state_dict_lists_first_few_and_counts_long_key_lists():
     saved = {f"layer{i}.weight": torch.zeros(1) for i in range(12)}
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.adapt_state_dict(saved, nn.Linear(2, 2))
     msg = str(info.value)
     assert "unexpected in checkpoint (12: 'layer0.weight'" in msg and "and 7 more" in msg
@@ -241,13 +241,13 @@ def test_adapt_state_dict_strict_false_drops_unexpected_allows_missing():
 
 def test_adapt_state_dict_shape_mismatch_raises_even_when_not_strict():
     saved = TinyNet(width=5).state_dict()
-    with pytest.raises(dr.KeyMismatchError, match="shape mismatch") as info:
+    with pytest.raises(dr.errors.KeyMismatchError, match="shape mismatch") as info:
         dr.adapt_state_dict(saved, TinyNet(width=3), strict=False)
     assert "strict=False" not in str(info.value).split("what to do")[1]  # would not help
 
 
 def test_adapt_state_dict_nothing_fits():
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.adapt_state_dict(nn.Linear(3, 3).state_dict(), TinyNet())
     assert info.value.unexpected == ["weight", "bias"]
     assert len(info.value.missing) == len(TinyNet().state_dict())
@@ -255,7 +255,7 @@ def test_adapt_state_dict_nothing_fits():
 
 def test_adapt_state_dict_refuses_two_checkpoint_keys_for_one_entry():
     sd = {"weight": torch.zeros(2, 2), "_orig_mod.weight": torch.ones(2, 2), "bias": torch.zeros(2)}
-    with pytest.raises(dr.KeyMismatchError, match="ambiguous") as info:
+    with pytest.raises(dr.errors.KeyMismatchError, match="ambiguous") as info:
         dr.adapt_state_dict(sd, nn.Linear(2, 2))
     assert "'weight' and '_orig_mod.weight' -> 'weight'" in str(info.value)
     assert info.value.unexpected == ["_orig_mod.weight"]

@@ -37,9 +37,9 @@ def test_process_group_wins_over_the_environment(env, tmp_path):
 @pytest.mark.parametrize("values", [dict(RANK="x"), dict(RANK=2, WORLD_SIZE=2), dict(WORLD_SIZE=0)])
 def test_bad_values_raise_everywhere(env, values):
     env(**values)
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         rank_and_world()
-    with pytest.raises(dr.EnvironmentMismatchError):
+    with pytest.raises(dr.errors.EnvironmentMismatchError):
         dr.rank_info()
 
 

@@ -150,7 +150,7 @@ def test_foreign_layouts(tmp_path, layout, prefix, dst_kind):
     model2 = wrap(net2, dst_kind)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     if layout == "bare":
-        with pytest.raises(dr.StateMismatchError, match="has no optimizer state"):
+        with pytest.raises(dr.errors.StateMismatchError, match="has no optimizer state"):
             dr.resume(path, model=model2, optimizer=opt2)
         res = dr.resume(path, model=model2)
         assert res.restored == ("model",) and res.layout is dr.Layout.BARE
@@ -172,7 +172,14 @@ def test_gpu_saved_file_resumes_into_a_cpu_model(tmp_path):
     save_with_device_tag(obj, gpu_path, tag="cuda:1")
     for mmap in (True, False):
         net2, model2, opt2, sched2, scaler2 = _setup(seed=9)
-        dr.resume(gpu_path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, mmap=mmap)
+        dr.resume(
+            gpu_path,
+            model=model2,
+            optimizer=opt2,
+            scheduler=sched2,
+            scaler=scaler2,
+            options=dr.ResumeOptions(mmap=mmap),
+        )
         assert_same(net2.state_dict(), net.state_dict())
         assert_same(opt2.state_dict()["state"], opt.state_dict()["state"])
         dr.check_devices(model2, opt2)
@@ -213,7 +220,7 @@ def test_optimizer_state_does_not_alias_the_mapped_file(tmp_path, opt_cls):
 
     net2 = TinyNet(seed=2)
     opt2 = opt_cls(net2.parameters(), lr=1e-2, **kwargs)
-    dr.resume(path, model=net2, optimizer=opt2, mmap=True)
+    dr.resume(path, model=net2, optimizer=opt2, options=dr.ResumeOptions(mmap=True))
     ranges = _mapped_ranges(path) if os.path.exists("/proc/self/maps") else []
     for state in opt2.state.values():
         for key, value in state.items():
@@ -244,7 +251,9 @@ def test_map_location_override(tmp_path):
     path, (net, *_) = _trained_checkpoint(tmp_path)
     for kwargs in ({"map_location": "cpu", "mmap": False}, {"map_location": dr.rank_map_location()}):
         net2, model2, opt2, sched2, scaler2 = _setup(seed=5)
-        dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, **kwargs)
+        dr.resume(
+            path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, options=dr.ResumeOptions(**kwargs)
+        )
         assert_same(net2.state_dict(), net.state_dict())
 
 
@@ -260,11 +269,13 @@ def test_strict_false_restores_what_fits_and_reports_the_rest(tmp_path):
 
     net2, model2, opt2, sched2, scaler2 = _setup(seed=2)
     frozen = snapshot(net2, opt2, sched2, scaler2)
-    with pytest.raises(dr.KeyMismatchError):
+    with pytest.raises(dr.errors.KeyMismatchError):
         dr.resume(path, model=model2)
-    res = dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, strict=False)
+    res = dr.resume(
+        path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, options=dr.ResumeOptions(strict=False)
+    )
     assert res.restored == ("model",)
-    assert set(res.skipped) == {"optimizer", "scheduler", "scaler"}
+    assert set(res.skipped) == {"optimizer", "scheduler", "scaler", "rng"}
     assert sorted(res.missing_keys) == ["head.bias", "head.weight"]
     assert res.unexpected_keys == ["module.old_head.weight"]
     assert torch.equal(net2.fc.weight, net.fc.weight)
@@ -278,9 +289,9 @@ def test_strict_false_casts_floating_dtypes(tmp_path):
     path = tmp_path / "double.pt"
     dr.save_checkpoint(path, model=net)
     net2 = TinyNet(seed=2)
-    with pytest.raises(dr.KeyMismatchError, match="dtypes differ"):
+    with pytest.raises(dr.errors.KeyMismatchError, match="dtypes differ"):
         dr.resume(path, model=net2)
-    dr.resume(path, model=net2, strict=False)
+    dr.resume(path, model=net2, options=dr.ResumeOptions(strict=False))
     assert net2.fc.weight.dtype == torch.float32
     assert torch.equal(net2.fc.weight, net.fc.weight.float())
 
@@ -290,9 +301,11 @@ def test_disabled_scaler_state_into_an_enabled_scaler(tmp_path):
     assert torch.load(path, weights_only=True)[Key.SCALER] == {}
     net2, model2, opt2, sched2, scaler2 = _setup(seed=2)
     frozen = scaler2.state_dict()
-    with pytest.raises(dr.StateMismatchError, match="disabled scaler"):
+    with pytest.raises(dr.errors.StateMismatchError, match="disabled scaler"):
         dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2)
-    res = dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, strict=False)
+    res = dr.resume(
+        path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, options=dr.ResumeOptions(strict=False)
+    )
     assert "scaler" in res.skipped and scaler2.state_dict() == frozen
     # and into a disabled scaler it is simply restored
     net3, model3, opt3, sched3, scaler3 = _setup(seed=2, scaler_enabled=False)
@@ -318,60 +331,60 @@ def _bad_files(tmp_path, good):
 
     obj = _payload(good)
     del obj[Key.MODEL]["head.bias"]
-    put("missing_key", obj, dr.KeyMismatchError)
+    put("missing_key", obj, dr.errors.KeyMismatchError)
     obj = _payload(good)
     obj[Key.MODEL]["extra.weight"] = torch.zeros(1)
-    put("unexpected_key", obj, dr.KeyMismatchError)
+    put("unexpected_key", obj, dr.errors.KeyMismatchError)
     obj = _payload(good)
     obj[Key.MODEL]["fc.weight"] = torch.zeros(5, 4)
-    put("shape", obj, dr.KeyMismatchError)
+    put("shape", obj, dr.errors.KeyMismatchError)
     obj = _payload(good)
     obj[Key.MODEL]["fc.weight"] = obj[Key.MODEL]["fc.weight"].double()
-    put("dtype", obj, dr.KeyMismatchError)
+    put("dtype", obj, dr.errors.KeyMismatchError)
     obj = _payload(good)
     obj[Key.OPTIMIZER]["param_groups"].append(dict(obj[Key.OPTIMIZER]["param_groups"][0], params=[]))
-    put("group_count", obj, dr.OptimizerStateMismatchError)
+    put("group_count", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     group = obj[Key.OPTIMIZER]["param_groups"][0]
     group["params"], group["param_names"] = group["params"][:-1], group["param_names"][:-1]
-    put("group_size", obj, dr.OptimizerStateMismatchError)
+    put("group_size", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.META]["optimizer_class"] = "SGD"
-    put("optimizer_class", obj, dr.OptimizerStateMismatchError)
+    put("optimizer_class", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.OPTIMIZER]["state"][0]["exp_avg"] = torch.zeros(4, 3)
-    put("state_shape", obj, dr.OptimizerStateMismatchError)
+    put("state_shape", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.OPTIMIZER]["param_groups"][0]["param_names"][0] = "renamed.weight"
-    put("param_names", obj, dr.OptimizerStateMismatchError)
+    put("param_names", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.SCHEDULER] = torch.optim.lr_scheduler.OneCycleLR(
         torch.optim.SGD(TinyNet().parameters(), lr=0.1), max_lr=0.1, total_steps=10
     ).state_dict()
-    put("scheduler_class", obj, dr.StateMismatchError)
+    put("scheduler_class", obj, dr.errors.StateMismatchError)
     obj = _payload(good)
     obj[Key.SCALER] = {}
-    put("empty_scaler", obj, dr.StateMismatchError)
+    put("empty_scaler", obj, dr.errors.StateMismatchError)
     obj = _payload(good)
     del obj[Key.OPTIMIZER]
-    put("no_optimizer", obj, dr.StateMismatchError)
+    put("no_optimizer", obj, dr.errors.StateMismatchError)
     obj = _payload(good)
     del obj[Key.SCHEDULER]
-    put("no_scheduler", obj, dr.StateMismatchError)
+    put("no_scheduler", obj, dr.errors.StateMismatchError)
     obj = _payload(good)
     del obj[Key.SCALER]
-    put("no_scaler", obj, dr.StateMismatchError)
+    put("no_scaler", obj, dr.errors.StateMismatchError)
     obj = _payload(good)
     obj[Key.OPTIMIZER] = {"not": "an optimizer"}
-    put("optimizer_entry", obj, dr.OptimizerStateMismatchError)
+    put("optimizer_entry", obj, dr.errors.OptimizerStateMismatchError)
     obj = _payload(good)
     obj[Key.SCHEDULER] = [1, 2]
-    put("scheduler_entry", obj, dr.StateMismatchError)
+    put("scheduler_entry", obj, dr.errors.StateMismatchError)
     truncated = tmp_path / "bad_truncated.pt"
     truncated.write_bytes(good.read_bytes()[:-100])
-    cases["truncated"] = (truncated, dr.CheckpointCorruptError)
+    cases["truncated"] = (truncated, dr.errors.CheckpointCorruptError)
     obj = _payload(good)
-    put("foreign_unknown", {"weights": obj[Key.MODEL], "best": dict(obj[Key.MODEL])}, dr.NotACheckpointError)
+    put("foreign_unknown", {"weights": obj[Key.MODEL], "best": dict(obj[Key.MODEL])}, dr.errors.NotACheckpointError)
     return cases
 
 

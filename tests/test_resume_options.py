@@ -4,6 +4,7 @@ the warnings that say what a resume did not do; argparse.Namespace in a file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import logging
 
@@ -43,6 +44,34 @@ def _plain_file(tmp_path, model, opt, name="plain.pt", **more):
     return path
 
 
+# ---------------------------------------------------------------- ResumeOptions itself
+
+
+def test_resume_options_is_one_frozen_keyword_only_value_validated_when_built():
+    opts = dr.ResumeOptions(allow_missing=["scheduler", "ema"], optimizer_hparams="current", part_keys={"model": "net"})
+    assert opts.allow_missing == frozenset({"scheduler", "ema"})  # normalised once
+    assert opts.optimizer_hparams is OptimizerHparams.CURRENT and opts.part_keys == {"model": "net"}
+    assert dr.ResumeOptions(allow_missing="all").allow_missing == frozenset(
+        {"optimizer", "scheduler", "scaler", "sampler", "ema"}
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.strict = False  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        dr.ResumeOptions(False)  # type: ignore[misc]  # keyword-only
+    assert not hasattr(opts, "__dict__")  # slotted
+    for bad, match in [
+        ({"strict": "no"}, "strict must be True or False"),
+        ({"rng": 1}, "rng must be True or False"),
+        ({"key_prefix": "model"}, "key_prefix must be a dot-separated key prefix ending in '.'"),
+        ({"part_keys": {"modle": "net"}}, "part_keys names unknown part"),
+        ({"map_location": "cpu", "broadcast_from_rank0": True}, "nothing to map"),
+    ]:
+        with pytest.raises(dr.errors.UsageError, match=match):
+            dr.ResumeOptions(**bad)
+    with pytest.raises(dr.errors.UsageError, match="unknown parts"):
+        dataclasses.replace(opts, allow_missing="schedular")  # a changed copy is validated too
+
+
 # ---------------------------------------------------------------- allow_missing
 
 
@@ -51,16 +80,18 @@ def test_allow_missing_skips_an_absent_scheduler_and_keeps_the_model_strict(tmp_
     path = _plain_file(tmp_path, model, opt)
     model2, opt2, sched2 = _fresh(scheduler=True)
     before_sched = sched2.state_dict()
-    res = dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, allow_missing=("scheduler",))
-    assert res.restored == ("model", "optimizer") and res.skipped == ("scheduler",)
+    res = dr.resume(
+        path, model=model2, optimizer=opt2, scheduler=sched2, options=dr.ResumeOptions(allow_missing=("scheduler",))
+    )
+    assert res.restored == ("model", "optimizer") and res.skipped == ("scheduler", "rng")  # a plain file: no RNG
     assert sched2.state_dict() == before_sched
     assert_same(snapshot(model2)["model"], snapshot(model)["model"])
     # the model keys stay strict: a model with one more layer still refuses, and nothing changes
     bigger = nn.Sequential()
     bigger.add_module("net", TinyNet(7))
     before = snapshot(bigger)["model"]
-    with pytest.raises(dr.KeyMismatchError):
-        dr.resume(path, model=bigger, allow_missing="all")
+    with pytest.raises(dr.errors.KeyMismatchError):
+        dr.resume(path, model=bigger, options=dr.ResumeOptions(allow_missing="all"))
     assert_same(snapshot(bigger)["model"], before)
 
 
@@ -69,7 +100,7 @@ def test_a_missing_part_not_allowed_raises_naming_allow_missing_and_changes_noth
     path = _plain_file(tmp_path, model, opt)
     model2, opt2, sched2 = _fresh(scheduler=True)
     before = snapshot(model2, opt2, sched2)
-    with pytest.raises(dr.StateMismatchError, match=r"allow_missing=\('scheduler',\)"):
+    with pytest.raises(dr.errors.StateMismatchError, match=r"allow_missing=\('scheduler',\)"):
         dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2)
     assert_same(snapshot(model2, opt2, sched2), before)
 
@@ -78,11 +109,18 @@ def test_a_missing_part_not_allowed_raises_naming_allow_missing_and_changes_noth
 def test_allow_missing_with_an_unknown_name_lists_the_valid_ones(tmp_path, names):
     model, opt, _ = _trained()
     path = _plain_file(tmp_path, model, opt)
-    with pytest.raises(dr.UsageError) as info:
-        dr.resume(path, model=TinyNet(1), allow_missing=names)
+    with pytest.raises(dr.errors.UsageError) as info:
+        dr.resume(path, model=TinyNet(1), options=dr.ResumeOptions(allow_missing=names))
     assert isinstance(info.value, ValueError)
-    for valid in ("'optimizer'", "'scheduler'", "'scaler'", "'sampler'", "'rng'", "'ema'", "'all'"):
+    for valid in ("'optimizer'", "'scheduler'", "'scaler'", "'sampler'", "'ema'", "'all'"):
         assert valid in str(info.value)
+    assert "'rng'" not in str(info.value)  # absent RNG state needs no permission
+
+
+def test_allow_missing_rng_is_refused_because_absent_rng_state_is_skipped_anyway():
+    with pytest.raises(dr.errors.UsageError, match="allow_missing names 'rng', which needs no permission") as info:
+        dr.ResumeOptions(allow_missing=("scheduler", "rng"))
+    assert "rng=False" in info.value.hint
 
 
 def test_allow_missing_all_and_a_single_name(tmp_path):
@@ -94,13 +132,19 @@ def test_allow_missing_all_and_a_single_name(tmp_path):
     sampler = dr.ResumableDistributedSampler(list(range(8)), num_replicas=1, rank=0)
     ema = AveragedModel(TinyNet(3))
     res = dr.resume(
-        path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler, sampler=sampler, ema=ema, rng=True,
-        allow_missing="all",
-    )  # fmt: skip
+        path,
+        model=model2,
+        optimizer=opt2,
+        scheduler=sched2,
+        scaler=scaler,
+        dataloader=sampler,
+        ema=ema,
+        options=dr.ResumeOptions(rng=True, allow_missing="all"),
+    )
     assert res.restored == ("model",)
     assert res.skipped == ("optimizer", "scheduler", "scaler", "sampler", "ema", "rng")
-    res = dr.resume(path, model=TinyNet(1), optimizer=_fresh()[1], allow_missing="optimizer")
-    assert res.skipped == ("optimizer",)
+    res = dr.resume(path, model=TinyNet(1), optimizer=_fresh()[1], options=dr.ResumeOptions(allow_missing="optimizer"))
+    assert res.skipped == ("optimizer", "rng")
 
 
 def test_strict_false_still_accepts_missing_parts_but_says_allow_missing_is_precise(tmp_path, caplog):
@@ -108,8 +152,8 @@ def test_strict_false_still_accepts_missing_parts_but_says_allow_missing_is_prec
     path = _plain_file(tmp_path, model, opt)
     model2, opt2, sched2 = _fresh(scheduler=True)
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
-        res = dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, strict=False)
-    assert res.skipped == ("scheduler",)
+        res = dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, options=dr.ResumeOptions(strict=False))
+    assert res.skipped == ("scheduler", "rng")
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("strict=False skipped the scheduler" in m and "allow_missing=('scheduler',)" in m for m in warned)
 
@@ -135,7 +179,7 @@ def test_optimizer_hparams_current_keeps_the_live_groups_and_restores_the_state(
     model2, opt2, _ = _fresh(lr=5e-2)
     opt2.param_groups[0]["weight_decay"] = 0.5
     with caplog.at_level(logging.INFO, logger="dist_resume"):
-        res = dr.resume(path, model=model2, optimizer=opt2, optimizer_hparams=value)
+        res = dr.resume(path, model=model2, optimizer=opt2, options=dr.ResumeOptions(optimizer_hparams=value))
     assert opt2.param_groups[0]["lr"] == 5e-2 and opt2.param_groups[0]["weight_decay"] == 0.5
     saved, now = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert_same(now, saved)
@@ -151,7 +195,9 @@ def test_optimizer_hparams_current_with_a_restored_scheduler_warns_that_it_will_
     dr.save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=2)
     model2, opt2, sched2 = _fresh(lr=5e-2, scheduler=True)
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
-        dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, optimizer_hparams="current")
+        dr.resume(
+            path, model=model2, optimizer=opt2, scheduler=sched2, options=dr.ResumeOptions(optimizer_hparams="current")
+        )
     assert opt2.param_groups[0]["lr"] == 5e-2 and opt2.param_groups[0]["initial_lr"] == 5e-2
     assert any("recomputes lr at its next step() from its own saved state" in r.getMessage() for r in caplog.records)
 
@@ -163,7 +209,9 @@ def test_optimizer_hparams_current_with_the_same_lr_and_a_scheduler_does_not_war
     model2, opt2, sched2 = _fresh(lr=1e-3, scheduler=True)
     opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]  # the same lr as the file's, wherever the schedule is
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
-        dr.resume(path, model=model2, optimizer=opt2, scheduler=sched2, optimizer_hparams="current")
+        dr.resume(
+            path, model=model2, optimizer=opt2, scheduler=sched2, options=dr.ResumeOptions(optimizer_hparams="current")
+        )
     assert not [r for r in caplog.records if "recomputes lr" in r.getMessage()]
 
 
@@ -178,15 +226,24 @@ def test_a_differing_lr_with_a_restored_scheduler_says_the_scheduler_sets_it(tmp
     assert lines and all("an LR scheduler sets it; the scheduler is restored too" in m for m in lines)
 
 
-def test_rng_true_on_a_file_without_rng_state_raises_unless_allowed(tmp_path):
+def test_rng_on_a_file_without_rng_state_leaves_the_streams_and_says_so_once(tmp_path, caplog):
     model, opt, _ = _trained()
     path = _plain_file(tmp_path, model, opt)  # save_checkpoint always stores RNG state; a plain file has none
     fresh = _fresh()[0]  # seeds torch's RNG: take the streams after it
     before = torch.get_rng_state()
-    with pytest.raises(dr.StateMismatchError, match=r"no rng state but rng=True was passed.*allow_missing=\('rng',\)"):
-        dr.resume(path, model=fresh, rng=True)
-    result = dr.resume(path, model=fresh, rng=True, allow_missing="rng")
-    assert result.skipped == ("rng",) and torch.equal(torch.get_rng_state(), before)
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        result = dr.resume(path, model=fresh)  # rng=True is the default, on resume as on save
+    assert result.restored == ("model",) and result.skipped == ("rng",)
+    assert torch.equal(torch.get_rng_state(), before)
+    said = [r for r in caplog.records if "holds no RNG state" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert "the RNG streams are left as they are" in said[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        result = dr.resume(path, model=fresh, options=dr.ResumeOptions(rng=False))
+    assert result.skipped == () and not [r for r in caplog.records if "RNG" in r.getMessage()]
+    # strict or not, an absent RNG part never raises
+    assert dr.resume(path, model=fresh, options=dr.ResumeOptions(strict=True)).skipped == ("rng",)
 
 
 def test_optimizer_hparams_unknown_value_is_a_usage_error(tmp_path):
@@ -194,8 +251,8 @@ def test_optimizer_hparams_unknown_value_is_a_usage_error(tmp_path):
     path = _plain_file(tmp_path, model, opt)
     model2, opt2, _ = _fresh()
     before = snapshot(model2, opt2)
-    with pytest.raises(dr.UsageError, match="'checkpoint', 'current'"):
-        dr.resume(path, model=model2, optimizer=opt2, optimizer_hparams="live")
+    with pytest.raises(dr.errors.UsageError, match="'checkpoint', 'current'"):
+        dr.resume(path, model=model2, optimizer=opt2, options=dr.ResumeOptions(optimizer_hparams="live"))
     assert_same(snapshot(model2, opt2), before)
 
 
@@ -208,7 +265,7 @@ def test_sampler_state_without_a_sampler_warns_that_the_epoch_restarts(tmp_path,
     it = iter(sampler)
     next(it)
     path = tmp_path / "c.pt"
-    dr.save_checkpoint(path, model=model, optimizer=opt, sampler=sampler, step=2)
+    dr.save_checkpoint(path, model=model, optimizer=opt, dataloader=sampler, step=2)
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         res = dr.resume(path, model=TinyNet(1), optimizer=_fresh()[1])
     assert res.step == 2  # optimizer steps completed: the loop continues at res.step
@@ -223,8 +280,8 @@ def test_strict_false_where_nothing_fits_raises_and_changes_nothing(tmp_path):
     torch.save({"model": nn.Linear(5, 5).state_dict()}, path)
     model = TinyNet(1)
     before = snapshot(model)
-    with pytest.raises(dr.KeyMismatchError, match="nothing in the checkpoint fits TinyNet") as info:
-        dr.resume(path, model=model, strict=False)
+    with pytest.raises(dr.errors.KeyMismatchError, match="nothing in the checkpoint fits TinyNet") as info:
+        dr.resume(path, model=model, options=dr.ResumeOptions(strict=False))
     assert set(info.value.unexpected) == {"weight", "bias"}
     assert set(info.value.missing) == set(model.state_dict())
     assert_same(snapshot(model), before)
@@ -240,8 +297,8 @@ def test_applied_counts_what_each_part_restored(tmp_path):
     # a model with one more layer, strict=False: the keys that fit are loaded, the others counted
     bigger = TinyNet(1)
     bigger.extra = nn.Linear(2, 2)
-    res = dr.resume(path, model=bigger, strict=False)
-    assert res.applied == {"model": (n_keys, n_keys + 2)} and res.restored == ("model",)
+    res = dr.resume(path, model=bigger, options=dr.ResumeOptions(strict=False))
+    assert res.applied == {"model": (n_keys, n_keys + 2)} and res.restored == ("model", "rng")
     assert sorted(res.missing_keys) == ["extra.bias", "extra.weight"]
 
 
@@ -252,7 +309,7 @@ def test_an_optimizer_saved_before_its_first_step_counts_as_restored(tmp_path):
     dr.save_checkpoint(path, model=model, optimizer=opt, step=0)
     opt2 = torch.optim.SGD(TinyNet(1).parameters(), lr=0.1)
     res = dr.resume(path, model=TinyNet(1), optimizer=opt2)
-    assert res.restored == ("model", "optimizer") and res.applied["optimizer"][0] == 0
+    assert res.restored == ("model", "optimizer", "rng") and res.applied["optimizer"][0] == 0
     assert opt2.param_groups[0]["lr"] == 0.3
 
 
@@ -296,7 +353,7 @@ def test_key_prefix_loads_the_sub_tree_into_the_inner_module(tmp_path, with_name
     path, lit, opt = _lightning_file(tmp_path, with_names)
     inner = TinyNet(3)
     opt2 = torch.optim.AdamW(inner.named_parameters(), lr=1e-3)
-    res = dr.resume(path, model=inner, optimizer=opt2, key_prefix="model.")
+    res = dr.resume(path, model=inner, optimizer=opt2, options=dr.ResumeOptions(key_prefix="model."))
     assert res.step == 2 and res.restored == ("model", "optimizer")
     assert res.unexpected_keys == [] and res.missing_keys == []
     assert_same(snapshot(inner)["model"], snapshot(lit.model)["model"])
@@ -307,10 +364,10 @@ def test_a_key_prefix_that_matches_nothing_names_the_prefixes_present(tmp_path):
     path, _, _ = _lightning_file(tmp_path)
     inner = TinyNet(3)
     before = snapshot(inner)
-    with pytest.raises(dr.KeyMismatchError, match=r"key_prefix='net\.'.*'model\.'"):
-        dr.resume(path, model=inner, key_prefix="net.")
-    with pytest.raises(dr.UsageError):
-        dr.resume(path, model=inner, key_prefix="model")
+    with pytest.raises(dr.errors.KeyMismatchError, match=r"key_prefix='net\.'.*'model\.'"):
+        dr.resume(path, model=inner, options=dr.ResumeOptions(key_prefix="net."))
+    with pytest.raises(dr.errors.UsageError):
+        dr.resume(path, model=inner, options=dr.ResumeOptions(key_prefix="model"))
     assert_same(snapshot(inner), before)
 
 
@@ -319,8 +376,8 @@ def test_a_model_under_a_prefix_gets_the_exact_key_prefix_hint(tmp_path, strict)
     path, _, _ = _lightning_file(tmp_path)
     inner = TinyNet(3)
     before = snapshot(inner)
-    with pytest.raises(dr.KeyMismatchError) as info:
-        dr.resume(path, model=inner, strict=strict)
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
+        dr.resume(path, model=inner, options=dr.ResumeOptions(strict=strict))
     assert "pass key_prefix='model.'" in str(info.value)
     assert "strict=False" not in str(info.value)  # the advice that loaded 0 of 9 weights
     assert_same(snapshot(inner), before)
@@ -329,7 +386,7 @@ def test_a_model_under_a_prefix_gets_the_exact_key_prefix_hint(tmp_path, strict)
 def test_no_key_prefix_hint_when_removing_the_prefix_would_not_fit(tmp_path):
     path = tmp_path / "c.pt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in nn.Linear(4, 3).state_dict().items()}}, path)
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.resume(path, model=TinyNet(3))
     assert "key_prefix='" not in str(info.value) and "strict=False would load nothing" in str(info.value)
 
@@ -362,7 +419,7 @@ def test_ema_round_trip_across_key_prefixes(tmp_path, saved_from, restored_into)
     assert set(stored) == set(TinyNet(0).state_dict()) | {"n_averaged"}  # canonical keys
     ema2 = AveragedModel(wrap(TinyNet(4), restored_into))
     res = dr.resume(path, model=TinyNet(4), optimizer=torch.optim.AdamW(TinyNet(4).parameters()), ema=ema2)
-    assert res.restored == ("model", "ema", "optimizer")
+    assert res.restored == ("model", "ema", "optimizer", "rng")
     assert int(ema2.n_averaged) == 3
     assert_same(_ema_weights(ema2), _ema_weights(ema))
     assert res.applied["ema"] == (len(ema2.state_dict()), len(ema2.state_dict()))
@@ -385,16 +442,18 @@ def test_ema_missing_or_not_fitting_changes_nothing(tmp_path):
     model2, opt2, _ = _fresh()
     ema2 = AveragedModel(TinyNet(2))
     before = snapshot(model2, opt2)
-    with pytest.raises(dr.StateMismatchError, match=r"no ema state.*allow_missing=\('ema',\)"):
+    with pytest.raises(dr.errors.StateMismatchError, match=r"no ema state.*allow_missing=\('ema',\)"):
         dr.resume(path, model=model2, optimizer=opt2, ema=ema2)
     assert_same(snapshot(model2, opt2), before)
-    assert dr.resume(path, model=model2, optimizer=opt2, ema=ema2, allow_missing=("ema",)).skipped == ("ema",)
+    assert dr.resume(
+        path, model=model2, optimizer=opt2, ema=ema2, options=dr.ResumeOptions(allow_missing=("ema",))
+    ).skipped == ("ema",)
     # an EMA of another shape: refused before the model or optimizer changed
     _, _, ema = _ema_run()
     dr.save_checkpoint(path, model=model, optimizer=opt, ema=ema, step=2)
     model3, opt3, _ = _fresh()
     before = snapshot(model3, opt3)
-    with pytest.raises(dr.KeyMismatchError, match="EMA state"):
+    with pytest.raises(dr.errors.KeyMismatchError, match="EMA state"):
         dr.resume(path, model=model3, optimizer=opt3, ema=AveragedModel(TinyNet(2, width=5)))
     assert_same(snapshot(model3, opt3), before)
 
@@ -418,5 +477,5 @@ def test_part_keys_name_the_model_entry(tmp_path):
     path = tmp_path / "snapshot.pt"
     torch.save({"MODEL_STATE": model.state_dict(), "BEST": model.state_dict(), "EPOCHS_RUN": 4}, path)
     model2 = TinyNet(1)
-    dr.resume(path, model=model2, part_keys={"model": "MODEL_STATE"})
+    dr.resume(path, model=model2, options=dr.ResumeOptions(part_keys={"model": "MODEL_STATE"}))
     assert_same(snapshot(model2)["model"], snapshot(model)["model"])

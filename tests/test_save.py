@@ -110,7 +110,7 @@ def test_extra_that_weights_only_refuses_is_rejected_before_writing(tmp_path, ex
     path = tmp_path / "ckpt.pt"
     dr.save_checkpoint(path, model=net, step=1)
     before = path.read_bytes()
-    with pytest.raises(dr.CheckpointWriteError) as info:
+    with pytest.raises(dr.errors.CheckpointWriteError) as info:
         dr.save_checkpoint(path, model=net, step=2, extra=extra)
     msg = str(info.value)
     assert where in msg and "weights_only=True" in msg
@@ -133,7 +133,7 @@ def test_step_and_epoch_must_be_ints(tmp_path, bad):
 
 def test_missing_folder(tmp_path):
     path = tmp_path / "no" / "such" / "ckpt.pt"
-    with pytest.raises(dr.CheckpointWriteError, match="does not exist") as info:
+    with pytest.raises(dr.errors.CheckpointWriteError, match="does not exist") as info:
         dr.save_checkpoint(path, model=TinyNet())
     assert str(path) in str(info.value)
     assert not (tmp_path / "no").exists()
@@ -151,7 +151,7 @@ def test_write_failure_midway_leaves_the_previous_file_and_no_temp(tmp_path, mon
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(dr.CheckpointWriteError) as info:
+    with pytest.raises(dr.errors.CheckpointWriteError) as info:
         dr.save_checkpoint(path, model=TinyNet(seed=4), step=2)
     monkeypatch.setattr(torch, "save", real_save)
     msg = str(info.value)
@@ -208,7 +208,7 @@ def test_unpicklable_state_is_a_write_error_and_leaves_nothing(tmp_path):
             pass
 
     (tmp_path / "ckpt.pt").write_bytes(b"previous")
-    with pytest.raises(dr.CheckpointWriteError, match="could not be pickled"):
+    with pytest.raises(dr.errors.CheckpointWriteError, match="could not be pickled"):
         dr.save_checkpoint(tmp_path / "ckpt.pt", model=WithLambda(2, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
     assert (tmp_path / "ckpt.pt").read_bytes() == b"previous"

@@ -42,15 +42,15 @@ def test_key_prefix_into_a_ddp_shaped_model():
 
 
 def test_key_prefix_that_matches_nothing_names_the_prefixes_present():
-    with pytest.raises(dr.KeyMismatchError, match=r"key_prefix='net\.'.*'loss\.', 'model\.'"):
+    with pytest.raises(dr.errors.KeyMismatchError, match=r"key_prefix='net\.'.*'loss\.', 'model\.'"):
         dr.adapt_state_dict(_lightning_state(_net()), _net(), key_prefix="net.")
-    with pytest.raises(dr.UsageError, match=r"ending in '\.'"):
+    with pytest.raises(dr.errors.UsageError, match=r"ending in '\.'"):
         select_prefix({"model.w": torch.zeros(1)}, "model")
 
 
 def test_a_mismatch_hint_names_the_key_prefix_that_would_fit():
     state = {k: v for k, v in _lightning_state(_net()).items() if k.startswith("model.")}  # all under model.
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.adapt_state_dict(state, _net())
     text = str(info.value)
     assert "pass key_prefix='model.'" in text and "strict=False" not in text
@@ -59,7 +59,7 @@ def test_a_mismatch_hint_names_the_key_prefix_that_would_fit():
 
 def test_no_hint_when_no_prefix_fits():
     other = nn.Sequential(nn.Linear(3, 4))
-    with pytest.raises(dr.KeyMismatchError) as info:
+    with pytest.raises(dr.errors.KeyMismatchError) as info:
         dr.adapt_state_dict({"model.weight": torch.zeros(4, 3)}, other)
     assert "key_prefix" not in str(info.value)
     fc = nn.Sequential()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_resume import StateMismatchError
 from dist_resume._state.validate import check_scaler
+from dist_resume.errors import StateMismatchError
 
 
 def _scaler(enabled: bool = True) -> torch.amp.GradScaler:

@@ -19,10 +19,12 @@ from .._core.types import PathLike
 from .._dist.accelerator import pinned_staging, synchronize
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
+from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
+from .objects import LiveObjects
 from .save import prepare_payload
 
-__all__ = ["AsyncSave", "save_checkpoint_async", "wait_pending"]
+__all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
 
 _pending: AsyncSave | None = None
 _pending_lock = threading.Lock()
@@ -117,24 +119,23 @@ def save_checkpoint_async(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
+    dataloader: Any = None,
+    ema: nn.Module | None = None,
     step: int | None = None,
     epoch: int | None = None,
     extra: Any = None,
-    sampler: Any = None,
     rng: bool = True,
-    ema: nn.Module | None = None,
-    after_write: Callable[[Path], None] | None = None,
 ) -> AsyncSave:
     """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
 
     Collective under torch.distributed: call it on every rank. It first waits for the previous
     asynchronous save (so its errors surface here at the latest), then rank 0 copies the state to
     CPU memory (pinned memory for accelerator tensors where the backend supports it, waiting for the
-    copies with ``torch.accelerator.synchronize``) and a thread writes it atomically; ``after_write``
-    (e.g. rotation) runs in that thread once the file is durable. Training may change the model and
-    optimizer right away. ``wait()`` on the handle blocks until the file is durable. The snapshot's
-    CPU buffers stay allocated and are reused by the next asynchronous save (no 1 GiB allocation per
-    save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU memory.
+    copies with ``torch.accelerator.synchronize``) and a thread writes it atomically. Training may
+    change the model and optimizer right away. ``wait()`` on the handle blocks until the file is
+    durable. The snapshot's CPU buffers stay allocated and are reused by the next asynchronous save (no
+    1 GiB allocation per save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU
+    memory.
 
     Example::
 
@@ -143,20 +144,22 @@ def save_checkpoint_async(
         >>> handle.wait()
         PosixPath('ckpt.pt')
     """
-    global _pending
     wait_pending()
-    build = prepare_payload(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
-        step=step,
-        epoch=epoch,
-        extra=extra,
-        sampler=sampler,
-        rng=rng,
-        ema=ema,
-    )
+    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
+    return write_in_background(path, build, step=step)
+
+
+def write_in_background(
+    path: PathLike,
+    build: Callable[[], dict[str, Any]],
+    *,
+    step: int | None,
+    after_write: Callable[[Path], None] | None = None,
+) -> AsyncSave:
+    """Rank 0 snapshots ``build()``'s payload and a thread writes it atomically, then runs ``after_write`` (e.g.
+    rotation) once the file is durable. Local; the caller has waited for the previous save (:func:`wait_pending`)."""
+    global _pending
     dest = Path(path)
     thread = None
     if not is_distributed() or dist.get_rank() == 0:

@@ -1,29 +1,21 @@
-"""resume's per-part options: parts that may be absent, whose optimizer hyperparameters win, a model key prefix."""
+"""How a resume reads and restores: one frozen value, :class:`ResumeOptions`, validated once when it is built."""
 
 from __future__ import annotations
 
 import enum
-import logging
-from collections.abc import Iterable, Mapping
-from typing import Any, Final
-
-import torch
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
 
 from .._core.errors import UsageError
-from .._core.text import shown
-from .._state.optim_keys import GROUP_BOOKKEEPING
+from .._core.types import MapLocation
+from .._layout.detect import check_part_keys
+from .._state.subtree import check_key_prefix
 
-__all__ = [
-    "OPTIONAL_PARTS",
-    "OptimizerHparams",
-    "allowed_missing",
-    "hparam_changes",
-    "choose_hparams",
-    "optimizer_applied",
-    "strip_name_prefix",
-]
+__all__ = ["OPTIONAL_PARTS", "OptimizerHparams", "ResumeOptions", "allowed_missing"]
 
-OPTIONAL_PARTS: Final = ("optimizer", "scheduler", "scaler", "sampler", "rng", "ema")
+# the parts a file may lack when allow_missing names them; the RNG streams need no permission (see ResumeOptions.rng)
+OPTIONAL_PARTS: Final = ("optimizer", "scheduler", "scaler", "sampler", "ema")
 
 
 class OptimizerHparams(enum.Enum):
@@ -52,6 +44,12 @@ def allowed_missing(names: str | Iterable[str] | None) -> frozenset[str]:
     if names is None:
         return frozenset()
     given = [names] if isinstance(names, str) else list(names)
+    if "rng" in given:
+        raise UsageError(
+            "allow_missing names 'rng', which needs no permission: with rng=True a file without RNG state "
+            "leaves the streams as they are and lists 'rng' in ResumeResult.skipped",
+            hint="remove 'rng' from allow_missing; pass rng=False not to restore the RNG streams at all",
+        )
     unknown = [n for n in given if n != "all" and n not in OPTIONAL_PARTS]
     if unknown or not all(isinstance(n, str) for n in given):
         raise UsageError(
@@ -62,81 +60,79 @@ def allowed_missing(names: str | Iterable[str] | None) -> frozenset[str]:
     return frozenset(OPTIONAL_PARTS) if "all" in given else frozenset(given)
 
 
-def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> list[str]:
-    """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
-    out = []
-    for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        for name in sorted((set(saved) | set(live)) - GROUP_BOOKKEEPING):
-            old, new = saved.get(name, "absent"), live.get(name, "absent")
-            if not _same(old, new):
-                out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")
-    return out
+_FLAGS: Final = ("strict", "rng", "mmap", "weights_only", "verify", "broadcast_from_rank0")
 
 
-def lr_differs(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether some group's ``lr`` differs between the checkpoint and the live optimizer."""
-    return any(not _same(s.get("lr"), g.get("lr")) for s, g in zip(saved_groups, live_groups))
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeOptions:
+    """How :func:`resume` (and :meth:`CheckpointManager.resume`) reads a checkpoint and restores it.
 
+    Local; a frozen value, validated once when built (a typo fails where the options are written, before any
+    file is read), so one instance can be kept and passed to every resume of a run. Every field is keyword-only:
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # tensors (capturable lr), mismatched types: compare their text
-        return repr(a) == repr(b)
+    - ``strict`` (True) keeps torch's meaning for the model: missing/unexpected keys raise, dtypes must match.
+      ``strict=False`` loads the keys that fit and casts floating-point tensors; if *no* key fits it still raises
+      :class:`~dist_resume.errors.KeyMismatchError`. For compatibility ``strict=False`` also skips parts the file
+      lacks, with a WARNING; ``allow_missing`` is the precise way.
+    - ``allow_missing`` (none): the parts that may be absent from the file, any of ``"optimizer"``,
+      ``"scheduler"``, ``"scaler"``, ``"sampler"``, ``"ema"``, or ``"all"``; a string is one name. Kept as a
+      frozenset. Each absent allowed part is left as it is and listed in ``ResumeResult.skipped``; a part
+      passed but absent and not allowed raises :class:`~dist_resume.errors.StateMismatchError`.
+    - ``optimizer_hparams`` (``"checkpoint"``, torch's rule) takes each group's ``lr``, ``betas``,
+      ``weight_decay``, ... from the file; ``"current"`` restores the per-parameter state but keeps the live
+      optimizer's group hyperparameters (``initial_lr`` too). A string is kept as its :class:`OptimizerHparams`.
+    - ``rng`` (True, as on save): each rank restores its own saved RNG streams (python, torch CPU, its device,
+      numpy) when the file holds them; a file without RNG state (every foreign file) leaves the streams as
+      they are, lists ``"rng"`` in ``ResumeResult.skipped`` and says so once at INFO. ``False`` never
+      touches them.
+    - ``key_prefix`` (None): load only the model keys under this prefix, without it (``"model."`` for a
+      Lightning checkpoint of ``self.model``).
+    - ``part_keys`` (None): ``{"model": "MODEL_STATE", ...}`` names the entry each part of a torch file
+      comes from, overriding layout detection (``"state.net"`` one level down).
+    - ``map_location`` (None: the CPU, the file memory-mapped and copied into the existing tensors),
+      ``mmap`` (True), ``weights_only`` (True): how the file is read, as ``torch.load`` takes them.
+    - ``verify`` (False): check the CRC-32 of every record before loading.
+    - ``broadcast_from_rank0`` (False): collective; only global rank 0 opens the file and the state
+      reaches the other ranks through torch.distributed broadcasts (for node-local disks). It takes no
+      ``map_location``: the state arrives on the CPU and is copied into the live tensors.
 
+    Example::
 
-def strip_name_prefix(saved_optimizer: Any, key_prefix: str) -> Any:
-    """``saved_optimizer`` with ``key_prefix`` removed from its groups' ``param_names`` where present.
-    A shallow copy (state tensors shared); anything not an optimizer state dict is returned as it is."""
-    if not isinstance(saved_optimizer, Mapping) or not isinstance(saved_optimizer.get("param_groups"), (list, tuple)):
-        return saved_optimizer
-    groups = []
-    for group in saved_optimizer["param_groups"]:
-        names = group.get("param_names") if isinstance(group, Mapping) else None
-        if names is not None:
-            group = {
-                **group,
-                "param_names": [n[len(key_prefix) :] if n.startswith(key_prefix) else n for n in names],
-            }
-        groups.append(group)
-    return {**saved_optimizer, "param_groups": groups}
+        >>> opts = dist_resume.ResumeOptions(allow_missing="scheduler", optimizer_hparams="current")
+        >>> sorted(opts.allow_missing), opts.optimizer_hparams
+        (['scheduler'], <OptimizerHparams.CURRENT: 'current'>)
+        >>> dist_resume.ResumeOptions(allow_missing="schedular")
+        Traceback (most recent call last):
+        dist_resume.errors.UsageError: allow_missing names unknown parts ['schedular']; valid names: ...
+    """
 
+    strict: bool = True
+    allow_missing: str | Collection[str] = frozenset()
+    optimizer_hparams: OptimizerHparams | str = OptimizerHparams.CHECKPOINT
+    rng: bool = True
+    key_prefix: str | None = None
+    part_keys: Mapping[str, str] | None = None
+    map_location: MapLocation = None
+    mmap: bool = True
+    weights_only: bool = True
+    verify: bool = False
+    broadcast_from_rank0: bool = False
 
-def choose_hparams(
-    opt_sd: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
-    hparams: OptimizerHparams,
-    notices: list[tuple[int, str]],
-    scheduled: bool = False,
-) -> tuple[dict[str, Any], tuple[int, int]]:
-    """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
-    ``(parameters with saved state, parameters)``. ``scheduled``: an LR scheduler is restored too, so
-    a differing ``lr`` is most likely its doing (a warm-up sets it when the scheduler is built), and
-    the line says so."""
-    changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
-    if changes:
-        whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
-        why = " (an LR scheduler sets it; the scheduler is restored too)"
-        notices.extend(
-            (
-                logging.INFO,
-                f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}"
-                + (why if scheduled and c.split()[2] in ("lr:", "initial_lr:") else ""),
+    def __post_init__(self) -> None:
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UsageError(f"ResumeOptions({name}={value!r}): {name} must be True or False")
+        object.__setattr__(self, "allow_missing", allowed_missing(self.allow_missing))
+        object.__setattr__(self, "optimizer_hparams", OptimizerHparams.parse(self.optimizer_hparams))
+        if self.key_prefix is not None:
+            check_key_prefix(self.key_prefix)
+        if self.part_keys is not None:
+            object.__setattr__(self, "part_keys", check_part_keys(self.part_keys))
+        if self.broadcast_from_rank0 and self.map_location is not None:
+            raise UsageError(
+                f"ResumeOptions(map_location={self.map_location!r}, broadcast_from_rank0=True): the broadcast "
+                "state arrives on the CPU and is copied into the model's and optimizer's own tensors, so there is "
+                "nothing to map",
+                hint="drop map_location, or broadcast_from_rank0 to let every rank read the file itself",
             )
-            for c in changes
-        )
-    if hparams is OptimizerHparams.CURRENT:
-        groups = []
-        for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):
-            group = {k: v for k, v in live.items() if k not in ("params", "param_names")}
-            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
-            groups.append(group)
-        opt_sd = {**opt_sd, "param_groups": groups}
-    ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
-    return opt_sd, (sum(1 for i in ids if opt_sd["state"].get(i)), len(ids))
-
-
-def optimizer_applied(opt_sd: dict[str, Any], counts: tuple[int, int]) -> bool:
-    """Restored when some parameter gets state, or when the file holds none at all (a stateless optimizer
-    such as SGD without momentum, or one saved before its first step: its hyperparameters are what it has)."""
-    return counts[0] > 0 or not opt_sd["state"]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
-from torch import nn
 
 from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.log import log_rank0
@@ -24,16 +23,11 @@ from .._state.optim import optimizer_to, prepare_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
 from .ema import adapt_ema_state
+from .hparams import choose_hparams, lr_differs, optimizer_applied, strip_name_prefix
 from .inplace import detach_from_file, fits, into_live_state, live_twins, storage_ptrs
 from .model_fit import plan_model
-from .options import (
-    OptimizerHparams,
-    allowed_missing,
-    choose_hparams,
-    lr_differs,
-    optimizer_applied,
-    strip_name_prefix,
-)
+from .objects import LiveObjects
+from .options import OptimizerHparams, ResumeOptions
 
 __all__ = ["RestorePlan", "plan_restore"]
 
@@ -57,15 +51,10 @@ class RestorePlan:
     skipped: tuple[str, ...]
     missing_keys: tuple[str, ...]
     unexpected_keys: tuple[str, ...]
-    model: nn.Module = field(repr=False)
-    optimizer: torch.optim.Optimizer | None = field(repr=False)
-    scheduler: Any = field(repr=False)
-    scaler: Any = field(repr=False)
-    sampler: Any = field(repr=False)
+    objects: LiveObjects = field(repr=False)
     strict: bool
     mmapped: bool
     source: str
-    ema: nn.Module | None = field(default=None, repr=False)
     ema_state: OrderedDict[str, Any] | None = None
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)
     notices: tuple[tuple[int, str], ...] = ()
@@ -79,8 +68,9 @@ class RestorePlan:
         copied into its live state tensors where they exist (so no rollback copy of its state is ever held);
         state still aliasing a memory-mapped file is cloned; state is then moved onto its parameters' devices.
         """
-        scaler = self.scaler if "scaler" in self.restore else None
-        scheduler = self.scheduler if "scheduler" in self.restore else None
+        live = self.objects
+        scaler = live.scaler if "scaler" in self.restore else None
+        scheduler = live.scheduler if "scheduler" in self.restore else None
         before_scaler = scaler.state_dict() if scaler is not None else None
         before_scheduler = scheduler.state_dict() if scheduler is not None else None
         try:
@@ -88,24 +78,24 @@ class RestorePlan:
                 scaler.load_state_dict(self.parts.scaler)
             if scheduler is not None:
                 scheduler.load_state_dict(self.parts.scheduler)
-            self.model.load_state_dict(self.model_state, strict=self.strict)
-            if self.ema is not None and self.ema_state is not None:
-                self.ema.load_state_dict(self.ema_state, strict=self.strict)
+            live.model.load_state_dict(self.model_state, strict=self.strict)
+            if live.ema is not None and self.ema_state is not None:
+                live.ema.load_state_dict(self.ema_state, strict=self.strict)
         except Exception:
             if scaler is not None:
                 scaler.load_state_dict(before_scaler)
             if scheduler is not None:
                 scheduler.load_state_dict(before_scheduler)
             raise
-        if self.optimizer is not None and self.optimizer_state is not None:
-            self.optimizer.load_state_dict(into_live_state(self.optimizer, self.optimizer_state))
+        if live.optimizer is not None and self.optimizer_state is not None:
+            live.optimizer.load_state_dict(into_live_state(live.optimizer, self.optimizer_state))
             if self.mmapped:
-                detach_from_file(self.optimizer, storage_ptrs(self.parts.optimizer))
-            optimizer_to(self.optimizer)
+                detach_from_file(live.optimizer, storage_ptrs(self.parts.optimizer))
+            optimizer_to(live.optimizer)
         if "sampler" in self.restore:
-            self.sampler.load_state_dict(self.parts.sampler)
+            live.data.load_state_dict(self.parts.sampler)
         if "rng" in self.restore:
-            restore_rank_rng(self.parts.rng, step=self.parts.step, device=param_device(self.model), source=self.source)
+            restore_rank_rng(self.parts.rng, step=self.parts.step, device=param_device(live.model), source=self.source)
         for level, message in self.notices:
             log_rank0(level, "%s", message)
         return self.restore
@@ -114,15 +104,15 @@ class RestorePlan:
         """``{id(checkpoint tensor): live tensor}`` for each model and EMA entry and existing optimizer state
         tensor that the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local."""
         out: dict[int, torch.Tensor] = {}
-        for module, state in ((self.model, self.model_state), (self.ema, self.ema_state)):
+        for module, state in ((self.objects.model, self.model_state), (self.objects.ema, self.ema_state)):
             if module is None or state is None:
                 continue
             live = module.state_dict(keep_vars=True)
             for key, value in state.items():
                 if fits(value, live.get(key)):
                     out[id(value)] = live[key].detach()
-        if self.optimizer is not None and self.optimizer_state is not None:
-            for _, _, value, dst in live_twins(self.optimizer, self.optimizer_state):
+        if self.objects.optimizer is not None and self.optimizer_state is not None:
+            for _, _, value, dst in live_twins(self.objects.optimizer, self.optimizer_state):
                 if dst.is_contiguous():
                     out[id(value)] = dst
         return out
@@ -150,19 +140,9 @@ class RestorePlan:
 
 def plan_restore(
     parts: CheckpointParts,
+    objects: LiveObjects,
+    options: ResumeOptions,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
-    ema: nn.Module | None = None,
-    rng: bool = False,
-    strict: bool = True,
-    allow_missing: str | Iterable[str] = (),
-    optimizer_hparams: OptimizerHparams | str = OptimizerHparams.CHECKPOINT,
-    key_prefix: str | None = None,
-    ema_entry: Any = None,
     source: str = "checkpoint",
     mmapped: bool = False,
 ) -> RestorePlan:
@@ -170,21 +150,21 @@ def plan_restore(
 
     Local; changes nothing. Checks model keys, shapes and dtypes, the optimizer's class, groups, parameter
     names and state shapes, the LR scheduler's and GradScaler's state, the sampler position, this rank's
-    RNG entry and the EMA. A part the checkpoint lacks is skipped when ``allow_missing`` names it (or
-    under ``strict=False``, with a warning), else it raises. ``key_prefix`` selects the model sub-tree
-    under it; ``optimizer_hparams`` chooses whose group hyperparameters the optimizer keeps (see
-    :func:`resume`). ``ema_entry`` is the file's EMA state where ``parts`` does not carry it. ``mmapped``
-    says that the checkpoint's tensors map its file: apply then clones the optimizer state that would alias it.
+    RNG entry and the EMA. A part the checkpoint lacks is skipped when ``options.allow_missing`` names it (or
+    under ``strict=False``, with a warning), else it raises; absent RNG state is skipped (see
+    :class:`ResumeOptions`). ``options.key_prefix`` selects the model sub-tree under it;
+    ``options.optimizer_hparams`` chooses whose group hyperparameters the optimizer keeps. ``mmapped`` says
+    that the checkpoint's tensors map its file: apply then clones the optimizer state that would alias it.
     """
-    allowed = allowed_missing(allow_missing)
-    hparams = OptimizerHparams.parse(optimizer_hparams)
+    model, optimizer, scheduler, key_prefix = objects.model, objects.optimizer, objects.scheduler, options.key_prefix
+    strict, hparams = options.strict, OptimizerHparams(options.optimizer_hparams)
     notices: list[tuple[int, str]] = []
     saved_model = parts.model if key_prefix is None else select_prefix(parts.model, key_prefix, source)
     model_state, missing, unexpected = plan_model(saved_model, model, strict, key_prefix is None, source)
     applied = {"model": (len(model_state), len(model.state_dict()))}
 
     def present(entry: Any, what: str, why: str = "to resume without it") -> bool:
-        return _present(parts, entry, what, strict, allowed, notices, source, why)
+        return _present(parts, entry, what, options, notices, source, why)
 
     optimizer_state = None
     if optimizer is not None and present(parts.optimizer, "optimizer"):
@@ -202,28 +182,27 @@ def plan_restore(
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)
-    has_scaler = scaler is not None and present(parts.scaler, "scaler")
+    has_scaler = objects.scaler is not None and present(parts.scaler, "scaler")
     empty_scaler = has_scaler and not parts.scaler and not strict  # a disabled scaler's {}: keep the fresh state
     if has_scaler and not empty_scaler:
-        check_scaler(parts.scaler, scaler, source)
-    has_sampler = sampler is not None and present(parts.sampler, "sampler", "to start the epoch afresh")
+        check_scaler(parts.scaler, objects.scaler, source)
+    has_sampler = objects.data is not None and present(parts.sampler, "sampler", "to start the epoch afresh")
     if has_sampler:
-        check_sampler_state(sampler, parts.sampler, source)
-    elif sampler is None and parts.sampler is not None:
+        check_sampler_state(objects.data, parts.sampler, source)
+    elif objects.data is None and parts.sampler is not None:
         notices.append((logging.WARNING, _NO_SAMPLER.format(source=source)))
-    has_rng = rng and present(parts.rng, "rng", "to keep the current RNG streams")
+    has_rng = options.rng and parts.rng is not None
     if has_rng:
         check_rng_states(parts.rng, global_rank(), source)
-    saved_ema = getattr(parts, "ema", None)
-    saved_ema = ema_entry if saved_ema is None else saved_ema
+    elif options.rng:
+        notices.append((logging.INFO, _NO_RNG.format(source=source, layout=parts.layout.value)))
     ema_state = None
-    if ema is not None and present(saved_ema, "ema"):
-        ema_state = adapt_ema_state(saved_ema, ema, strict=strict, source=source)
-        applied["ema"] = (len(ema_state), len(ema.state_dict()))
+    if objects.ema is not None and present(parts.ema, "ema"):
+        ema_state = adapt_ema_state(parts.ema, objects.ema, strict=strict, source=source)
+        applied["ema"] = (len(ema_state), len(objects.ema.state_dict()))
     kept_lr = optimizer_state is not None and hparams is OptimizerHparams.CURRENT and parts.optimizer is not None
     if kept_lr and has_scheduler and lr_differs(parts.optimizer["param_groups"], optimizer.param_groups):  # type: ignore[union-attr]
         notices.append((logging.WARNING, _SCHEDULER_OVERRIDES.format(source=source)))
-    wanted = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler, "ema": ema}
     done = {
         "model": applied["model"][0] > 0,
         "ema": ema_state is not None and applied["ema"][0] > 0,
@@ -233,8 +212,8 @@ def plan_restore(
         "sampler": has_sampler,
         "rng": has_rng,
     }
-    skipped = [name for name in wanted if wanted[name] is not None and not done[name]]
-    if rng and not done["rng"]:
+    skipped = [name for name in objects.passed() if not done[name]]
+    if options.rng and not done["rng"]:
         skipped.append("rng")
     return RestorePlan(
         parts=parts,
@@ -244,15 +223,10 @@ def plan_restore(
         skipped=tuple(skipped),
         missing_keys=tuple(missing),
         unexpected_keys=tuple(unexpected),
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
-        sampler=sampler,
+        objects=objects,
         strict=strict,
         mmapped=mmapped,
         source=source,
-        ema=ema,
         ema_state=ema_state,
         applied=applied,
         notices=tuple(notices),
@@ -261,7 +235,13 @@ def plan_restore(
 
 _NO_SAMPLER: Final = (
     "{source} holds sampler state but no sampler was passed: the epoch restarts from its first batch; "
-    "pass sampler=... (a ResumableDistributedSampler) to continue where it stopped"
+    "pass dataloader=... (a DataLoader over a ResumableDistributedSampler, or the sampler) to continue where it "
+    "stopped"
+)
+_NOT_PASSED: Final = {"sampler": "pass no dataloader= (nor sampler=)"}
+_NO_RNG: Final = (
+    "{source} ({layout} layout) holds no RNG state: the RNG streams are left as they are (rng=False says not to "
+    "look for them)"
 )
 _SCHEDULER_OVERRIDES: Final = (
     "{source}: optimizer_hparams='current' kept this optimizer's lr, which differs from the checkpoint's, but the "
@@ -275,8 +255,7 @@ def _present(
     parts: CheckpointParts,
     entry: Any,
     what: str,
-    strict: bool,
-    allowed: frozenset[str],
+    options: ResumeOptions,
     notices: list[tuple[int, str]],
     source: str,
     why: str,
@@ -285,17 +264,12 @@ def _present(
     ``strict`` (``strict=False`` skips it too, with a warning)."""
     if entry is not None:
         return True
-    if what in allowed:
+    if what in options.allow_missing:
         return False
-    if strict:
-        passed, instead = (
-            ("rng=True was passed", "rng=False")
-            if what == "rng"
-            else (f"{article(what)} was passed", f"do not pass the {what}")
-        )
+    if options.strict:
         raise StateMismatchError(
-            f"{source} ({parts.layout.value} layout) has no {what} state but {passed}; "
-            f"pass allow_missing=({what!r},) {why}, or {instead}"
+            f"{source} ({parts.layout.value} layout) has no {what} state but {article(what)} was passed; "
+            f"pass allow_missing=({what!r},) {why}, or {_NOT_PASSED.get(what, f'do not pass the {what}')}"
         )
     notices.append(
         (

@@ -21,14 +21,16 @@ from .._core.types import PathLike
 from .._core.version import __version__
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
+from .._exact.data import stateful_data
 from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
 from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .ema import canonical_ema_state
+from .objects import LiveObjects
 
-__all__ = ["save_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
+__all__ = ["save_checkpoint", "write_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
 
@@ -56,18 +58,14 @@ def check_weights_only_safe(obj: Any, path: str = "extra") -> None:
 
 
 def build_payload(
+    objects: LiveObjects,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
     step: int | None = None,
     epoch: int | None = None,
     extra: Any = None,
     world_size: int = 1,
     rng: list[dict[str, Any]] | None = None,
     sampler: dict[str, Any] | None = None,
-    ema: nn.Module | None = None,
 ) -> dict[str, Any]:
     """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
     problem = structure_problem(extra)  # before the recursive check below; a reader would refuse it too
@@ -80,6 +78,7 @@ def build_payload(
     for name, value in (("step", step), ("epoch", epoch)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    model, optimizer = objects.model, objects.optimizer
     payload: dict[str, Any] = {
         Key.FORMAT: FORMAT_NAME,
         Key.VERSION: FORMAT_VERSION,
@@ -97,17 +96,17 @@ def build_payload(
     }
     if optimizer is not None:
         payload[Key.OPTIMIZER] = canonical_optimizer_state(optimizer, model)
-    if scheduler is not None:
-        payload[Key.SCHEDULER] = scheduler.state_dict()
+    if objects.scheduler is not None:
+        payload[Key.SCHEDULER] = objects.scheduler.state_dict()
         check_weights_only_safe(payload[Key.SCHEDULER], "scheduler.state_dict()")
-    if scaler is not None:
-        payload[Key.SCALER] = scaler.state_dict()
+    if objects.scaler is not None:
+        payload[Key.SCALER] = objects.scaler.state_dict()
     if extra is not None:
         payload[Key.EXTRA] = extra
     if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
         payload[Key.RNG] = rng
-    if ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.ema
-        payload[Key.EMA] = canonical_ema_state(ema)
+    if objects.ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.ema
+        payload[Key.EMA] = canonical_ema_state(objects.ema)
     if sampler is not None:
         payload[Key.SAMPLER] = dict(sampler)
         check_weights_only_safe(payload[Key.SAMPLER], "sampler.state_dict()")
@@ -115,42 +114,40 @@ def build_payload(
 
 
 def prepare_payload(
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    scaler: Any,
-    step: int | None,
-    epoch: int | None,
-    extra: Any,
-    sampler: Any,
-    rng: bool,
-    ema: nn.Module | None = None,
+    objects: LiveObjects, *, step: int | None, epoch: int | None, extra: Any, rng: bool
 ) -> Callable[[], dict[str, Any]]:
     """The collective part of a save (every rank's RNG/sampler state to rank 0); returns rank 0's payload builder."""
     world_size = dist.get_world_size() if is_distributed() else 1
     rank_states = None
-    if rng or sampler is not None:
+    if rng or objects.data is not None:
         with collective_step("gathering every rank's RNG and sampler state for the checkpoint", CheckpointWriteError):
-            rank_states = gather_rank_states(rng=rng, sampler=sampler, device=param_device(model))
+            rank_states = gather_rank_states(rng=rng, sampler=objects.data, device=param_device(objects.model))
 
     def build() -> dict[str, Any]:
         rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
         return build_payload(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            step=step,
-            epoch=epoch,
-            extra=extra,
-            world_size=world_size,
-            rng=rng_states,
-            sampler=sampler_state,
-            ema=ema,
+            objects, step=step, epoch=epoch, extra=extra, world_size=world_size, rng=rng_states, sampler=sampler_state
         )
 
     return build
+
+
+def write_checkpoint(
+    path: PathLike, build: Callable[[], dict[str, Any]], *, step: int | None, epoch: int | None
+) -> Path:
+    """Rank 0 builds the payload and writes it atomically; every rank returns its path (or raises rank 0's error).
+
+    Collective under torch.distributed (one broadcast); local in a single process.
+    """
+
+    def write() -> Path:
+        payload = build()
+        dest = atomic_write(path, lambda f: torch.save(payload, f))
+        log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
+        return dest
+
+    result: Path = run_on_rank0(write)
+    return result
 
 
 def save_checkpoint(
@@ -160,12 +157,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
+    dataloader: Any = None,
+    ema: nn.Module | None = None,
     step: int | None = None,
     epoch: int | None = None,
     extra: Any = None,
-    sampler: Any = None,
     rng: bool = True,
-    ema: nn.Module | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
@@ -175,12 +172,12 @@ def save_checkpoint(
     carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
     The file loads under ``torch.load(weights_only=True)``.
 
-    For exact resume, ``rng=True`` (the default) stores every rank's RNG streams (python, torch
-    CPU, the rank's own accelerator device, numpy), gathered on rank 0; ``sampler`` (a
-    :class:`ResumableDistributedSampler`, anything with ``state_dict()``, or such a state dict, e.g.
-    ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores the epoch and the
-    position in it, after checking that all ranks agree on it. ``step`` is the number of optimizer
-    steps completed (a resumed loop continues at ``ResumeResult.step``).
+    For exact resume, ``rng=True`` (the default, as on :func:`resume`) stores every rank's RNG streams
+    (python, torch CPU, the rank's own accelerator device, numpy), gathered on rank 0; ``dataloader`` (a
+    ``DataLoader`` whose sampler is a :class:`ResumableDistributedSampler`, that sampler itself, or
+    its state dict, e.g. ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores
+    the epoch and the position in it, after checking that all ranks agree on it. ``step`` is the
+    number of optimizer steps completed (a resumed loop continues at ``ResumeResult.step``).
 
     ``ema`` (a ``torch.optim.swa_utils.AveragedModel``, ``n_averaged`` included, or any ``nn.Module``
     holding averaged weights) is stored under ``"ema"`` with canonical keys, like the model;
@@ -193,24 +190,6 @@ def save_checkpoint(
         >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
         PosixPath('ckpt.pt')
     """
-    build = prepare_payload(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
-        step=step,
-        epoch=epoch,
-        extra=extra,
-        sampler=sampler,
-        rng=rng,
-        ema=ema,
-    )
-
-    def write() -> Path:
-        payload = build()
-        dest = atomic_write(path, lambda f: torch.save(payload, f))
-        log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
-        return dest
-
-    result: Path = run_on_rank0(write)
-    return result
+    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
+    return write_checkpoint(path, build, step=step, epoch=epoch)

@@ -26,7 +26,7 @@ from typing import TypeVar
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
 from .._core.text import article
 from .._core.types import PathLike
-from .._foreign.folders import checkpoint_subfolders, detect_folder, read_folder, unrecognised_folder
+from .._foreign.folders import checkpoint_subfolders, detect_folder, read_foreign_folder, unrecognised_folder
 from .._foreign.safetensors_read import is_safetensors
 from .._format.archive import read_archive
 from .._format.records import verify_zip
@@ -34,8 +34,8 @@ from .._layout.layout import split_checkpoint
 from .._state.prefix import prefix_style
 from .archive_write import dump_pickle, rewrite_archive
 from .formats import (
-    Converted,
     ConvertFormat,
+    WriterReport,
     parts_to_pt,
     plain_namespaces,
     pt_to_dcp,
@@ -145,7 +145,7 @@ def convert_checkpoint(
     elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
         done = safetensors_to_pt(src_path, dst_path, form, progress)
     elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:
-        done = parts_to_pt(read_folder(src_path, map_location="cpu"), dst_path, form, source)
+        done = parts_to_pt(read_foreign_folder(src_path, map_location="cpu"), dst_path, form, source)
     else:
         raise _unsupported(kind, fmt)
     return ConvertResult(
@@ -179,7 +179,7 @@ def _as_enum(cls: type[_E], value: object, name: str) -> _E:
 
 def _pt_to_pt(
     src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None, progress: Progress | None
-) -> Converted:
+) -> WriterReport:
     """Re-key the detected model entry and optimizer ``param_names`` in place; every other key stays."""
     contents = read_archive(src)
     parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
@@ -198,7 +198,7 @@ def _pt_to_pt(
         return written
 
     written = write_locked(dst, fill)
-    return Converted(parts.layout, before, prefix_style(model.keys()), len(model), renamed, names, written)
+    return WriterReport(parts.layout, before, prefix_style(model.keys()), len(model), renamed, names, written)
 
 
 def _check_output(path: Path, first: str, count: int, new_pickle: bytes) -> None:

@@ -32,7 +32,7 @@ from .safetensors_write import write_safetensors_from_archive
 
 __all__ = [
     "ConvertFormat",
-    "Converted",
+    "WriterReport",
     "plain_namespaces",
     "pt_to_safetensors",
     "safetensors_to_pt",
@@ -52,8 +52,8 @@ class ConvertFormat(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Converted:
-    """What one conversion did (without paths and time, which the caller adds)."""
+class WriterReport:
+    """What one format writer did; :class:`~dist_resume.tools.ConvertResult` adds the paths, the key form and the time."""
 
     layout: enum.Enum
     prefix_before: str
@@ -95,7 +95,7 @@ def _meta_number(metadata: Mapping[str, str], name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def pt_to_safetensors(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> Converted:
+def pt_to_safetensors(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> WriterReport:
     """The model weights of a torch zip checkpoint as ``.safetensors``, bytes copied. Local."""
     contents = read_archive(src)
     parts = split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
@@ -114,7 +114,7 @@ def pt_to_safetensors(src: Path, dst: Path, to: KeyForm | None, part_keys: Mappi
         return size
 
     written = write_locked(dst, fill)
-    return Converted(parts.layout, before, prefix_style(tensors), len(tensors), renamed, 0, written)
+    return WriterReport(parts.layout, before, prefix_style(tensors), len(tensors), renamed, 0, written)
 
 
 def _param_names(optimizer: Any) -> list[list[str]]:
@@ -124,7 +124,7 @@ def _param_names(optimizer: Any) -> list[list[str]]:
     return [g["param_names"] for g in groups if isinstance(g, Mapping) and isinstance(g.get("param_names"), list)]
 
 
-def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progress | None) -> Converted:
+def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progress | None) -> WriterReport:
     """A ``.safetensors`` file as a dist_resume ``.pt`` checkpoint (model only), bytes copied. Local."""
     raw = read_safetensors_meta(src)
     model: dict[str, Any] = dict(raw.tensors)
@@ -138,7 +138,7 @@ def safetensors_to_pt(src: Path, dst: Path, to: KeyForm | None, progress: Progre
     }
     obj = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
     written = write_locked(dst, lambda fd, tmp: write_archive(raw, obj, fd, progress)[0])
-    return Converted(Layout.SAFETENSORS, before, prefix_style(model), len(model), renamed, 0, written)
+    return WriterReport(Layout.SAFETENSORS, before, prefix_style(model), len(model), renamed, 0, written)
 
 
 def _pairs_by_position(
@@ -201,7 +201,7 @@ def _dsd_optimizer(
     return {"state": state, "param_groups": new_groups}
 
 
-def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> Converted:
+def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> WriterReport:
     """A torch zip checkpoint as a DCP folder as DSD writes it: ``{"model", "optim"}`` keyed by FQN. Local."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -231,12 +231,12 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
 
     replace_folder(dst, fill)
     written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
-    return Converted(
+    return WriterReport(
         parts.layout, before, prefix_style(model), len(model), renamed, sum(map(len, _param_names(optim))), written
     )
 
 
-def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> Converted:
+def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> WriterReport:
     """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
     model = dict(parts.model)
     if not model:
@@ -263,4 +263,4 @@ def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: s
         return os.fstat(fd).st_size
 
     return_size = write_locked(dst, fill)
-    return Converted(parts.layout, before, prefix_style(model), len(model), renamed, names, return_size)
+    return WriterReport(parts.layout, before, prefix_style(model), len(model), renamed, names, return_size)

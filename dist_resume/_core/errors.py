@@ -1,23 +1,7 @@
-"""The exception hierarchy. Every error the toolkit raises on purpose derives from DistResumeError.
+"""The exception hierarchy: every error the toolkit raises on purpose derives from DistResumeError.
 
-::
-
-    DistResumeError                      .rank: where it happened, when another rank relayed it
-    ├── EnvironmentMismatchError         (also ValueError)
-    ├── CheckpointError
-    │   ├── CheckpointNotFoundError      (also FileNotFoundError)
-    │   ├── CheckpointCorruptError
-    │   ├── NotACheckpointError
-    │   ├── UnsafeCheckpointError
-    │   ├── CheckpointWriteError
-    │   └── CheckpointConsensusError     .ranks
-    ├── StateMismatchError               (also ValueError)
-    │   ├── KeyMismatchError             .missing .unexpected .mismatched
-    │   └── OptimizerStateMismatchError
-    ├── DeviceMismatchError              .findings (also RuntimeError)
-    └── UsageError                       .hint (also ValueError)
-
-Every one pickles with its attributes (and ``rank``), so a failure on one rank can be raised on the
+The tree is drawn once, in the docstring of the public :mod:`dist_resume.errors`, which re-exports these
+classes. Every one pickles with its attributes (and ``rank``), so a failure on one rank can be raised on the
 others as the same class: see :mod:`dist_resume._dist.comm`.
 """
 

@@ -132,6 +132,7 @@ class ResumableDistributedSampler(Sampler[int]):
         dataset: Sized | int,
         num_replicas: int | None = None,
         rank: int | None = None,
+        *,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,

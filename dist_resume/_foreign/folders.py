@@ -1,6 +1,6 @@
 """Checkpoint folders other tools write: HF Trainer ``checkpoint-N/``, Accelerate ``save_state``, DCP.
 
-``detect_folder`` recognises a folder by its files; ``read_folder`` reads it into the same
+``detect_folder`` recognises a folder by its files; ``read_foreign_folder`` reads it into the same
 :class:`CheckpointParts` a single file yields. Files that only an unsafe unpickler can read and that
 ``resume`` does not need (``rng_state*.pth``, ``training_args.bin``, ``random_states_*.pkl``) are never
 opened; their names are listed in ``meta["skipped_files"]``.
@@ -26,7 +26,7 @@ __all__ = [
     "FolderKind",
     "FOLDER_LAYOUTS",
     "detect_folder",
-    "read_folder",
+    "read_foreign_folder",
     "read_model_weights",
     "unrecognised_folder",
     "is_manager_folder",
@@ -101,22 +101,26 @@ def foreign_kind(path: PathLike) -> Layout | None:
     return None
 
 
-def read_folder(
-    path: PathLike, *, map_location: MapLocation = None, mmap: bool = True, weights_only: bool = True
+def read_foreign_folder(
+    path: PathLike,
+    layout: Layout | None = None,
+    *,
+    map_location: MapLocation = None,
+    mmap: bool = True,
+    weights_only: bool = True,
 ) -> CheckpointParts:
-    """Read a foreign checkpoint folder into :class:`CheckpointParts`. Local (every rank may call it).
+    """Read a foreign checkpoint folder of ``layout`` (None: detect it) into :class:`CheckpointParts`. Local.
 
-    Raises :class:`NotACheckpointError` naming the files found and the folder kinds known when
-    :func:`detect_folder` does not recognise it.
+    Raises :class:`NotACheckpointError` naming the files found and the folder kinds known for anything else.
 
     Example::
 
-        >>> parts = read_folder("out/checkpoint-500", map_location="cpu")
+        >>> parts = read_foreign_folder("out/checkpoint-500", map_location="cpu")
         >>> parts.step, sorted(parts.model)[:1]
         (500, ['bert.embeddings.LayerNorm.bias'])
     """
     folder = Path(path)
-    kind = detect_folder(folder)
+    kind = detect_folder(folder) if layout is None else layout
     opts: dict[str, Any] = {"map_location": map_location, "mmap": mmap, "weights_only": weights_only}
     if kind is Layout.HF_TRAINER:
         return _read_hf(folder, opts)

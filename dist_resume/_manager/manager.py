@@ -7,17 +7,18 @@ cleaning up and rotating after a save is :mod:`~dist_resume._manager.rotation`'s
 from __future__ import annotations
 
 import os
+import sys
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
-from torch import nn
-
-from .._checkpoint.async_save import AsyncSave, save_checkpoint_async, wait_pending
-from .._checkpoint.restore import ResumeResult
-from .._checkpoint.save import save_checkpoint
+from .._checkpoint.async_save import AsyncSave, wait_pending, write_in_background
+from .._checkpoint.objects import LiveObjects, TrainingObjects, data_position
+from .._checkpoint.options import ResumeOptions
+from .._checkpoint.restore import ResumeResult, checked_options
+from .._checkpoint.save import prepare_payload, write_checkpoint
 from .._core.errors import CheckpointWriteError
 from .._core.log import logger
 from .._core.types import PathLike
@@ -26,6 +27,11 @@ from .._source.listing import checkpoint_name, latest_checkpoint, numbered_check
 from .lock import FolderLock
 from .rotation import remove_leftovers, rotate_out
 from .start import start_run
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # typing_extensions comes with torch
+    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager"]
 
@@ -37,53 +43,71 @@ def _check_step(step: Any) -> int:
 
 
 class CheckpointManager:
-    """A folder of numbered checkpoints: crash-safe saves, rotation, the latest valid one.
+    """A folder of numbered checkpoints for one run: its objects registered once, crash-safe saves, rotation,
+    the latest valid checkpoint, and a resume that picks it.
 
-    ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest
-    ``keep_last`` checkpoints (never the one just written), so a crash at any moment leaves the
-    previous checkpoint in place. It also removes temporary files left by interrupted saves of
-    this folder's checkpoints (``.ckpt_<step>.pt.<16 hex>.tmp``, nothing else). ``latest()``
-    returns the newest checkpoint that passes the integrity check.
+    ``CheckpointManager(folder, model=..., optimizer=..., scheduler=..., scaler=..., dataloader=..., ema=...)``
+    registers the run's objects (:class:`TrainingObjects`; ``sampler=`` for a loop that iterates a
+    :class:`ResumableDistributedSampler` itself); ``save(step)``, ``save_async(step)`` and ``resume()`` then take
+    only what changes per call. A keyword given to one call replaces the registered object for that call
+    (``mgr.save(step, model=other)``; ``optimizer=None``: not this time); an unknown keyword is a
+    :class:`~dist_resume.errors.UsageError` at once. ``options`` (a :class:`ResumeOptions`) is what
+    :meth:`resume` uses unless it is given its own.
 
-    ``keep_last`` counts the checkpoint just written: 1 is crash-safe, because the old file is
-    deleted only after the new one is durable; the default 2 also keeps a fallback for a
-    checkpoint damaged later (disk, copy).
+    ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest ``keep_last``
+    checkpoints (never the one just written), so a crash at any moment leaves the previous checkpoint in
+    place; it also removes temporary files left by interrupted saves of this folder's checkpoints
+    (``.ckpt_<step>.pt.<16 hex>.tmp``, nothing else). ``keep_last`` counts the checkpoint just written: 1 is
+    crash-safe; the default 2 also keeps a fallback for a checkpoint damaged later (disk, copy).
+    ``latest()`` returns the newest checkpoint that passes the integrity check.
 
-    One writer per folder: the first ``save``/``save_async`` takes an exclusive lock on the
-    folder (``fcntl.flock`` on ``<folder>/.dist_resume.lock``, on global rank 0, the rank that
-    writes) and holds it until :meth:`close` (or the end of a ``with`` block, or the manager being
-    garbage-collected). Another manager, in another job or in this process, that tries to save
-    into the folder meanwhile gets a :class:`CheckpointWriteError` naming the folder and the
-    holder (host, pid) before anything is written. The kernel drops the lock when its holder
-    dies, even by SIGKILL, so there is never a stale lock. A manager that only reads
-    (``latest()``, ``checkpoints()``, :func:`resume` from the folder) never takes it. Caveats: on
-    NFS ``flock`` may be local to one client (``local_lock`` mounts, old clients), so two hosts
-    could both hold it; and a process forked while the lock is held (e.g. a DataLoader worker of
+    One writer per folder: :meth:`resume` and the first ``save``/``save_async`` take an exclusive lock
+    on the folder (``fcntl.flock`` on ``<folder>/.dist_resume.lock``, on global rank 0, the rank that
+    writes) and hold it until :meth:`close` (or the end of a ``with`` block, or the manager being
+    garbage-collected). Another manager, in another job or in this process, that resumes or saves
+    into the folder meanwhile gets a :class:`~dist_resume.errors.CheckpointWriteError` naming the folder
+    and the holder (host, pid) before it reads or writes anything: a second job stops before it trains.
+    The kernel drops the lock when its holder dies, even by SIGKILL, so there is never a stale lock.
+    Reading (``latest()``, ``checkpoints()``, :func:`resume` of the folder, the CLI) never takes it.
+    Caveats: on NFS ``flock`` may be local to one client (``local_lock`` mounts, old clients), so two
+    hosts could both hold it; and a process forked while the lock is held (e.g. a DataLoader worker of
     rank 0 started with ``fork``) keeps it held until it exits too.
 
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
+        >>> mgr = dist_resume.CheckpointManager("ckpts", model=model, optimizer=opt, keep_last=2)
+        >>> print(mgr.resume())  # a first run: nothing to resume
+        None
         >>> for step in (100, 200, 300):
-        ...     path = mgr.save(step, model=model, optimizer=opt)
+        ...     path = mgr.save(step)
         >>> [p.name for p in mgr.checkpoints()]
         ['ckpt_00000200.pt', 'ckpt_00000300.pt']
         >>> dist_resume.resume("ckpts", model=model, optimizer=opt).step
         300
-        >>> mgr.close()  # or: with dist_resume.CheckpointManager("ckpts") as mgr: ...
+        >>> mgr.close()  # or: with dist_resume.CheckpointManager("ckpts", ...) as mgr: ...
     """
 
-    def __init__(self, folder: PathLike, keep_last: int = 2) -> None:
+    def __init__(
+        self,
+        folder: PathLike,
+        *,
+        keep_last: int = 2,
+        options: ResumeOptions | None = None,
+        **objects: Unpack[TrainingObjects],
+    ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(
                 f"keep_last must be an int >= 1, got {keep_last!r}: it counts the checkpoint just saved, "
                 "which is always kept (older ones are deleted only once it is durable, so 1 is crash-safe); "
                 "use 2 or more to keep a fallback in case the newest file is damaged later"
             )
+        data_position(objects, saving=False, where="CheckpointManager()")  # unknown names fail here, not at a save
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self.options = checked_options(options)
+        self._objects: dict[str, Any] = dict(objects)
         self._lock = FolderLock(self.folder)
         self._pending: AsyncSave | None = None
         # the lock is released when the manager is garbage-collected, as on close()
@@ -111,7 +135,7 @@ class CheckpointManager:
 
         Collective under torch.distributed when an asynchronous save is pending that nobody waited
         for (it waits like :meth:`AsyncSave.wait`, and raises its error); otherwise local.
-        Idempotent. A later ``save`` takes the lock again.
+        Idempotent. A later ``save`` or ``resume`` takes the lock again.
         """
         pending, self._pending = self._pending, None
         try:
@@ -122,23 +146,23 @@ class CheckpointManager:
 
     @property
     def lock_path(self) -> Path:
-        """The lock file, ``<folder>/.dist_resume.lock`` (present once a manager has saved here)."""
+        """The lock file, ``<folder>/.dist_resume.lock`` (present once a manager has resumed or saved here)."""
         return self._lock.path
 
     def checkpoints(self) -> list[Path]:
         """Every file in the folder named like a checkpoint (``ckpt_<step>.pt``), oldest step first.
 
         Local; looks at names only, so a listed file may still be damaged: :meth:`latest` (or
-        :func:`inspect_checkpoint` on each path) checks the contents. Never lists temporary files of
-        interrupted saves (``.ckpt_<step>.pt.<16 hex>.tmp``), the lock file, or anything else in the
+        :func:`dist_resume.tools.inspect_checkpoint` on each path) checks the contents. Never lists temporary
+        files of interrupted saves (``.ckpt_<step>.pt.<16 hex>.tmp``), the lock file, or anything else in the
         folder. ``[]`` when the folder does not exist yet. ``dist-resume list DIR`` shows the same
         files with their step, size, age and whether each is valid.
 
         Example::
 
-            >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=3)
+            >>> mgr = dist_resume.CheckpointManager("ckpts", model=torch.nn.Linear(2, 2), keep_last=3)
             >>> for step in (10, 20):
-            ...     _ = mgr.save(step, model=torch.nn.Linear(2, 2))
+            ...     _ = mgr.save(step)
             >>> [p.name for p in mgr.checkpoints()]
             ['ckpt_00000010.pt', 'ckpt_00000020.pt']
         """
@@ -147,149 +171,129 @@ class CheckpointManager:
     def resume(
         self,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        sampler: Any = None,
-        rng: bool = False,
         init_from: PathLike | None = None,
-        **resume_kwargs: Any,
+        options: ResumeOptions | None = None,
+        **objects: Unpack[TrainingObjects],
     ) -> ResumeResult | None:
         """Continue this folder's run, start from another run's checkpoint, or start fresh (None).
 
-        Collective under torch.distributed: call it on every rank. Global rank 0 looks at the folder
-        and every rank takes the branch it decides:
+        Collective under torch.distributed: call it on every rank. Global rank 0 looks at the folder,
+        takes its write lock (creating the folder on a first run; a folder another live job holds raises
+        :class:`~dist_resume.errors.CheckpointWriteError` naming the holder, before anything is read), and
+        every rank takes the branch it decides:
 
-        - The folder holds files named ``ckpt_<step>.pt``: ``resume(self.folder, ...)`` restores the
-          newest complete one (rank 0 chooses, every rank confirms it sees the same file, see
+        - The folder holds files named ``ckpt_<step>.pt``: its newest complete one is restored into the
+          registered objects (rank 0 chooses, every rank confirms it sees the same file, see
           :func:`resume`); the result's ``step`` is where the loop continues. A folder whose
-          checkpoints are all damaged raises :class:`CheckpointCorruptError`, a rank that sees other
-          files :class:`CheckpointConsensusError` (on every rank): never a silent fresh start.
-        - It holds none (no such file, or no folder yet under an existing parent: the first
-          :meth:`save` creates it) and ``init_from`` is given: ``init_from`` (a checkpoint file or
-          folder, saved at any world size, in any layout :func:`resume` reads) restores the
-          **model**, and the **optimizer**'s per-parameter state (momentum, Adam moments and step
-          counts) when one is passed. This is a new run: the optimizer keeps its own group
-          hyperparameters (``lr``, ``betas``, ``weight_decay``, ``initial_lr``, ...), and
-          ``scheduler``, ``scaler``, ``sampler`` and ``rng`` are left as they are. The result
-          describes ``init_from`` (``path``, ``metadata``, ``restored``) with ``step=0`` and
-          ``epoch=0``; the other run's step is in ``metadata["step"]`` for dist_resume files.
-          A missing ``init_from`` raises :class:`CheckpointNotFoundError`.
+          checkpoints are all damaged raises :class:`~dist_resume.errors.CheckpointCorruptError`, a rank
+          that sees other files :class:`~dist_resume.errors.CheckpointConsensusError` (on every rank):
+          never a silent fresh start.
+        - It holds none (no such file, or no folder yet under an existing parent) and ``init_from`` is
+          given: ``init_from`` (a checkpoint file or folder, saved at any world size, in any layout
+          :func:`resume` reads) restores the **model**, and the **optimizer**'s per-parameter state
+          (momentum, Adam moments and step counts) and the EMA when its file holds them (a weights-only
+          file, the usual fine-tune start, initialises the model alone, and says so once). This is a new
+          run: the optimizer keeps its own group hyperparameters (``lr``, ``betas``, ``weight_decay``,
+          ``initial_lr``, ...), and the scheduler, scaler, data position and RNG streams are left as they
+          are. The result describes ``init_from`` (``path``, ``metadata``, ``restored``) with ``step=0``
+          and ``epoch=0``; the other run's step is in ``metadata["step"]`` for dist_resume files. A
+          missing ``init_from`` raises :class:`~dist_resume.errors.CheckpointNotFoundError`.
         - It holds none and no ``init_from``: returns None (logged at INFO on rank 0,
           "no checkpoint in X: starting fresh").
 
         A folder whose parent does not exist either is taken for a mistyped path and raises
-        :class:`CheckpointNotFoundError`. ``resume_kwargs`` (``strict``, ``map_location``,
-        ``mmap``, ``weights_only``, ``verify``, ``broadcast_from_rank0``, ...) go to
-        :func:`resume` in both restoring branches.
+        :class:`~dist_resume.errors.CheckpointNotFoundError`. ``options`` (default: the manager's) applies
+        to both restoring branches.
 
         Example::
 
             >>> model = torch.nn.Linear(2, 2)
             >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            >>> mgr = dist_resume.CheckpointManager("run", keep_last=2)
-            >>> print(mgr.resume(model=model, optimizer=opt))  # first run: nothing to resume
+            >>> mgr = dist_resume.CheckpointManager("run", model=model, optimizer=opt, keep_last=2)
+            >>> print(mgr.resume())  # first run: nothing to resume
             None
-            >>> _ = mgr.save(5, model=model, optimizer=opt)
-            >>> mgr.resume(model=model, optimizer=opt).step
+            >>> _ = mgr.save(5)
+            >>> mgr.resume().step
             5
         """
-        options = dict(resume_kwargs, scheduler=scheduler, scaler=scaler, sampler=sampler, rng=rng)
-        return start_run(self.folder, model=model, optimizer=optimizer, init_from=init_from, options=options)
+        live = self._live(objects, saving=False, where="resume")
+        opts = self.options if options is None else checked_options(options)
+        return start_run(self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume)
 
-    def latest(self, verify: bool = True) -> Path | None:
-        """The newest complete checkpoint, or None. Local; see :func:`latest_checkpoint`."""
-        return latest_checkpoint(self.folder, verify)
+    def latest(self, *, verify: bool = True) -> Path | None:
+        """The newest complete checkpoint, or None. Local; see :func:`dist_resume.tools.latest_checkpoint`."""
+        return latest_checkpoint(self.folder, verify=verify)
 
     def save(
-        self,
-        step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        epoch: int | None = None,
-        extra: Any = None,
-        sampler: Any = None,
-        rng: bool = True,
-        ema: nn.Module | None = None,
+        self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]
     ) -> Path:
         """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
 
         Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
-        takes the folder's write lock (first save only), removes stale temporary files, writes and rotates, and every rank returns once the file is
-        durable (or raises rank 0's :class:`CheckpointWriteError`). Local in a single process.
+        takes the folder's write lock (unless :meth:`resume` took it), removes stale temporary files, writes
+        and rotates, and every rank returns once the file is durable (or raises rank 0's
+        :class:`~dist_resume.errors.CheckpointWriteError`). Local in a single process. The registered objects
+        are saved, each keyword given replacing one for this call; every rank's RNG streams are saved too.
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
+        live = self._live(objects, saving=True, where="save")
         path = self.folder / checkpoint_name(_check_step(step))
         wait_pending()
         run_on_rank0(self._prepare)
-        save_checkpoint(
-            path,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            step=step,
-            epoch=epoch,
-            extra=extra,
-            sampler=sampler,
-            rng=rng,
-            ema=ema,
+        write_checkpoint(
+            path, prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True), step=step, epoch=epoch
         )
         run_on_rank0(lambda: self._rotate(path, step))
         return path
 
     def save_async(
-        self,
-        step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        epoch: int | None = None,
-        extra: Any = None,
-        sampler: Any = None,
-        rng: bool = True,
-        ema: nn.Module | None = None,
+        self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]
     ) -> AsyncSave:
         """Like :meth:`save`, but return once the state is snapshotted (see :func:`save_checkpoint_async`).
 
         Collective under torch.distributed. The write stays atomic, and rotation runs in the
         background thread only after the new checkpoint is durable.
         """
+        live = self._live(objects, saving=True, where="save_async")
         path = self.folder / checkpoint_name(_check_step(step))
         wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
         run_on_rank0(self._prepare)
-        self._pending = save_checkpoint_async(
-            path,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            step=step,
-            epoch=epoch,
-            extra=extra,
-            sampler=sampler,
-            rng=rng,
-            ema=ema,
-            after_write=lambda written: self._rotate(written, step),
-        )
+        build = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
+        self._pending = write_in_background(path, build, step=step, after_write=lambda done: self._rotate(done, step))
         return self._pending
 
-    def _prepare(self) -> None:
+    def _live(self, objects: Mapping[str, Any], *, saving: bool, where: str) -> LiveObjects:
+        where = f"CheckpointManager.{where}()"
+        return LiveObjects.named(objects, saving=saving, where=where, registered=self._objects)
+
+    def _take_lock(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"cannot create the checkpoint folder {str(self.folder)!r}: {err.strerror or err}; "
+                "check the path and its permissions"
+            ) from err
+        self._lock.acquire()
+
+    def _lock_for_resume(self) -> None:
+        try:
+            self._take_lock()
+        except CheckpointWriteError as err:
+            raise CheckpointWriteError(
+                f"CheckpointManager.resume() takes the folder's write lock before it reads anything, so that a "
+                f"second job on the folder stops before it trains: {err}"
+            ) from err
+
+    def _prepare(self) -> None:
+        self._take_lock()  # before anything is written or removed
+        try:
             names = os.listdir(self.folder)
         except OSError as err:
             raise CheckpointWriteError(
-                f"cannot create or list the checkpoint folder {str(self.folder)!r}: "
-                f"{err.strerror or err}; check the path and its permissions"
+                f"cannot list the checkpoint folder {str(self.folder)!r}: {err.strerror or err}; "
+                "check the path and its permissions"
             ) from err
-        self._lock.acquire()  # before anything is written or removed
         remove_leftovers(self.folder, names)
 
     def _rotate(self, new: Path, step: int) -> None:

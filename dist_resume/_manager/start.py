@@ -1,35 +1,36 @@
 """How a run starts from a checkpoint folder: its newest checkpoint, another run's checkpoint, or fresh.
 
-:meth:`CheckpointManager.resume` is the public face; this module holds its decision and the
-``init_from`` restore, so that ``folder.py`` stays free of ``restore``'s imports.
+:meth:`CheckpointManager.resume` is the public face; this module holds its decision and the ``init_from``
+restore, so that ``manager.py`` stays free of ``restore``'s imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import inspect
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Final
 
-import torch
-from torch import nn
-
-from .._checkpoint.options import OptimizerHparams, allowed_missing
-from .._checkpoint.restore import ResumeResult, resume
+from .._checkpoint.objects import LiveObjects
+from .._checkpoint.options import OptimizerHparams, ResumeOptions
+from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
+from .._source.consensus import choose_newest, confirm_choice, resolve_source
+from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
+from .._source.source import Source, SourceKind
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
-# resume() options that belong to the run being resumed, never to another run's checkpoint
-_OWN_RUN_ONLY = ("scheduler", "scaler", "sampler", "rng")
+# what an init_from file may lack: a weights-only file (the usual fine-tune start) initialises the model alone
+_INIT_OPTIONAL: Final = ("optimizer", "ema")
 
 
 class FolderState(enum.Enum):
@@ -39,10 +40,11 @@ class FolderState(enum.Enum):
     NONE_YET = "none yet"  # no such file, or no folder yet under an existing parent
 
 
-def folder_state(folder: Path) -> FolderState:
-    """Whether ``folder`` holds files named like checkpoints. Local (rank 0 calls it for everyone).
+def folder_state(folder: Path) -> tuple[FolderState, list[tuple[int, Path]]]:
+    """Whether ``folder`` holds files named like checkpoints, and those files (step, path), oldest first.
+    Local (rank 0 calls it for everyone).
 
-    A missing folder whose parent exists is a first run (the manager creates it at its first save);
+    A missing folder whose parent exists is a first run (the manager creates it to take its lock);
     a missing parent is a mistyped path and raises :class:`CheckpointNotFoundError`.
     """
     if not folder.exists():
@@ -53,14 +55,15 @@ def folder_state(folder: Path) -> FolderState:
                 "a mistyped path would quietly start from step 0, so this is an error; create the parent "
                 "folder for a first run, or fix the path"
             )
-        return FolderState.NONE_YET
+        return FolderState.NONE_YET, []
     if not folder.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
             "saves into (to resume from a single file use dist_resume.resume(path, ...))"
         )
-    if numbered_checkpoints(folder):
-        return FolderState.HOLDS_CHECKPOINTS
+    numbered = numbered_checkpoints(folder)
+    if numbered:
+        return FolderState.HOLDS_CHECKPOINTS, numbered
     kind = foreign_kind(folder)
     if kind is not None or checkpoint_subfolders(folder):  # starting fresh here would drop that run
         what = (
@@ -72,23 +75,7 @@ def folder_state(folder: Path) -> FolderState:
             f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: {what}; a CheckpointManager saves into a "
             "folder of its own: give it a new folder and pass that checkpoint as init_from="
         )
-    return FolderState.NONE_YET
-    if not folder.is_dir():
-        raise CheckpointNotFoundError(
-            f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
-            "saves into (to resume from a single file use dist_resume.resume(path, ...))"
-        )
-    if numbered_checkpoints(folder):
-        return FolderState.HOLDS_CHECKPOINTS
-    if foreign_kind(folder) is not None or checkpoint_subfolders(folder):
-        # an HF/Accelerate/DCP checkpoint, or the parent of some: starting fresh here would drop that run
-        raise NotACheckpointError(
-            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt but "
-            + ("is itself a foreign checkpoint" if foreign_kind(folder) else "holds checkpoint folders one level down")
-            + f" ({unrecognised_folder(folder) if not foreign_kind(folder) else foreign_kind(folder).value}); "  # type: ignore[union-attr]
-            "a CheckpointManager saves into a folder of its own: pass that checkpoint as init_from= and a new folder"
-        )
-    return FolderState.NONE_YET
+    return FolderState.NONE_YET, []
 
 
 def _every_rank_sees(path: Path, what: str) -> None:
@@ -100,64 +87,72 @@ def _every_rank_sees(path: Path, what: str) -> None:
     if missing:
         raise CheckpointConsensusError(
             f"ranks {missing} do not see {what} {str(path)!r}, which rank 0 sees; every rank must see it: use a "
-            "shared filesystem or copy it to every node, or pass broadcast_from_rank0=True",
+            "shared filesystem or copy it to every node, or pass ResumeOptions(broadcast_from_rank0=True)",
             ranks=missing,
         )
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    """Raise now for keywords ``resume`` would refuse (unknown names, bad ``allow_missing`` / ``optimizer_hparams``)."""
-    try:
-        inspect.signature(resume).bind_partial("path", model=None, **options)
-    except TypeError as err:
-        raise TypeError(f"CheckpointManager.resume(): {err} (the keywords resume() takes are passed through)") from None
-    allowed_missing(options.get("allow_missing", ()))
-    OptimizerHparams.parse(options.get("optimizer_hparams", "checkpoint"))
-
-
 def start_run(
     folder: Path,
+    objects: LiveObjects,
+    options: ResumeOptions,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
     init_from: PathLike | None,
-    options: dict[str, Any],
+    take_lock: Callable[[], None],
 ) -> ResumeResult | None:
-    """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed."""
-    _check_options(options)  # a typo must fail on the first run, not on the first restart after a preemption
-    state: FolderState = run_on_rank0(lambda: folder_state(folder), fallback=CheckpointError)
-    broadcast = bool(options.get("broadcast_from_rank0"))
-    if state is FolderState.HOLDS_CHECKPOINTS:
-        if not broadcast:  # resume() reads a folder only where the path is one
-            _every_rank_sees(folder, "the checkpoint folder")
-        return resume(folder, model=model, optimizer=optimizer, **options)
+    """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed.
+
+    In one step, rank 0 lists the folder, takes its write lock (``take_lock``: a second job on the folder is
+    refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
+    rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``).
+    """
+
+    def look_lock_choose() -> CheckpointInfo | None:
+        state, numbered = folder_state(folder)
+        take_lock()
+        return choose_newest(folder, numbered) if state is FolderState.HOLDS_CHECKPOINTS else None
+
+    chosen: CheckpointInfo | None = run_on_rank0(
+        look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
+    )
+    broadcast = options.broadcast_from_rank0 and is_distributed()
+    if chosen is not None:
+        path = chosen.path if broadcast else confirm_choice(folder, chosen)
+        source = Source(SourceKind.FOLDER_NEWEST, path, folder=folder, broadcast=broadcast)
+        return restore_from(source, objects, options)
     if init_from is None:
         log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
         return None
-    source = Path(init_from)
-    exists: bool = run_on_rank0(source.exists, fallback=CheckpointError)
+    other = Path(init_from)
+    exists: bool = run_on_rank0(other.exists, fallback=CheckpointError)
     if not exists:
         raise CheckpointNotFoundError(
-            f"init_from {str(source)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
+            f"init_from {str(other)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
             "holds no checkpoint: fix the path, or pass init_from=None to start from scratch"
         )
     if not broadcast:
-        _every_rank_sees(source, "init_from")
-    return _init(source, model=model, optimizer=optimizer, options=options)
+        _every_rank_sees(other, "init_from")
+    return _init(resolve_source(other, broadcast=broadcast), objects, options)
 
 
-def _init(
-    source: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: dict[str, Any]
-) -> ResumeResult:
-    """Model and optimizer state from another run; the live optimizer keeps its own hyperparameters."""
-    loaded = {k: v for k, v in options.items() if k not in _OWN_RUN_ONLY}
-    loaded["optimizer_hparams"] = "current"  # this run's lr, betas, weight_decay, initial_lr...
-    result = resume(source, model=model, optimizer=optimizer, **loaded)
+def _init(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
+    """Another run's model, and its optimizer (and EMA) state where its file holds them: a new run, which keeps
+    this run's group hyperparameters, scheduler, scaler, data position and RNG streams."""
+    only = LiveObjects(objects.model, objects.optimizer, ema=objects.ema)
+    init_options = dataclasses.replace(
+        options,
+        optimizer_hparams=OptimizerHparams.CURRENT,  # this run's lr, betas, weight_decay, initial_lr...
+        rng=False,
+        allow_missing=frozenset(options.allow_missing).union(_INIT_OPTIONAL),
+    )
+    result = restore_from(source, only, init_options)
+    absent = [part for part in _INIT_OPTIONAL if part in result.skipped]
     log_rank0(
         logging.INFO,
-        "initialised %s from %s (step %s of that run); this run starts at step 0",
+        "initialised %s from %s (step %s of that run); this run starts at step 0%s",
         " and ".join(result.restored),
         result.path,
         result.step,
+        f"; that file holds no {' or '.join(absent)} state: left as built" if absent else "",
     )
     return dataclasses.replace(result, step=0, epoch=0)

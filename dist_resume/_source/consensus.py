@@ -1,4 +1,8 @@
-"""Agreement between ranks on the checkpoint to resume from: rank 0 chooses, every rank confirms."""
+"""Agreement between ranks on the checkpoint to resume from: rank 0 chooses, every rank confirms.
+
+:func:`resolve_source` is where a resume decides what it reads, once: a torch file, a foreign source, or a
+``CheckpointManager`` folder's newest complete checkpoint (rank 0 chooses, every rank confirms it sees that file).
+"""
 
 from __future__ import annotations
 
@@ -19,16 +23,19 @@ from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
-from .._foreign.folders import checkpoint_subfolders, unrecognised_folder
+from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
 from .integrity import CheckpointInfo, archive_digest
 from .listing import find_latest
+from .source import Source, SourceKind
 
-__all__ = ["ViewStatus", "RankView", "resolve_checkpoint"]
+__all__ = ["ViewStatus", "RankView", "choose_newest", "confirm_choice", "resolve_source", "resolve_checkpoint"]
 
 
-def _choose(folder: Path) -> CheckpointInfo:
-    """Rank 0's choice: the newest complete checkpoint, or an error that says why there is none."""
-    info, skipped = find_latest(folder, verify=True)
+def choose_newest(folder: Path, numbered: list[tuple[int, Path]] | None = None) -> CheckpointInfo:
+    """Rank 0's choice: the newest complete checkpoint, or an error that says why there is none. Local.
+
+    ``numbered``: the folder's listing, when the caller has it already (the folder is listed once)."""
+    info, skipped = find_latest(folder, verify=True, numbered=numbered)
     if info is not None:
         return info
     if skipped:
@@ -87,22 +94,35 @@ def _view(path: Path) -> RankView:
         return RankView(ViewStatus.UNREADABLE, str(path), reason=f"{type(err).__name__}: {err}")
 
 
+_AGREE_HINT = (
+    "a rank died, is stuck, or did not call resume() with a checkpoint folder; check every rank's log for "
+    "the first error, then restart the job (the checkpoints in the folder are untouched)"
+)
+
+
 def _agree(folder: Path) -> Path:
-    rank = dist.get_rank()
-    hint = (
-        "a rank died, is stuck, or did not call resume() with a checkpoint folder; check every rank's log for "
-        "the first error, then restart the job (the checkpoints in the folder are untouched)"
-    )
     chosen: CheckpointInfo = run_on_rank0(
-        lambda: _choose(folder),
+        lambda: choose_newest(folder),
         fallback=CheckpointConsensusError,
         task=f"choose the checkpoint in {str(folder)!r}",
-        hint=hint,
+        hint=_AGREE_HINT,
     )
+    return confirm_choice(folder, chosen)
+
+
+def confirm_choice(folder: Path, chosen: CheckpointInfo) -> Path:
+    """Every rank checks that it sees ``chosen`` (rank 0's choice) in its own ``folder``; this rank's path to it.
+
+    Collective under torch.distributed (one object all-gather); a rank that sees another file, or none,
+    makes every rank raise :class:`CheckpointConsensusError` naming the ranks that differ. Local (returns
+    ``chosen.path``) in a single process.
+    """
+    if not is_distributed():
+        return chosen.path
     mine = folder / chosen.path.name
-    view = RankView(ViewStatus.OK, str(mine), chosen.size, chosen.digest) if rank == 0 else _view(mine)
+    view = RankView(ViewStatus.OK, str(mine), chosen.size, chosen.digest) if dist.get_rank() == 0 else _view(mine)
     step = f"agreeing on the checkpoint rank 0 chose in {str(folder)!r} ({chosen.path.name})"
-    with collective_step(step, CheckpointConsensusError, hint):
+    with collective_step(step, CheckpointConsensusError, _AGREE_HINT):
         views: list[RankView] = all_gather_objects(view)
     differ = [r for r, v in enumerate(views) if not v.matches(chosen)]
     if differ:  # every rank holds every view: each one raises, with the same ranks
@@ -117,28 +137,55 @@ def _agree(folder: Path) -> Path:
     return mine
 
 
-def resolve_checkpoint(path: PathLike) -> Path:
-    """The file to resume from: ``path`` itself, or for a folder the newest complete checkpoint in it.
+def _decide(path: Path, *, agree: bool, broadcast: bool) -> Source:
+    """The source at ``path``; for a ``CheckpointManager`` folder its newest complete checkpoint, agreed on by
+    every rank when ``agree`` (collective), else chosen by this rank."""
+    layout = foreign_kind(path)  # a .safetensors file or an HF Trainer / Accelerate / DCP folder; asked once
+    if layout is not None or not path.is_dir():
+        return Source.at(path, layout, broadcast=broadcast)
+    chosen = _agree(path) if agree else choose_newest(path).path
+    return Source(SourceKind.FOLDER_NEWEST, chosen, folder=path, broadcast=broadcast)
 
-    For a file: local, returns it unchanged (:func:`load_checkpoint` reports what is wrong with it).
-    For a folder: collective under torch.distributed (call it on every rank, each with its own view
-    of the folder): rank 0 chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts
-    the choice; every rank checks it sees that file with the same size and digest (a local copy in
-    its own folder is fine). A rank that sees something else makes every rank raise
-    :class:`CheckpointConsensusError` naming the ranks that differ; a dead or absent rank ends in
-    the same error within the process-group timeout. An empty folder raises
-    :class:`CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
-    :class:`CheckpointCorruptError` (never silently "start from scratch").
+
+def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
+    """What a resume of ``path`` reads: decided once, then passed down. Collective for a folder under
+    torch.distributed, local otherwise.
+
+    A file (torch or ``.safetensors``) and a foreign folder are what they are (each rank looks at its own
+    path). Any other folder is taken for a ``CheckpointManager`` folder: rank 0 chooses its newest complete
+    checkpoint and every rank confirms it sees that file (see :func:`resolve_checkpoint`). With ``broadcast``
+    (under torch.distributed) only global rank 0 looks at the filesystem, and every rank receives its
+    decision: the others need not see the path at all.
+    """
+    p = Path(path)
+    if broadcast and is_distributed():
+        decided: Source = run_on_rank0(
+            lambda: _decide(p, agree=False, broadcast=True),
+            fallback=CheckpointError,
+            task=f"choose the checkpoint to read at {str(p)!r}",
+        )
+        return decided
+    return _decide(p, agree=is_distributed(), broadcast=False)
+
+
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The file (or foreign folder) to resume from: ``path`` itself, or for a checkpoint folder the newest
+    complete checkpoint in it.
+
+    For a file or a foreign folder (HF Trainer, Accelerate, DCP): local, returns it unchanged
+    (:func:`~dist_resume.load_checkpoint` reports what is wrong with it). For a ``CheckpointManager`` folder:
+    collective under torch.distributed (call it on every rank, each with its own view of the folder): rank 0
+    chooses (:func:`latest_checkpoint` with ``verify=True``) and broadcasts the choice; every rank checks it sees
+    that file with the same size and digest (a local copy in its own folder is fine). A rank that sees
+    something else makes every rank raise :class:`~dist_resume.errors.CheckpointConsensusError` naming the ranks
+    that differ; a dead or absent rank ends in the same error within the process-group timeout. An empty folder
+    raises :class:`~dist_resume.errors.CheckpointNotFoundError`; a folder whose checkpoints are all damaged raises
+    :class:`~dist_resume.errors.CheckpointCorruptError` (never silently "start from scratch").
 
     Example::
 
-        >>> path = dist_resume.CheckpointManager("ckpts").save(5, model=torch.nn.Linear(2, 2))
-        >>> resolve_checkpoint("ckpts")
+        >>> path = dist_resume.CheckpointManager("ckpts", model=torch.nn.Linear(2, 2)).save(5)
+        >>> dist_resume.tools.resolve_checkpoint("ckpts")
         PosixPath('ckpts/ckpt_00000005.pt')
     """
-    p = Path(path)
-    if not p.is_dir():
-        return p
-    if is_distributed():
-        return _agree(p)
-    return _choose(p).path
+    return resolve_source(path).path

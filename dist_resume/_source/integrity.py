@@ -81,7 +81,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     Example::
 
         >>> path = dist_resume.save_checkpoint("ckpt.pt", model=torch.nn.Linear(2, 2), step=3)
-        >>> dist_resume.inspect_checkpoint(path).step
+        >>> dist_resume.tools.inspect_checkpoint(path).step
         3
     """
     p = Path(path)

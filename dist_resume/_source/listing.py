@@ -54,10 +54,14 @@ def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
     return info
 
 
-def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
-    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error."""
+def find_latest(
+    folder: Path, verify: bool, numbered: list[tuple[int, Path]] | None = None
+) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error.
+
+    ``numbered`` is the folder's :func:`numbered_checkpoints` when the caller has listed it already."""
     skipped: list[tuple[Path, Exception]] = []
-    for step, path in reversed(numbered_checkpoints(folder)):
+    for step, path in reversed(numbered_checkpoints(folder) if numbered is None else numbered):
         try:
             return _check(path, step, verify), skipped
         except (CheckpointError, OSError) as err:
@@ -66,7 +70,7 @@ def find_latest(folder: Path, verify: bool) -> tuple[CheckpointInfo | None, list
     return None, skipped
 
 
-def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
+def latest_checkpoint(folder: PathLike, *, verify: bool = True) -> Path | None:
     """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
 
     Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
@@ -80,7 +84,7 @@ def latest_checkpoint(folder: PathLike, verify: bool = True) -> Path | None:
         >>> mgr = dist_resume.CheckpointManager("ckpts", keep_last=2)
         >>> mgr.save(100, model=torch.nn.Linear(2, 2))
         PosixPath('ckpts/ckpt_00000100.pt')
-        >>> dist_resume.latest_checkpoint("ckpts")
+        >>> dist_resume.tools.latest_checkpoint("ckpts")
         PosixPath('ckpts/ckpt_00000100.pt')
     """
     info, _ = find_latest(Path(folder), verify)

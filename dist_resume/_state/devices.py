@@ -33,7 +33,7 @@ def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
-        >>> dist_resume.device_report(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> dist_resume.tools.device_report(model, torch.optim.SGD(model.parameters(), lr=0.1))
         []
     """
     findings = []

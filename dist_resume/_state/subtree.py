@@ -12,9 +12,19 @@ from .._core.errors import KeyMismatchError, UsageError
 from .._core.text import preview
 from .prefix import match_keys, model_key_map
 
-__all__ = ["select_prefix", "suggest_key_prefix"]
+__all__ = ["check_key_prefix", "select_prefix", "suggest_key_prefix"]
 
 V = TypeVar("V")
+
+
+def check_key_prefix(key_prefix: object) -> str:
+    """``key_prefix`` when it is a dot-separated key prefix ending in ``.`` (``"model."``); else :class:`UsageError`."""
+    if not isinstance(key_prefix, str) or not key_prefix.endswith(".") or key_prefix.startswith("."):
+        raise UsageError(
+            f"key_prefix must be a dot-separated key prefix ending in '.', got {key_prefix!r}",
+            hint="e.g. key_prefix='model.' for a Lightning checkpoint of self.model",
+        )
+    return key_prefix
 
 
 def select_prefix(state_dict: Mapping[str, V], key_prefix: str, source: str = "checkpoint") -> OrderedDict[str, V]:
@@ -30,11 +40,7 @@ def select_prefix(state_dict: Mapping[str, V], key_prefix: str, source: str = "c
         >>> list(select_prefix(sd, "model."))
         ['fc.weight']
     """
-    if not isinstance(key_prefix, str) or not key_prefix.endswith(".") or key_prefix.startswith("."):
-        raise UsageError(
-            f"key_prefix must be a dot-separated key prefix ending in '.', got {key_prefix!r}",
-            hint="e.g. key_prefix='model.' for a Lightning checkpoint of self.model",
-        )
+    check_key_prefix(key_prefix)
     out: OrderedDict[str, V] = OrderedDict(
         (k[len(key_prefix) :], v) for k, v in state_dict.items() if k.startswith(key_prefix)
     )

@@ -18,7 +18,7 @@ from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageErr
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, read_archive
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
-from .._source.open import source_kind
+from .._source.source import local_source
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
@@ -157,7 +157,7 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
     file lacks raises :class:`UsageError`, and so does ``part_keys`` for a foreign source (its files
     name its parts).
     """
-    layout = source_kind(path)
+    layout = local_source(path).layout
     if layout is not None:
         if part_keys:
             raise UsageError(

@@ -13,7 +13,8 @@ from .._core.types import PathLike
 from .._format.sniff import FileKind, check_file, file_kind
 from .._layout.detect import check_part_keys
 from .._layout.layout import CheckpointParts, describe_keys, split_checkpoint
-from .._source.open import open_checkpoint, source_kind
+from .._source.open import open_checkpoint
+from .._source.source import local_source
 from .._state.optim_keys import GROUP_BOOKKEEPING
 from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
@@ -170,8 +171,8 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
     if part_keys:
         check_part_keys(part_keys)
     # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
-    opened_a, opened_b = (open_checkpoint(p, map_location="cpu", mmap=_mmap(p), weights_only=True) for p in (a, b))
-    obj_a, obj_b = opened_a.obj, opened_b.obj
+    contents_a, contents_b = (open_checkpoint(p, map_location="cpu", mmap=_mmap(p), weights_only=True) for p in (a, b))
+    obj_a, obj_b = contents_a.obj, contents_b.obj
     held_a, held_b = _keys_held(obj_a, part_keys), _keys_held(obj_b, part_keys)
     if part_keys:
         unused = [
@@ -184,8 +185,8 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
                 f"--part {preview(unused, quote=False)}: neither {str(a)!r} nor {str(b)!r} has that key",
                 hint="run `dist-resume inspect` on each file to see its keys",
             )
-    pa = opened_a.parts or split_checkpoint(obj_a, source=str(a), part_keys=held_a)
-    pb = opened_b.parts or split_checkpoint(obj_b, source=str(b), part_keys=held_b)
+    pa = contents_a.parts or split_checkpoint(obj_a, source=str(a), part_keys=held_a)
+    pb = contents_b.parts or split_checkpoint(obj_b, source=str(b), part_keys=held_b)
     report = _Report()
     _compare_models(pa.model, pb.model, report)
     _compare_optimizers(pa.optimizer, pb.optimizer, report)
@@ -206,7 +207,7 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
 
 
 def _mmap(path: PathLike) -> bool:
-    return source_kind(path) is not None or file_kind(check_file(path)) is not FileKind.LEGACY
+    return local_source(path).layout is not None or file_kind(check_file(path)) is not FileKind.LEGACY
 
 
 def _where(side: Mapping[str, Any]) -> str:

@@ -34,7 +34,9 @@ def resume_from_rank0(rank: int, world_size: int, folder: str, expected_path: st
     """Only rank 0 can see the checkpoint folder; rank 1 is handed a folder that does not exist."""
     model, opt, sched = make(seed=50 + rank)
     path = folder if rank == 0 else folder + "-not-on-this-node"
-    result = dist_resume.resume(path, model=model, optimizer=opt, scheduler=sched, broadcast_from_rank0=True)
+    result = dist_resume.resume(
+        path, model=model, optimizer=opt, scheduler=sched, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
+    )
     dist_resume.check_devices(model, opt)
     return {
         "state": flat_state(model, opt),
@@ -53,8 +55,10 @@ def one_rank_cannot_validate(rank: int, world_size: int, ckpt: str) -> dict[str,
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        dist_resume.resume(ckpt, model=model, optimizer=opt, broadcast_from_rank0=True)
-    except dist_resume.StateMismatchError as err:
+        dist_resume.resume(
+            ckpt, model=model, optimizer=opt, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
+        )
+    except dist_resume.errors.StateMismatchError as err:
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged, "opt_state": len(opt.state)}
     return {"error": None}
@@ -63,8 +67,10 @@ def one_rank_cannot_validate(rank: int, world_size: int, ckpt: str) -> dict[str,
 def rank0_cannot_read(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     model, opt, _ = make(seed=9)
     try:
-        dist_resume.resume(ckpt, model=model, optimizer=opt, broadcast_from_rank0=True)
-    except dist_resume.CheckpointError as err:
+        dist_resume.resume(
+            ckpt, model=model, optimizer=opt, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
+        )
+    except dist_resume.errors.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
 
@@ -82,6 +88,6 @@ def async_saves(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     try:
         broken.wait()
         error = None
-    except dist_resume.CheckpointWriteError as err:
+    except dist_resume.errors.CheckpointWriteError as err:
         error = str(err)
     return {"first_done": first.done(), "path": str(path), "error": error, "weight": model.fc.weight.detach().clone()}

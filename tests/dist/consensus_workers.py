@@ -49,7 +49,7 @@ def agreement(rank: int, world_size: int, base: str) -> dict[str, Outcome]:
     target = filled(-1.0)
     out["resume"] = _outcome(
         lambda: (
-            dr.resume(shared, model=target, rng=False).step,
+            dr.resume(shared, model=target, options=dr.ResumeOptions(rng=False)).step,
             bool(all(torch.all(p == 2.0) for p in target.parameters())),
         )
     )

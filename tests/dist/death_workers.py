@@ -114,7 +114,7 @@ def broadcast_rank_dies(rank: int, world_size: int, base: str, ckpt: str, victim
     _report(
         base,
         rank,
-        lambda: dr.resume(ckpt, model=model, optimizer=opt, broadcast_from_rank0=True),
+        lambda: dr.resume(ckpt, model=model, optimizer=opt, options=dr.ResumeOptions(broadcast_from_rank0=True)),
         lambda: _loads(Path(ckpt)),
     )
 
@@ -128,7 +128,7 @@ def consensus_rank_dies(rank: int, world_size: int, base: str, folder: str, vict
         base,
         rank,
         lambda: dr.resume(folder, model=model, optimizer=opt),
-        lambda: {"latest": str(dr.latest_checkpoint(folder)), **_loads(Path(folder) / "ckpt_00000002.pt")},
+        lambda: {"latest": str(dr.tools.latest_checkpoint(folder)), **_loads(Path(folder) / "ckpt_00000002.pt")},
     )
 
 
@@ -166,7 +166,7 @@ def save_writer_dies(rank: int, world_size: int, base: str, folder: str, how: st
     def check() -> dict[str, Any]:
         names = sorted(os.listdir(folder))
         return {
-            "latest": str(dr.latest_checkpoint(folder)),
+            "latest": str(dr.tools.latest_checkpoint(folder)),
             "names": names,
             **_loads(Path(folder) / "ckpt_00000001.pt"),
         }

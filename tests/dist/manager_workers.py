@@ -33,11 +33,13 @@ def _outcome(fn: Any) -> Outcome:
         return ("error", type(err).__name__, str(err), getattr(err, "ranks", None))
 
 
-def _start(folder: Path, value: float = -1.0, **kwargs: Any) -> tuple[int | None, float | None]:
+def _start(
+    folder: Path, value: float = -1.0, *, init_from: Path | None = None, **options: Any
+) -> tuple[int | None, float | None]:
     """(the step resume returned, or None for a fresh start; the value the model then holds)."""
     model = filled(value)
-    opt = optimizer(model)
-    res = dr.CheckpointManager(folder).resume(model=model, optimizer=opt, **kwargs)
+    with dr.CheckpointManager(folder, model=model, optimizer=optimizer(model)) as mgr:  # its lock ends with the call
+        res = mgr.resume(init_from=init_from, options=dr.ResumeOptions(**options))
     return (None if res is None else res.step), _value(model)
 
 

@@ -30,8 +30,12 @@ def main() -> None:
     manager.save_async(2, model=model, optimizer=opt).wait()
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    by_folder = dist_resume.resume(folder, model=fresh, optimizer=fresh_opt, rng=True)  # rank agreement
-    by_broadcast = dist_resume.resume(folder, model=fresh, optimizer=fresh_opt, broadcast_from_rank0=True)
+    by_folder = dist_resume.resume(
+        folder, model=fresh, optimizer=fresh_opt, options=dist_resume.ResumeOptions(rng=True)
+    )  # rank agreement
+    by_broadcast = dist_resume.resume(
+        folder, model=fresh, optimizer=fresh_opt, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
+    )
     assert torch.equal(fresh.weight, model.weight)
     sys.stdout.write(f"OK rank={info.rank} steps={by_folder.step},{by_broadcast.step}\n")
     sys.stdout.flush()

@@ -22,9 +22,13 @@ def broadcast_with_ema_and_allowed_missing(rank: int, world_size: int, ckpt: str
     before_sched = sched.state_dict()
     path = ckpt if rank == 0 else ckpt + ".not-on-this-rank"
     result = dist_resume.resume(
-        path, model=ddp, optimizer=opt, scheduler=sched, ema=ema, allow_missing=("scheduler",),
-        broadcast_from_rank0=True,
-    )  # fmt: skip
+        path,
+        model=ddp,
+        optimizer=opt,
+        scheduler=sched,
+        ema=ema,
+        options=dist_resume.ResumeOptions(allow_missing=("scheduler",), broadcast_from_rank0=True),
+    )
     inner = ema.module.module
     assert isinstance(inner, Net)
     return {

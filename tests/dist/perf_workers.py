@@ -53,7 +53,12 @@ def reads(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         before = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
         dist.barrier()
         start = _rchar()
-        dist_resume.resume(path, model=model, optimizer=opt, mmap=mmap, broadcast_from_rank0=broadcast)
+        dist_resume.resume(
+            path,
+            model=model,
+            optimizer=opt,
+            options=dist_resume.ResumeOptions(mmap=mmap, broadcast_from_rank0=broadcast),
+        )
         rchar = _rchar() - start
         gc.collect()
         after = model.state_dict(keep_vars=True)

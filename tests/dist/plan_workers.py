@@ -26,5 +26,7 @@ def count_validations(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         setattr(module, name, spy)
     model, opt, sched = make(seed=70 + rank)
     path = ckpt if rank == 0 else ckpt + ".not-on-this-rank"
-    result = dist_resume.resume(path, model=model, optimizer=opt, scheduler=sched, broadcast_from_rank0=True)
+    result = dist_resume.resume(
+        path, model=model, optimizer=opt, scheduler=sched, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
+    )
     return {"calls": dict(calls), "restored": result.restored, "state": flat_state(model, opt)}

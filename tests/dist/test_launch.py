@@ -105,11 +105,11 @@ def _per_rank_state_worker(rank: int, world_size: int, path: str, skew: bool) ->
     it = iter(sampler)
     for _ in range(5 + (rank if skew else 0)):
         next(it)
-    dist_resume.save_checkpoint(path, model=model, step=5, sampler=sampler)  # gathers RNG + sampler on rank 0
+    dist_resume.save_checkpoint(path, model=model, step=5, dataloader=sampler)  # gathers RNG + sampler on rank 0
     expected = torch.rand(4)
     torch.rand(8)
     fresh = dist_resume.ResumableDistributedSampler(64, seed=1)
-    res = dist_resume.resume(path, model=model, sampler=fresh, rng=True)
+    res = dist_resume.resume(path, model=model, dataloader=fresh, options=dist_resume.ResumeOptions(rng=True))
     return {
         "restored": res.restored,
         "rand": torch.rand(4),

@@ -27,7 +27,7 @@ def test_broadcast_resume_validates_once_on_every_rank(tmp_path):
             "prepare_optimizer_state": 1,
             "check_scheduler": 1,
         }, f"rank {rank}: {res['calls']}"
-        assert res["restored"] == ("model", "optimizer", "scheduler")
+        assert res["restored"] == ("model", "optimizer", "scheduler", "rng")
         assert res["state"].keys() == expected.keys()
         for key, value in expected.items():
             assert torch.equal(res["state"][key], value), (rank, key)

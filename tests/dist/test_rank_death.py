@@ -95,7 +95,7 @@ def test_rank0_dies_while_writing(tmp_path: Path, how: str) -> None:
     # the torn write never took the place of a checkpoint: the previous one is the latest and loads
     assert r1["latest"] == str(folder / "ckpt_00000001.pt") and (r1["loads"], r1["step"]) == (True, 1), r1
     assert "ckpt_00000002.pt" not in r1["names"], r1["names"]
-    assert dr.latest_checkpoint(folder) == folder / "ckpt_00000001.pt"
+    assert dr.tools.latest_checkpoint(folder) == folder / "ckpt_00000001.pt"
 
 
 # --- the conversion itself, in one process -------------------------------------------------------------------
@@ -107,8 +107,8 @@ def test_collective_step_names_the_step_and_the_cause() -> None:
         "This is typically caused by a remote worker crashing."
     )
     with (
-        pytest.raises(dr.CheckpointWriteError) as caught,
-        collective_step("waiting for rank 0 to write", dr.CheckpointWriteError),
+        pytest.raises(dr.errors.CheckpointWriteError) as caught,
+        collective_step("waiting for rank 0 to write", dr.errors.CheckpointWriteError),
     ):
         raise gloo
     message = str(caught.value)
@@ -116,8 +116,8 @@ def test_collective_step_names_the_step_and_the_cause() -> None:
     assert "(RuntimeError: Connection closed by peer [127.0.0.1]:1234)" in message, message
     assert caught.value.__cause__ is gloo
     with (
-        pytest.raises(dr.CheckpointError, match="no answer within the process-group timeout"),
-        collective_step("x", dr.CheckpointError),
+        pytest.raises(dr.errors.CheckpointError, match="no answer within the process-group timeout"),
+        collective_step("x", dr.errors.CheckpointError),
     ):
         raise torch.distributed.DistBackendError("Timed out waiting 10000ms for recv operation to complete")
 
@@ -125,13 +125,13 @@ def test_collective_step_names_the_step_and_the_cause() -> None:
 @pytest.mark.parametrize(
     "err",
     [
-        dr.DeviceMismatchError("a dist_resume error that is a RuntimeError"),
+        dr.errors.DeviceMismatchError("a dist_resume error that is a RuntimeError"),
         KeyboardInterrupt(),
         ValueError("not a collective's failure"),
     ],
 )
 def test_collective_step_lets_everything_else_through(err: BaseException) -> None:
-    with pytest.raises(type(err)) as caught, collective_step("x", dr.CheckpointError):
+    with pytest.raises(type(err)) as caught, collective_step("x", dr.errors.CheckpointError):
         raise err
     assert caught.value is err
 

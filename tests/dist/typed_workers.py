@@ -26,7 +26,7 @@ def _report(err: dr.DistResumeError) -> dict[str, Any]:
 
 
 def _unpicklable_usage_error() -> None:
-    err = dr.UsageError("rank 0 cannot convert this checkpoint", "pass another destination")
+    err = dr.errors.UsageError("rank 0 cannot convert this checkpoint", "pass another destination")
     err.callback = lambda: None  # type: ignore[attr-defined]  # a lambda does not pickle
     raise err
 
@@ -41,16 +41,16 @@ def typed_outcomes(rank: int, world_size: int, base: str) -> dict[str, Any]:
         model.append(nn.Linear(3, 2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        dr.resume(root / "model.pt", model=model, broadcast_from_rank0=True, rng=False)
-    except dr.KeyMismatchError as err:
+        dr.resume(root / "model.pt", model=model, options=dr.ResumeOptions(broadcast_from_rank0=True, rng=False))
+    except dr.errors.KeyMismatchError as err:
         out["keys"] = _report(err)
     out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     try:
         resolve_checkpoint(root / "different" / f"rank{rank}")
-    except dr.CheckpointConsensusError as err:
+    except dr.errors.CheckpointConsensusError as err:
         out["consensus"] = _report(err)
     try:
         run_on_rank0(_unpicklable_usage_error)
-    except dr.UsageError as err:
+    except dr.errors.UsageError as err:
         out["unpicklable"] = _report(err)
     return out

@@ -52,7 +52,9 @@ def _check(name: str, path: str, expected: dict[str, Any], broadcast: bool) -> s
     inner = _bert(path) if name == "hf" else _tiny()
     model = DDP(inner)
     opt = _hf_optimizer(model) if name == "hf" else torch.optim.AdamW(model.parameters(), lr=1e-2)
-    result = dist_resume.resume(path, model=model, optimizer=opt, broadcast_from_rank0=broadcast)
+    result = dist_resume.resume(
+        path, model=model, optimizer=opt, options=dist_resume.ResumeOptions(broadcast_from_rank0=broadcast)
+    )
     want_layout = "hf-trainer" if name == "hf" else "dcp"
     if result.layout.value != want_layout or "optimizer" not in result.restored:
         return f"layout {result.layout.value}, restored {result.restored}"

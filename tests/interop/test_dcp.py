@@ -13,14 +13,14 @@ import torch
 
 from dist_resume._core.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dist_resume._foreign.dcp import normalize_optimizer_state, read_dcp
-from dist_resume._foreign.folders import FolderKind, detect_folder, read_folder
+from dist_resume._foreign.folders import FolderKind, detect_folder, read_foreign_folder
 from tests.interop._compare import assert_same, loads_into
 from tests.interop.conftest import Saved, _tiny
 
 
 def test_plain_dcp_save_comes_back_with_int_state_keys(dcp_plain: Saved) -> None:
     assert detect_folder(dcp_plain.path) is FolderKind.DCP
-    parts = read_folder(dcp_plain.path, map_location="cpu")
+    parts = read_foreign_folder(dcp_plain.path, map_location="cpu")
     assert_same(dict(parts.model), dcp_plain.model, "model")
     assert_same(parts.optimizer, dcp_plain.optimizer, "optimizer")  # int keys, as saved
     model = _tiny()

@@ -105,7 +105,9 @@ def _fresh(case: Case, wrap: bool) -> tuple[nn.Module, torch.optim.Optimizer | N
 def test_resume_restores_what_the_library_saved(name: str, wrap: bool, request: pytest.FixtureRequest) -> None:
     case = _case(name, request)
     model, opt, sched = _fresh(case, wrap)
-    result = dr.resume(case.saved.path, model=model, optimizer=opt, scheduler=sched, map_location="cpu")
+    result = dr.resume(
+        case.saved.path, model=model, optimizer=opt, scheduler=sched, options=dr.ResumeOptions(map_location="cpu")
+    )
     assert result.layout.value == case.layout
     want_model = {k: v for k, v in case.saved.model.items()}
     if name == "lightning":
@@ -137,7 +139,7 @@ def _loss(model: nn.Module, name: str) -> torch.Tensor:
 def test_resume_with_broadcast_flag_outside_torchrun_reads_the_folder(dcp_dsd: Saved) -> None:
     model = _tiny()
     opt = _adamw(model)
-    result = dr.resume(dcp_dsd.path, model=model, optimizer=opt, broadcast_from_rank0=True)
+    result = dr.resume(dcp_dsd.path, model=model, optimizer=opt, options=dr.ResumeOptions(broadcast_from_rank0=True))
     assert result.layout.value == "dcp"
     assert_same(opt.state_dict()["state"], dcp_dsd.optimizer["state"], "optimizer state")  # type: ignore[index]
 
@@ -148,7 +150,9 @@ def test_safetensors_has_no_optimizer_and_says_what_to_do(hf_checkpoint: Saved) 
     model = BertForSequenceClassification(hf_checkpoint.extra["hf_model"].config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = _hf_optimizer(model)
-    with pytest.raises(dr.StateMismatchError, match=r"safetensors layout\) has no optimizer state.*optimizer") as info:
+    with pytest.raises(
+        dr.errors.StateMismatchError, match=r"safetensors layout\) has no optimizer state.*optimizer"
+    ) as info:
         dr.resume(hf_checkpoint.path / "model.safetensors", model=model, optimizer=opt)
     assert "do not pass the optimizer" in str(info.value) or "allow_missing" in str(info.value)
     assert_same(model.state_dict(), before, "model after a refused resume")  # all or nothing
@@ -159,7 +163,7 @@ def test_accelerate_with_several_models_logs_that_only_the_first_is_restored(
 ) -> None:
     model = _tiny()
     with caplog.at_level(logging.INFO, logger="dist_resume"):
-        dr.resume(accelerate_state.path, model=model, map_location="cpu", strict=False)
+        dr.resume(accelerate_state.path, model=model, options=dr.ResumeOptions(map_location="cpu", strict=False))
     assert any(
         "more than one model" in r.getMessage() and "model_1.safetensors" in r.getMessage() for r in caplog.records
     )
@@ -180,40 +184,40 @@ def test_load_checkpoint_of_a_foreign_source_is_a_dict_split_checkpoint_reads(hf
 
 def test_unrecognised_and_manager_folders_are_refused_by_load_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hi")
-    with pytest.raises(dr.NotACheckpointError, match=r"'notes.txt'.*hf-trainer.*accelerate.*dcp"):
+    with pytest.raises(dr.errors.NotACheckpointError, match=r"'notes.txt'.*hf-trainer.*accelerate.*dcp"):
         dr.load_checkpoint(tmp_path)
     manager = tmp_path / "run"
     dr.CheckpointManager(manager).save(3, model=nn.Linear(2, 2))
-    with pytest.raises(dr.CheckpointNotFoundError, match="folder"):
+    with pytest.raises(dr.errors.CheckpointNotFoundError, match="folder"):
         dr.load_checkpoint(manager)
 
 
 def test_inspect_and_verify_a_foreign_folder(hf_checkpoint: Saved, tmp_path: Path) -> None:
-    info = dr.inspect_checkpoint(hf_checkpoint.path)
+    info = dr.tools.inspect_checkpoint(hf_checkpoint.path)
     names = dict(info.files)
     assert info.layout == "hf-trainer" and info.step == 2
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt"} <= set(names)
     assert info.size == sum(names.values())
-    assert dr.verify_archive(hf_checkpoint.path) == []
+    assert dr.tools.verify_archive(hf_checkpoint.path) == []
     copy = tmp_path / "checkpoint-2"
     shutil.copytree(hf_checkpoint.path, copy)
-    assert dr.inspect_checkpoint(copy).digest == info.digest
+    assert dr.tools.inspect_checkpoint(copy).digest == info.digest
     _flip_last_tensor_byte(copy / "optimizer.pt")
-    findings = dr.verify_archive(copy, strict=False)
+    findings = dr.tools.verify_archive(copy, strict=False)
     assert findings and findings[0].record is not None and findings[0].record.startswith("optimizer.pt")
-    with pytest.raises(dr.CheckpointCorruptError, match=r"optimizer\.pt"):
-        dr.resume(copy, model=_tiny(), verify=True)
+    with pytest.raises(dr.errors.CheckpointCorruptError, match=r"optimizer\.pt"):
+        dr.resume(copy, model=_tiny(), options=dr.ResumeOptions(verify=True))
 
 
 def test_verify_checks_the_safetensors_header(hf_checkpoint: Saved, tmp_path: Path) -> None:
     st = tmp_path / "model.safetensors"
     shutil.copy(hf_checkpoint.path / "model.safetensors", st)
-    assert dr.verify_archive(st) == []
-    assert dr.inspect_checkpoint(st).layout == "safetensors"
+    assert dr.tools.verify_archive(st) == []
+    assert dr.tools.inspect_checkpoint(st).layout == "safetensors"
     with open(st, "r+b") as f:
         f.truncate(st.stat().st_size - 4)
-    with pytest.raises(dr.CheckpointCorruptError, match="spans bytes"):
-        dr.verify_archive(st)
+    with pytest.raises(dr.errors.CheckpointCorruptError, match="spans bytes"):
+        dr.tools.verify_archive(st)
 
 
 def _flip_last_tensor_byte(path: Path) -> None:
@@ -266,14 +270,14 @@ def test_the_parent_of_checkpoint_folders_names_them_and_is_never_a_first_run(
         lambda: dr.CheckpointManager(output_dir).resume(model=model),
     ]
     for call in calls:
-        with pytest.raises(dr.NotACheckpointError, match="checkpoint-2/") as err:
+        with pytest.raises(dr.errors.NotACheckpointError, match="checkpoint-2/") as err:
             call()
-        assert not isinstance(err.value, dr.CheckpointNotFoundError)
+        assert not isinstance(err.value, dr.errors.CheckpointNotFoundError)
         assert repr(str(hf_checkpoint.path)) in str(err.value)  # names the folder to pass
     for argv in (["inspect", str(output_dir)], ["convert", str(output_dir), str(output_dir / "x.pt"), "--to", "ddp"]):
         assert main(argv) == 2
         assert "checkpoint-2/" in capsys.readouterr().err
-    with pytest.raises(dr.NotACheckpointError, match="itself a checkpoint"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="itself a checkpoint"):
         dr.CheckpointManager(hf_checkpoint.path).resume(model=model)  # would save ckpt_*.pt into the HF folder
 
 
@@ -283,9 +287,13 @@ def test_a_real_lightning_ckpt_resumes_into_the_inner_module_with_key_prefix(lig
     target: nn.Module = nn.DataParallel(inner) if wrap else inner  # DataParallel: DDP's module. keys, one process
     opt = torch.optim.AdamW(inner.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-    with pytest.raises(dr.KeyMismatchError, match=r"key_prefix='model\.'"):
-        dr.resume(lightning_ckpt.path, model=target, strict=False)  # nothing fits without the prefix: never 0 of N
-    result = dr.resume(lightning_ckpt.path, model=target, optimizer=opt, scheduler=sched, key_prefix="model.")
+    with pytest.raises(dr.errors.KeyMismatchError, match=r"key_prefix='model\.'"):
+        dr.resume(
+            lightning_ckpt.path, model=target, options=dr.ResumeOptions(strict=False)
+        )  # nothing fits without the prefix: never 0 of N
+    result = dr.resume(
+        lightning_ckpt.path, model=target, optimizer=opt, scheduler=sched, options=dr.ResumeOptions(key_prefix="model.")
+    )
     assert result.layout is dr.Layout.LIGHTNING and result.step == 2
     assert result.restored == ("model", "optimizer", "scheduler")
     assert result.applied["model"] == (len(lightning_ckpt.model), len(lightning_ckpt.model))

@@ -1,0 +1,101 @@
+"""The optimizer part of a restore: whose group hyperparameters win, what differs, how much state applies."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .._core.text import shown
+from .._state.optim_keys import GROUP_BOOKKEEPING
+from .options import OptimizerHparams
+
+__all__ = [
+    "hparam_changes",
+    "lr_differs",
+    "choose_hparams",
+    "optimizer_applied",
+    "strip_name_prefix",
+]
+
+
+def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
+    out = []
+    for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        for name in sorted((set(saved) | set(live)) - GROUP_BOOKKEEPING):
+            old, new = saved.get(name, "absent"), live.get(name, "absent")
+            if not _same(old, new):
+                out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")
+    return out
+
+
+def lr_differs(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether some group's ``lr`` differs between the checkpoint and the live optimizer."""
+    return any(not _same(s.get("lr"), g.get("lr")) for s, g in zip(saved_groups, live_groups))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # tensors (capturable lr), mismatched types: compare their text
+        return repr(a) == repr(b)
+
+
+def strip_name_prefix(saved_optimizer: Any, key_prefix: str) -> Any:
+    """``saved_optimizer`` with ``key_prefix`` removed from its groups' ``param_names`` where present.
+    A shallow copy (state tensors shared); anything not an optimizer state dict is returned as it is."""
+    if not isinstance(saved_optimizer, Mapping) or not isinstance(saved_optimizer.get("param_groups"), (list, tuple)):
+        return saved_optimizer
+    groups = []
+    for group in saved_optimizer["param_groups"]:
+        names = group.get("param_names") if isinstance(group, Mapping) else None
+        if names is not None:
+            group = {
+                **group,
+                "param_names": [n[len(key_prefix) :] if n.startswith(key_prefix) else n for n in names],
+            }
+        groups.append(group)
+    return {**saved_optimizer, "param_groups": groups}
+
+
+def choose_hparams(
+    opt_sd: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    hparams: OptimizerHparams,
+    notices: list[tuple[int, str]],
+    scheduled: bool = False,
+) -> tuple[dict[str, Any], tuple[int, int]]:
+    """``opt_sd`` with the group hyperparameters ``hparams`` chooses (logging each that differs) and
+    ``(parameters with saved state, parameters)``. ``scheduled``: an LR scheduler is restored too, so
+    a differing ``lr`` is most likely its doing (a warm-up sets it when the scheduler is built), and
+    the line says so."""
+    changes = hparam_changes(opt_sd["param_groups"], optimizer.param_groups)
+    if changes:
+        whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
+        why = " (an LR scheduler sets it; the scheduler is restored too)"
+        notices.extend(
+            (
+                logging.INFO,
+                f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}"
+                + (why if scheduled and c.split()[2] in ("lr:", "initial_lr:") else ""),
+            )
+            for c in changes
+        )
+    if hparams is OptimizerHparams.CURRENT:
+        groups = []
+        for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):
+            group = {k: v for k, v in live.items() if k not in ("params", "param_names")}
+            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
+            groups.append(group)
+        opt_sd = {**opt_sd, "param_groups": groups}
+    ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
+    return opt_sd, (sum(1 for i in ids if opt_sd["state"].get(i)), len(ids))
+
+
+def optimizer_applied(opt_sd: dict[str, Any], counts: tuple[int, int]) -> bool:
+    """Restored when some parameter gets state, or when the file holds none at all (a stateless optimizer
+    such as SGD without momentum, or one saved before its first step: its hyperparameters are what it has)."""
+    return counts[0] > 0 or not opt_sd["state"]

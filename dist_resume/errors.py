@@ -1,0 +1,73 @@
+"""Every exception and warning dist_resume raises on purpose, under one base class, :class:`DistResumeError`.
+
+::
+
+    DistResumeError                      .rank: where it happened, when another rank relayed it
+    ├── EnvironmentMismatchError         (also ValueError)
+    ├── CheckpointError
+    │   ├── CheckpointNotFoundError      (also FileNotFoundError)
+    │   ├── CheckpointCorruptError
+    │   ├── NotACheckpointError
+    │   ├── UnsafeCheckpointError
+    │   ├── CheckpointWriteError
+    │   └── CheckpointConsensusError     .ranks
+    ├── StateMismatchError               (also ValueError)
+    │   ├── KeyMismatchError             .missing .unexpected .mismatched
+    │   └── OptimizerStateMismatchError
+    ├── DeviceMismatchError              .findings (also RuntimeError)
+    └── UsageError                       .hint (also ValueError)
+
+    TorchSecurityWarning                 (a UserWarning: the installed torch predates a security fix)
+
+``DistResumeError`` is importable from ``dist_resume`` too (``except dist_resume.DistResumeError``). Every
+error pickles with its attributes, so a failure on one rank is raised on the others as the same class.
+
+Example::
+
+    >>> from dist_resume.errors import CheckpointNotFoundError, DistResumeError
+    >>> issubclass(CheckpointNotFoundError, (DistResumeError, FileNotFoundError))
+    True
+"""
+
+from __future__ import annotations
+
+from ._core.errors import (
+    CheckpointConsensusError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DeviceMismatchError,
+    DistResumeError,
+    EnvironmentMismatchError,
+    KeyMismatchError,
+    NotACheckpointError,
+    OptimizerStateMismatchError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UsageError,
+)
+from ._core.publish import publish
+from ._core.security import TorchSecurityWarning
+
+__all__ = [
+    "DistResumeError",
+    "EnvironmentMismatchError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "NotACheckpointError",
+    "UnsafeCheckpointError",
+    "CheckpointWriteError",
+    "CheckpointConsensusError",
+    "StateMismatchError",
+    "KeyMismatchError",
+    "OptimizerStateMismatchError",
+    "DeviceMismatchError",
+    "UsageError",
+    "TorchSecurityWarning",
+]
+
+publish(globals(), __all__, __name__)
+
+del publish
