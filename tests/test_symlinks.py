@@ -89,7 +89,9 @@ def test_a_symlink_at_the_destination_is_replaced_not_written_through(folder: Pa
     assert not dest.is_symlink() and dr.inspect_checkpoint(dest).step == 5
 
 
-def test_conversion_outputs_replace_symlinks_and_remove_linked_temps(tmp_path: Path, folder: Path, outside: Path) -> None:
+def test_conversion_outputs_replace_symlinks_and_remove_linked_temps(
+    tmp_path: Path, folder: Path, outside: Path
+) -> None:
     src = dr.save_checkpoint(tmp_path / "src.pt", model=_model(), step=1)
     dst = folder / "out.pt"
     dst.symlink_to(outside)
