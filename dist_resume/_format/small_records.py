@@ -20,7 +20,7 @@ from .._core.errors import CheckpointCorruptError
 from .._core.types import PathLike
 from .records import Record, read_records
 
-__all__ = ["CheckedRecords", "read_checked_records"]
+__all__ = ["CheckedRecords", "read_checked_records", "check_small_records"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,29 +52,36 @@ def read_checked_records(path: PathLike, *, keep_pickle: bool = False) -> Checke
     """
     p = Path(path)
     archive_name, records = read_records(p)
+    return CheckedRecords(archive_name, records, check_small_records(p, archive_name, records, keep_pickle))
+
+
+def check_small_records(
+    path: Path, archive_name: str, records: list[Record], keep_pickle: bool = False
+) -> bytes | None:
+    """The CRC-32 check of :func:`read_checked_records` on records already read; ``data.pkl``'s bytes if kept."""
     tensor_data, pickle_name = f"{archive_name}/data/", f"{archive_name}/data.pkl"
     kept: bytes | None = None
-    with open(p, "rb") as f:
+    with open(path, "rb") as f:
         for r in records:
             if r.name.startswith(tensor_data):
                 continue
             try:
-                data = _record_bytes(p, f, r)
+                data = _record_bytes(path, f, r)
             except OSError as err:  # an I/O error on a file whose directory was just read
                 raise CheckpointCorruptError(
-                    f"checkpoint {_name(p)} is damaged: its record {r.name!r} cannot be read "
+                    f"checkpoint {_name(path)} is damaged: its record {r.name!r} cannot be read "
                     f"({err.strerror or err}); resume from an earlier checkpoint"
                 ) from err
             crc = zlib.crc32(data)
             if crc != r.crc:
                 raise CheckpointCorruptError(
-                    f"checkpoint {_name(p)} is damaged: its record {r.name!r} fails its CRC-32 check (recorded "
+                    f"checkpoint {_name(path)} is damaged: its record {r.name!r} fails its CRC-32 check (recorded "
                     f"{r.crc:#010x}, data {crc:#010x}): its bytes changed after it was written (disk, copy or "
                     "transfer) and nothing was loaded from it; resume from an earlier checkpoint or copy it again"
                 )
             if keep_pickle and r.name == pickle_name:
                 kept = data
-    return CheckedRecords(archive_name, records, kept)
+    return kept
 
 
 def _record_bytes(path: Path, f: Any, record: Record) -> bytes:
