@@ -26,11 +26,10 @@ The entry this module writes per rank (:func:`loader_state`, plain values, loads
   changed, or a saved state that is not torchdata's: refused with :class:`StateMismatchError` before
   anything changes.
 
-What a sampler passed alone can notice: :class:`ResumableDistributedSampler` sees torch's
-multi-process DataLoader iterator drawing from it (in the calling frames, once per iterator) and
-warns once, at the first ``state_dict()`` without ``consumed``. Not detectable: a loader that has
-not iterated yet, a custom or wrapping iterator that draws ahead (a CUDA prefetcher around a
-``num_workers=0`` loader draws one batch ahead), and a loader subclass with its own iterator.
+A sampler passed alone sees torch's multi-process DataLoader iterator drawing from it (in the
+calling frames, once per iterator) and warns once, at the first ``state_dict()`` without
+``consumed``. Not detectable: a loader that has not iterated yet, a custom or wrapping iterator that
+draws ahead (a CUDA prefetcher around a ``num_workers=0`` loader), a loader with its own iterator.
 
 Intended wiring (``save_checkpoint`` / ``resume`` / ``CheckpointManager`` ``dataloader=``):
 
