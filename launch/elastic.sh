@@ -11,6 +11,8 @@
 # and the new world size finishes the interrupted epoch with every sample seen once).
 # Optional: MAX_RESTARTS (default 3), NPROC_PER_NODE, MASTER_PORT (default 29500), RDZV_ID,
 # TORCHRUN, TORCHRUN_ARGS, TRAIN_SCRIPT, OMP_NUM_THREADS (default 1). Arguments after the script go to train.py.
+# Ctrl-C, SIGTERM or SIGHUP to this script stop the whole job, workers included (see run_torchrun in
+# _common.sh; STOP_GRACE: seconds before leftover workers get SIGKILL, default 30).
 set -euo pipefail
 
 # shellcheck source=launch/_common.sh
@@ -22,6 +24,6 @@ if [ -n "${MASTER_ADDR:-}" ]; then
 else
     rdzv=(--standalone)
 fi
-exec "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="$nproc_per_node" \
+run_torchrun "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="$nproc_per_node" \
     --max-restarts="${MAX_RESTARTS:-3}" ${extra[@]+"${extra[@]}"} \
     "$train_script" --resume auto "$@"

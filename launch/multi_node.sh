@@ -13,6 +13,8 @@
 # TRAIN_SCRIPT, OMP_NUM_THREADS (default 1). The c10d rendezvous assigns node ranks itself; NODE_RANK is passed for the record.
 # The node whose address is MASTER_ADDR hosts the rendezvous store; global ranks are
 # node-major and every process picks its GPU by LOCAL_RANK.
+# Ctrl-C, SIGTERM or SIGHUP to this script stop the whole job, workers included (see run_torchrun in
+# _common.sh; STOP_GRACE: seconds before leftover workers get SIGKILL, default 30).
 set -euo pipefail
 : "${NNODES:?set NNODES, the number of nodes}" "${NODE_RANK:?set NODE_RANK, the index of this node}"
 : "${MASTER_ADDR:?set MASTER_ADDR, the address of node 0}" "${MASTER_PORT:?set MASTER_PORT, a free port on node 0}"
@@ -20,7 +22,7 @@ set -euo pipefail
 # shellcheck source=launch/_common.sh
 source "$(dirname "$0")/_common.sh"
 
-exec "${torchrun[@]}" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+run_torchrun "${torchrun[@]}" --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --nproc_per_node="$nproc_per_node" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
     --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-dist_resume}}" --max-restarts="${MAX_RESTARTS:-0}" ${extra[@]+"${extra[@]}"} \

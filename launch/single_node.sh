@@ -8,10 +8,12 @@
 # TORCHRUN_ARGS (extra torchrun flags), TRAIN_SCRIPT (default: train.py next to this file), OMP_NUM_THREADS
 # (default 1). See _common.sh for what keeps the start-up quiet.
 # Every other argument goes to train.py (see `python launch/train.py --help`).
+# Ctrl-C, SIGTERM or SIGHUP to this script stop the whole job, workers included (see run_torchrun in
+# _common.sh; STOP_GRACE: seconds before leftover workers get SIGKILL, default 30).
 set -euo pipefail
 
 # shellcheck source=launch/_common.sh
 source "$(dirname "$0")/_common.sh"
 
-exec "${torchrun[@]}" --standalone --nproc_per_node="$nproc_per_node" ${extra[@]+"${extra[@]}"} \
+run_torchrun "${torchrun[@]}" --standalone --nproc_per_node="$nproc_per_node" ${extra[@]+"${extra[@]}"} \
     "$train_script" "$@"

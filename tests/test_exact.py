@@ -161,13 +161,60 @@ def test_checkpoint_at_the_end_of_an_epoch_resumes_into_the_next_one():
     assert list(s) == list(Sampler(8, 2, 0, seed=0, shuffle=True)._order(1))[0::2]
 
 
-def test_a_new_iterator_continues_and_the_old_one_stops():
+def test_a_new_iterator_restarts_at_the_resume_position_and_the_old_one_stops():
     s = Sampler(10, 1, 0, shuffle=False)
     old = iter(s)
-    assert [next(old), next(old)] == [0, 1]
-    assert list(s) == list(range(2, 10)) and s.epoch == 1
+    assert [next(old), next(old)] == [0, 1] and s.consumed == 2
+    assert list(s) == list(range(10)) and s.epoch == 1  # a fresh epoch restarts at 0, as DistributedSampler does
     assert list(old) == []  # superseded: yields nothing, does not advance the epoch again
     assert s.epoch == 1
+    s.load_state_dict({"epoch": 3, "consumed": 6, "num_samples": 10, "seed": 0, "shuffle": False})
+    peek = iter(s)
+    assert next(peek) == 6 and s.consumed == 7
+    assert len(s) == 4 and list(s) == [6, 7, 8, 9] and s.epoch == 4  # a resumed epoch restarts where it resumed
+
+
+def test_the_ddp_tutorials_peek_costs_no_batch():
+    """PyTorch's multigpu_torchrun.py reads one batch every epoch to learn the batch size, then iterates."""
+    data = list(range(64))
+    samplers = _ranks(len(data), 2, seed=0)
+    loaders = [DataLoader(data, batch_size=4, sampler=s) for s in samplers]
+    for epoch in range(2):
+        seen = []
+        for loader in loaders:
+            batch_size = len(next(iter(loader)))
+            loader.sampler.set_epoch(epoch)
+            steps = 0
+            for batch in loader:
+                seen += batch.tolist()
+                steps += 1
+            assert (batch_size, steps) == (4, 8)  # 8 of 8 steps, not 7
+        assert sorted(seen) == data, f"epoch {epoch}: every sample exactly once"
+
+
+def test_a_multi_worker_dataloader_drawing_from_the_sampler_is_warned_once(caplog):
+    data = list(range(40))
+    s = Sampler(data, num_replicas=2, rank=0, seed=0)
+    loader = DataLoader(data, batch_size=2, sampler=s, num_workers=2, prefetch_factor=2)
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        it = iter(loader)
+        next(it)
+        s.state_dict()  # what a save calls
+        s.state_dict()
+        assert s.state_dict(consumed=2)["consumed"] == 4  # the way around it: no warning
+        del it
+        for _ in loader:
+            pass
+        s.state_dict()
+    warned = [r.getMessage() for r in caplog.records if "prefetch" in r.getMessage()]
+    assert len(warned) == 1 and "2 worker(s) and prefetch_factor=2" in warned[0] and "StatefulDataLoader" in warned[0]
+    quiet = Sampler(data, num_replicas=2, rank=0, seed=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        for _ in DataLoader(data, batch_size=2, sampler=quiet):  # num_workers=0: exact, nothing to say
+            pass
+        quiet.state_dict()
+    assert not caplog.records
 
 
 def test_dataloader_with_its_own_generator_positions_and_the_global_rng():

@@ -228,3 +228,82 @@ def test_resume_from_a_folder(tmp_path: Path) -> None:
     result = dr.resume(tmp_path, model=target, options=dr.ResumeOptions(verify=True))
     assert result.step == 2 and result.path == tmp_path / checkpoint_name(2)
     assert all(torch.all(p == 2) for p in target.parameters())
+
+
+# ---------------------------------------------------------------- rotation counts only valid checkpoints
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "dist_resume" and r.levelno >= logging.WARNING]
+
+
+def test_damaged_higher_steps_take_no_slot_and_are_named_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The issue's scenario: valid 100 and 200, an empty 400 and a truncated 500; a resume picks 200 and the
+    next save (300, keep_last=2) keeps 300 and its valid fallback 200, leaves the damaged files alone and names
+    each once; latest(), the warning and `dist-resume list` agree on the pick."""
+    from dist_resume.cli._list import list_folder
+
+    _save_steps(tmp_path, [100, 200], keep_last=2).close()
+    (tmp_path / checkpoint_name(400)).write_bytes(b"")
+    good = (tmp_path / checkpoint_name(200)).read_bytes()
+    (tmp_path / checkpoint_name(500)).write_bytes(good[: len(good) // 2])
+    model = _filled(0)
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    assert mgr.resume(model=model).step == 200  # type: ignore[union-attr]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dist_resume"):
+        mgr.save(300, model=_filled(300))
+    assert _names(mgr) == [checkpoint_name(s) for s in (200, 300, 400, 500)]  # 100 rotated out, nothing else
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1, warnings
+    (message,) = warnings
+    assert "2 damaged checkpoint file(s)" in message and "pick ckpt_00000300.pt" in message
+    assert message.count("ckpt_00000400.pt") == 1 and message.count("ckpt_00000500.pt") == 1
+    assert "empty" in message and "truncated" in message
+    assert "later steps" not in message
+    assert mgr.latest() == tmp_path / checkpoint_name(300)
+    assert list_folder(tmp_path)["pick"] == checkpoint_name(300)
+    # the next save names them again, in one warning, and still keeps two valid checkpoints
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        mgr.save(310, model=_filled(310))
+    assert len(_warnings(caplog)) == 1
+    assert _names(mgr) == [checkpoint_name(s) for s in (300, 310, 400, 500)]
+    mgr.close()
+
+
+def test_a_valid_later_step_is_what_the_warning_names_and_latest_picks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Later valid steps take the newest slots (latest() picks them), a later file whose tensor data fails its CRC
+    is damaged (latest() skips it), and the message says which one latest() and `dist-resume list` pick."""
+    from dist_resume.cli._list import list_folder
+
+    mgr = _save_steps(tmp_path, [100, 400, 500], keep_last=3)
+    _flip_byte_in_tensor_record(tmp_path / checkpoint_name(500))
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        mgr.save(300, model=_filled(300))
+    later, damaged = _warnings(caplog)
+    assert "later steps ['ckpt_00000400.pt']" in later and "will pick ckpt_00000400.pt" in later
+    assert "1 damaged" in damaged and "ckpt_00000500.pt" in damaged and "CRC" in damaged
+    assert "pick ckpt_00000400.pt" in damaged
+    # keep_last=3 valid: 400, 300 (new), 100; the damaged 500 takes no slot
+    assert _names(mgr) == [checkpoint_name(s) for s in (100, 300, 400, 500)]
+    assert mgr.latest() == tmp_path / checkpoint_name(400) == tmp_path / list_folder(tmp_path)["pick"]
+    mgr.close()
+
+
+def test_a_file_checked_once_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dist_resume._manager import rotation
+
+    mgr = _save_steps(tmp_path, [1, 2, 3], keep_last=3)
+    calls: list[Path] = []
+    real = rotation.check_numbered
+    monkeypatch.setattr(rotation, "check_numbered", lambda p, s, verify: calls.append(p) or real(p, s, verify))
+    mgr.save(4, model=_filled(4))
+    assert calls == []  # every older file was written by this process, as it still is
+    (tmp_path / checkpoint_name(3)).write_bytes((tmp_path / checkpoint_name(3)).read_bytes())  # rewritten by hand
+    os.utime(tmp_path / checkpoint_name(3), ns=(1, 1))
+    mgr.save(5, model=_filled(5))
+    assert calls == [tmp_path / checkpoint_name(3)]
+    mgr.close()

@@ -19,7 +19,8 @@ from .._core.tree import map_tensors
 from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._layout.layout import CheckpointParts
-from .._state.optim import optimizer_to, prepare_optimizer_state
+from .._state.optim import optimizer_to, param_names, prepare_optimizer_state
+from .._state.optim_state import check_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
 from .ema import adapt_ema_state
@@ -179,6 +180,7 @@ def plan_restore(
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
         scheduled = scheduler is not None and parts.scheduler is not None
         optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices, scheduled)
+        check_optimizer_state(optimizer_state, optimizer, param_names(model), source=source)
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)

@@ -1,4 +1,8 @@
-"""Where a conversion writes: path checks, its locked temporary file, and the atomic replace."""
+"""Where a conversion writes: path checks, its locked temporary file, and the atomic replace.
+
+Nothing here writes or deletes through a symlink: DST that is a symlink is replaced (or moved aside)
+as a name, and a symlink at a temporary name is removed as a link.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from .._core.errors import CheckpointWriteError, UsageError
 from .._format.atomic import TEMP_NAME, atomic_write
 
 __all__ = ["check_paths", "remove_stale_temps", "temp_path", "write_locked", "replace_folder"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def check_paths(src: Path, dst: Path, force: bool, *, folder: bool = False) -> None:
@@ -50,8 +56,12 @@ def remove_stale_temps(dst: Path) -> list[Path]:
     """
     removed = []
     for tmp in _temps(dst):
+        if tmp.is_symlink():  # never ours (we create files and folders): remove the link, never follow it
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+            continue
         try:
-            fd = os.open(tmp, os.O_RDONLY)
+            fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW)
         except OSError:
             continue
         try:
@@ -60,12 +70,17 @@ def remove_stale_temps(dst: Path) -> list[Path]:
             continue  # a conversion is writing it right now
         finally:
             os.close(fd)
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        _remove(tmp)
         removed.append(tmp)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a folder tree; a symlink goes as a link (``rmtree`` never follows links inside a tree)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def temp_path(dst: Path, fd: int) -> Path:
@@ -73,7 +88,7 @@ def temp_path(dst: Path, fd: int) -> Path:
     st = os.fstat(fd)
     for tmp in _temps(dst):
         try:
-            if os.path.samestat(tmp.stat(), st):
+            if os.path.samestat(tmp.lstat(), st):
                 return tmp
         except OSError:
             continue
@@ -102,7 +117,8 @@ def write_locked(dst: Path, fill: Callable[[int, Path], int]) -> int:
 def replace_folder(dst: Path, fill: Callable[[Path], None]) -> None:
     """Write the folder ``dst`` through a temporary folder next to it, then rename it into place.
 
-    An existing ``dst`` (the caller checked ``force``) is moved aside first and deleted after the rename.
+    An existing ``dst`` (the caller checked ``force``) is moved aside first and deleted after the rename;
+    a ``dst`` that is a symlink is moved and deleted as a link, and the folder it points to is never touched.
     """
     parent = dst.parent
     if not parent.is_dir():
@@ -113,7 +129,7 @@ def replace_folder(dst: Path, fill: Callable[[Path], None]) -> None:
     try:
         tmp.mkdir()
         fill(tmp)
-        if dst.exists():
+        if os.path.lexists(dst):
             os.replace(dst, old)
             moved = True
         try:
@@ -133,4 +149,4 @@ def replace_folder(dst: Path, fill: Callable[[Path], None]) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if moved:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)

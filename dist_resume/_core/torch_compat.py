@@ -9,6 +9,7 @@ this is the one module to fix; nothing else in the package reaches into ``torch.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ __all__ = [
     "compiled_original",
     "decode_location",
     "discarding_sparse_checks",
+    "drawing_loader_workers",
     "meta_typed_storage",
     "object_collective_device_type",
     "storage_class_for",
@@ -166,3 +168,27 @@ PLAIN_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
 def allowing_plain_globals() -> Any:
     """A context manager under which ``weights_only`` loads accept :data:`PLAIN_GLOBALS`."""
     return torch.serialization.safe_globals(list(PLAIN_GLOBALS))
+
+
+def drawing_loader_workers(depth: int = 8) -> tuple[int, int] | None:
+    """``(num_workers, prefetch_factor)`` of the multi-process DataLoader iterator drawing from the caller, or None.
+
+    torch.utils.data.dataloader._MultiProcessingDataLoaderIter (torch >= 1.6) is the object whose main
+    process pulls indices from the sampler, ``prefetch_factor`` batches per worker ahead of the training
+    loop; it is found as ``self`` of one of the caller's ``depth`` outer frames (its ``_next_index``,
+    via a BatchSampler's ``__iter__``): a sampler cannot see its DataLoader any other way. torchdata's
+    StatefulDataLoader iterators are not subclasses of it (they track what the loop consumed).
+    """
+    try:
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    except ImportError:  # pragma: no cover - a torch that renamed it: nothing detected
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _MultiProcessingDataLoaderIter):
+            return int(owner._num_workers), int(owner._prefetch_factor)
+    return None

@@ -1,5 +1,5 @@
-"""Exact resume: a sampler that knows how far into its epoch the job got, and the per-rank state
-(RNG streams, sampler position) that save_checkpoint gathers and resume restores."""
+"""Exact resume: a sampler that knows how far into its epoch the job got (the per-rank state that
+save_checkpoint gathers is :mod:`.rank_states`'s, re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .._core import torch_compat
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import rank_and_world
-from .._dist.comm import all_gather_objects
-from .._dist.env import is_distributed
-from .rng import param_device, restore_rank_rng, rng_state_dict
+from .rank_states import gather_rank_states, merge_rank_states
+from .rng import param_device, restore_rank_rng
 
 __all__ = [
+    "PREFETCH_WARNING",
     "ResumableDistributedSampler",
     "check_sampler_state",
     "gather_rank_states",
@@ -28,41 +28,6 @@ __all__ = [
     "param_device",
     "restore_rank_rng",
 ]
-
-
-def gather_rank_states(
-    *, rng: bool, sampler: Any = None, device: torch.device | None = None
-) -> list[dict[str, Any]] | None:
-    """Every rank's RNG and sampler state, gathered on rank 0 (``None`` on the others).
-
-    Collective under torch.distributed (one object all-gather): call it on every rank. Local in a
-    single process. ``sampler`` is a sampler with ``state_dict()`` or such a state dict itself.
-    """
-    state = sampler if sampler is None or isinstance(sampler, Mapping) else sampler.state_dict()
-    mine = {"rng": rng_state_dict(device) if rng else None, "sampler": None if state is None else dict(state)}
-    if not is_distributed():
-        return [mine]
-    everyone = all_gather_objects(mine)
-    return everyone if dist.get_rank() == 0 else None
-
-
-def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
-    """The checkpoint's RNG list (index = rank) and sampler state from :func:`gather_rank_states`.
-
-    Raises :class:`StateMismatchError` when the ranks' samplers disagree on epoch or position.
-    """
-    rngs = [s["rng"] for s in states]
-    samplers = [s["sampler"] for s in states]
-    sampler = samplers[0]
-    if sampler is not None:
-        positions = [(s.get("epoch"), s.get("consumed", s.get("yielded"))) for s in samplers]
-        if len(set(positions)) > 1:
-            raise StateMismatchError(
-                f"the ranks' samplers are at different positions (epoch, samples consumed): "
-                f"{positions}; every rank must draw the same number of batches before saving. A DataLoader "
-                "with workers prefetches: pass sampler=sampler.state_dict(consumed=<samples trained on>)"
-            )
-    return (rngs if rngs[0] is not None else None), sampler
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +78,17 @@ class ResumableDistributedSampler(Sampler[int]):
     to the next one, so forgetting ``set_epoch`` cannot repeat a shuffle. ``set_epoch(e)`` for the
     current epoch is a no-op (it keeps a resumed position); another ``e`` starts that epoch afresh.
 
-    The position counts what the sampler has yielded, exact for a ``DataLoader`` with
-    ``num_workers=0``. With workers that prefetch, save
-    ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``.
+    A new iterator restarts at the epoch's resume position (the loaded one, or 0 for a fresh
+    epoch), as ``DistributedSampler`` restarts each iterator: a batch peeked to learn the batch
+    size (``next(iter(loader))``, as PyTorch's DDP tutorial does every epoch) costs nothing, and
+    an older iterator stops once a newer one starts. The position counts what the newest iterator
+    has yielded, exact for a ``DataLoader`` with ``num_workers=0``. With workers that prefetch, a
+    plain ``DataLoader`` draws batches ahead of the training loop: use torchdata's
+    ``StatefulDataLoader`` (it saves the position of what the loop consumed, see
+    ``dist_resume._exact.stateful_loader``), or save
+    ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``. The sampler
+    notices when a multi-worker ``DataLoader`` draws from it and warns once, at the first
+    ``state_dict()`` without ``consumed``, that the position counts prefetched samples.
 
     Example::
 
@@ -146,7 +119,10 @@ class ResumableDistributedSampler(Sampler[int]):
         self._epoch = 0
         self._start = 0  # global position where the current pass began
         self._yielded = 0  # indices this rank yielded since then
+        self._resume_at = 0  # global position a new iterator starts at: the loaded one, 0 in a fresh epoch
         self._pass = 0  # bumped by every new pass, set_epoch and load_state_dict: older iterators stop
+        self._prefetching: tuple[int, int] | None = None  # (workers, prefetch) of a DataLoader drawing ahead
+        self._warned_prefetch = False
 
     num_samples = property(lambda self: self._cfg.num_samples, doc="Length of the dataset.")
     num_replicas = property(lambda self: self._cfg.num_replicas, doc="Ranks sharing each epoch.")
@@ -177,13 +153,14 @@ class ResumableDistributedSampler(Sampler[int]):
         return left // w if self._cfg.drop_last else -(-left // w)
 
     def __len__(self) -> int:
-        """Indices this rank yields from the current position to the end of the epoch."""
-        return self._share(self.consumed)
+        """Indices a new iterator yields: from the epoch's resume position to its end."""
+        return self._share(self._resume_at)
 
     def __iter__(self) -> Iterator[int]:
         self._pass += 1
-        token, start, w = self._pass, self.consumed, self._cfg.num_replicas
+        token, start, w = self._pass, self._resume_at, self._cfg.num_replicas
         self._start, self._yielded = start, 0
+        self._prefetching = torch_compat.drawing_loader_workers() or self._prefetching
         order = self._order(self._epoch)
         rest = order[start:]
         total = self._share(start) * w
@@ -195,7 +172,7 @@ class ResumableDistributedSampler(Sampler[int]):
             self._yielded += 1
             yield index
         if self._pass == token:
-            self._epoch, self._start, self._yielded = self._epoch + 1, 0, 0
+            self._epoch, self._start, self._yielded, self._resume_at = self._epoch + 1, 0, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` afresh; a no-op when it is the current epoch (a resumed position is kept). Local."""
@@ -212,7 +189,7 @@ class ResumableDistributedSampler(Sampler[int]):
                 self._cfg.num_samples,
             )
         self._pass += 1
-        self._epoch, self._start, self._yielded = epoch, 0, 0
+        self._epoch, self._start, self._yielded, self._resume_at = epoch, 0, 0, 0
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """Epoch and global position, plus what must match on load. Local; plain ints and bools.
@@ -221,6 +198,9 @@ class ResumableDistributedSampler(Sampler[int]):
         current pass (use it when DataLoader workers prefetch ahead of the training loop).
         """
         position = self.consumed
+        if consumed is None and self._prefetching is not None and not self._warned_prefetch:
+            self._warned_prefetch = True
+            log_rank0(logging.WARNING, PREFETCH_WARNING, *self._prefetching)
         if consumed is not None:
             if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= self._yielded:
                 raise ValueError(f"consumed={consumed!r} must be an int in 0..{self._yielded} (indices yielded)")
@@ -256,6 +236,15 @@ class ResumableDistributedSampler(Sampler[int]):
             )
         self._pass += 1
         self._epoch, self._start, self._yielded = int(state_dict["epoch"]), int(state_dict["consumed"]), 0
+        self._resume_at = self._start
+
+
+PREFETCH_WARNING = (
+    "ResumableDistributedSampler is drawn by a DataLoader with %d worker(s) and prefetch_factor=%d: its saved "
+    "position counts the batches the workers prefetched, not only those trained on, so a resume would skip them. "
+    "Use torchdata's StatefulDataLoader (exact with workers), or save "
+    "sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)"
+)
 
 
 def check_sampler_state(sampler: Any, state: Any, source: str = "sampler state") -> None:

@@ -1,4 +1,4 @@
-"""Reading a torch zip checkpoint without loading tensor data (its records and their integrity: :mod:`.verify`).
+"""Reading a torch zip checkpoint without loading tensor data (its records and their integrity: :mod:`.records`).
 
 ``torch.save`` writes a zip archive: ``<name>/data.pkl`` (the pickled structure), one stored record
 ``<name>/data/<key>`` per storage (raw bytes, 64-byte aligned), plus ``version``, ``byteorder``,
@@ -14,8 +14,6 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,8 @@ from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
-from .records import Record, read_records
+from .records import Record
+from .small_records import read_checked_records
 from .sniff import check_walkable, unsafe_error
 
 __all__ = ["StorageInfo", "ArchiveContents", "read_archive"]
@@ -122,17 +121,10 @@ def read_archive(path: PathLike) -> ArchiveContents:
         >>> contents.obj["w"].shape, contents.storages["0"].location
         (torch.Size([2, 3]), 'cpu')
     """
-    archive_name, records = read_records(path)
     p = Path(path)
-    pickle_name = f"{archive_name}/data.pkl"
-    try:
-        with zipfile.ZipFile(p) as zf:
-            data = zf.read(pickle_name)  # checks the record's CRC
-    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, NotImplementedError, ValueError) as err:
-        raise CheckpointCorruptError(
-            f"checkpoint {_name(p)} is damaged: its data.pkl cannot be read ({err}); resume from an earlier checkpoint"
-        ) from err
-    contents = ArchiveContents(p, archive_name, records, len(data), None, {})
+    checked = read_checked_records(p, keep_pickle=True)  # every small record's CRC, data.pkl's included
+    data = checked.pickle or b""
+    contents = ArchiveContents(p, checked.archive_name, checked.records, len(data), None, {})
     warn_if_unsafe_torch()  # the unpickler below is torch's weights_only one, with its published flaws
     try:
         # the sparse checks queued are torch.load's, not ours; argparse.Namespace (``args``) carries no code

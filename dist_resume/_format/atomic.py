@@ -63,12 +63,19 @@ class _RecordingFile:
         return getattr(self._f, name)
 
 
+# O_EXCL fails on any existing name, a symlink included (it is never followed); O_NOFOLLOW says so twice
+_CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
-    """A new file next to the destination with the mode ``open()`` would give it (0o666 minus the umask)."""
+    """A new file next to the destination with the mode ``open()`` would give it (0o666 minus the umask).
+
+    Never opens an existing name: a file or symlink planted at the temporary name is left alone and
+    another name is drawn."""
     while True:
         tmp = folder / f".{dest_name}.{secrets.token_hex(8)}.tmp"
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+            return os.open(tmp, _CREATE_NEW, 0o666), tmp
         except FileExistsError:  # pragma: no cover - 64 random bits collided
             continue
 
@@ -92,6 +99,8 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
 
     Local. A reader sees the old file or the new one, never a partial one: the rename is the
     completion marker, and the folder is fsynced after it so the rename survives a power loss.
+    Nothing is written through a symlink: the temporary file is always new (``O_EXCL``), and a
+    ``path`` that is a symlink is replaced as a name (the file it pointed to keeps its content).
     The file gets the mode ``open()`` would give it (0o666 minus the umask). On error (disk full,
     file-size limit, permissions) the temporary file is removed and :class:`CheckpointWriteError`
     names the cause; a process killed mid-write leaves a ``.<name>.<hex>.tmp`` file

@@ -28,7 +28,8 @@ from .._core.torch_errors import (
 from .._core.types import MapLocation, PathLike
 from .._dist.accelerator import current_accelerator
 from .._dist.env import rank_device
-from .records import read_records, verify_zip
+from .records import verify_zip
+from .small_records import read_checked_records
 from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
 
 __all__ = ["rank_map_location", "load_torch_file"]
@@ -92,8 +93,10 @@ def load_torch_file(
     to :func:`rank_map_location` (``<accelerator>:<LOCAL_RANK>``, or ``cpu`` without one). ``mmap=True``
     maps the file instead of reading it into memory. Missing, empty, truncated, corrupt, foreign
     and unsafe files raise a :class:`CheckpointError` subclass, never a bare ``EOFError`` or
-    ``UnpicklingError``. ``verify=True`` first checks the CRC-32 of every record (``torch.load``
-    never does; reads the file once more) and raises :class:`CheckpointCorruptError` on a mismatch.
+    ``UnpicklingError``. The CRC-32 of every small record (``data.pkl``, ``version``, ...: all but
+    the tensor data) is checked first, always (``torch.load`` never does); ``verify=True`` checks
+    every record's, tensor data included (reads the file once more). A mismatch raises
+    :class:`CheckpointCorruptError` before anything is unpickled.
 
     Example::
 
@@ -112,8 +115,8 @@ def load_torch_file(
         )
     if not legacy and not verify:
         # torch's C++ zip reader trusts the directory's offsets and sizes (a size field set to 0xFFFFFFFF
-        # makes it allocate 4 GiB for a tiny file): check them first, reading only the directory
-        read_records(p)
+        # makes it allocate 4 GiB for a tiny file) and no CRC: check those and every small record's CRC
+        read_checked_records(p)
     warn_if_unsafe_torch()
     if map_location is None or isinstance(map_location, int):
         map_location = rank_map_location(map_location)

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Final
@@ -30,6 +31,7 @@ from .._core.errors import CheckpointWriteError
 __all__ = ["LOCK_NAME", "FolderLock"]
 
 LOCK_NAME: Final = ".dist_resume.lock"
+_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _holder(fd: int) -> str:
@@ -69,13 +71,7 @@ class FolderLock:
         """Take the lock, or raise :class:`CheckpointWriteError` naming the folder and the holder."""
         if self._fd is not None:
             return
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-        except OSError as err:
-            raise CheckpointWriteError(
-                f"cannot open the lock file {str(self.path)!r} of checkpoint folder {str(self.path.parent)!r}: "
-                f"{err.strerror or err}; check the folder's permissions"
-            ) from err
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -99,6 +95,35 @@ class FolderLock:
         except OSError:
             pass  # the lock holds without the note (a full disk must not stop a save that may still fit)
         self._fd = fd
+
+    def _open(self) -> int:
+        """The lock file, opened without following a symlink, and only if it is a regular file of one link.
+
+        Taking the lock truncates and rewrites the file: through a planted symlink (or hard link) that
+        would destroy the file it points to, so anything but a plain file is refused, naming it.
+        """
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as err:
+            if err.errno == errno.ELOOP or self.path.is_symlink():
+                raise self._not_plain(f"a symbolic link (to {os.readlink(self.path)!r})") from err
+            raise CheckpointWriteError(
+                f"cannot open the lock file {str(self.path)!r} of checkpoint folder {str(self.path.parent)!r}: "
+                f"{err.strerror or err}; check the folder's permissions"
+            ) from err
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} hard links"
+            raise self._not_plain(what)
+        return fd
+
+    def _not_plain(self, what: str) -> CheckpointWriteError:
+        return CheckpointWriteError(
+            f"cannot lock checkpoint folder {str(self.path.parent)!r}: its lock file {str(self.path)!r} is {what}, "
+            "and dist_resume never writes through one (taking the lock truncates the file, which would destroy what "
+            "it points to); nothing was written. Remove it (the toolkit creates a plain one) and save again"
+        )
 
     def release(self) -> None:
         """Drop the lock (no-op if not held). Local."""

@@ -2,23 +2,72 @@
 
 Both run on the writing rank only, under the folder's lock (:mod:`~dist_resume._manager.lock`),
 and both only log what they cannot delete: a file left behind never fails a save that succeeded.
+
+Rotation counts valid checkpoints only. Every other ``ckpt_<step>.pt`` is checked as ``latest()``
+checks it without its CRC pass (zip structure, the CRC-32 of the small records, dist_resume
+metadata whose step matches the name); one that fails (empty, truncated, foreign, unreadable)
+takes no ``keep_last`` slot, is never the reason a valid one is deleted, and is left where it is:
+deleting it would destroy what may be the only copy of a run's state, and moving it would rename
+what the user sees in ``dist-resume list`` and in the logs. Each save names the damaged files in
+one warning. A file the toolkit wrote itself, or checked once, is not read again while it keeps
+its inode, size and modification time (a 200,000-key checkpoint takes seconds to check). Rotation
+deletes directory entries only: a ``ckpt_<step>.pt`` that is a symlink is removed as a link, and
+whatever it points to is never touched.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
+from .._core.errors import CheckpointError
 from .._core.log import log_rank0, logger
+from .._core.text import preview
 from .._format.atomic import TEMP_NAME
-from .._source.listing import CHECKPOINT_NAME, numbered_checkpoints
+from .._source.listing import CHECKPOINT_NAME, check_numbered, first_valid, numbered_checkpoints
 
-__all__ = ["remove_leftovers", "rotate_out"]
+__all__ = ["remove_leftovers", "rotate_out", "remember_valid"]
+
+_Signature = tuple[int, int, int, int]
+_known_valid: dict[Path, _Signature] = {}  # files known to be complete checkpoints, as they were then
+_known_lock = threading.Lock()  # rotation runs in an async save's thread too
+
+
+def _signature(path: Path) -> _Signature | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def remember_valid(path: Path) -> None:
+    """Record that ``path``, as it is now, is a complete checkpoint (the toolkit just wrote it)."""
+    signature = _signature(path)
+    if signature is not None:
+        with _known_lock:
+            _known_valid[path.absolute()] = signature
+
+
+def _problem(path: Path, step: int) -> Exception | None:
+    """Why ``path`` does not count as a checkpoint of ``step``, or None when it does."""
+    key = path.absolute()
+    with _known_lock:
+        known = _known_valid.get(key)
+    if known is not None and known == _signature(path):
+        return None
+    try:
+        check_numbered(path, step, verify=False)
+    except (CheckpointError, OSError) as err:
+        return err
+    remember_valid(path)
+    return None
 
 
 def remove_leftovers(folder: Path, names: list[str]) -> None:
     """Delete, among ``names`` in ``folder``, the temporary files of interrupted checkpoint saves
-    (``.ckpt_<step>.pt.<16 hex>.tmp``); nothing else is touched."""
+    (``.ckpt_<step>.pt.<16 hex>.tmp``); nothing else is touched, and a symlink is removed as a link."""
     for name in names:
         found = TEMP_NAME.match(name)
         if found and CHECKPOINT_NAME.match(found.group("dest")):
@@ -29,27 +78,72 @@ def remove_leftovers(folder: Path, names: list[str]) -> None:
                 logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
 
 
+def _reason(path: Path, err: Exception) -> str:
+    """``ckpt_00000400.pt is empty (0 bytes), ...``: the error's own words, with the file named once."""
+    text = str(err)
+    for subject in (f"checkpoint {str(path)!r} ", f"{str(path)!r} "):
+        if text.startswith(subject):
+            text = f"{path.name} {text[len(subject) :]}"
+            break
+    else:
+        text = f"{path.name} ({type(err).__name__}: {text.replace(str(path), path.name)})"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
 def rotate_out(folder: Path, new: Path, step: int, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints of ``folder``, never ``new`` (just written
-    for ``step``); warn when the folder already holds later steps, which latest() would pick."""
-    numbered = numbered_checkpoints(folder)
-    later = [path.name for s, path in numbered if s > step]
+    """Delete all but the newest ``keep_last`` valid checkpoints of ``folder``, never ``new`` (just written for
+    ``step``); name the damaged files in one warning; warn when valid later steps exist, which latest() would pick."""
+    remember_valid(new)
+    valid: list[tuple[int, Path]] = []  # newest first
+    damaged: list[tuple[Path, Exception]] = []
+    for s, path in reversed(numbered_checkpoints(folder)):
+        err = None if path == new else _problem(path, s)
+        if err is None:
+            valid.append((s, path))
+        else:
+            damaged.append((path, err))
+    later = [(s, path) for s, path in valid if s > step]
+    pick = new
     if later:
+        # latest() and resume() check every CRC of the newest candidates: pick as they (and `dist-resume list`) do
+        info, failed = first_valid(later, verify=True)
+        damaged += failed
+        valid = [(s, p) for s, p in valid if p not in {f for f, _ in failed}]
+        if info is not None:
+            pick = info.path
+            logger.warning(
+                "saved step %d into %s, which already holds later steps %s: latest() and resume() will pick %s; "
+                "delete the later ones if that run was abandoned",
+                step,
+                folder,
+                [p.name for s, p in valid if s > step],
+                pick.name,
+            )
+    if damaged:
         logger.warning(
-            "saved step %d into %s, which already holds later steps %s: latest() and resume() "
-            "will pick those; delete them if that run was abandoned",
-            step,
+            "checkpoint folder %s holds %d damaged checkpoint file(s), which take no keep_last slot and are left in "
+            "place: %s; latest() and resume() skip them and pick %s; delete them once you have looked "
+            "(`dist-resume list %s` shows each with its reason)",
             folder,
-            later,
+            len(damaged),
+            preview((_reason(p, e) for p, e in damaged), 10, sep="; ", quote=False),
+            pick.name,
+            folder,
         )
-    keep = {path for _, path in numbered[-keep_last:]} | {new}
-    for _, path in numbered:
+    keep = {path for _, path in valid[:keep_last]} | {new}
+    for _, path in valid:
         if path in keep:
             continue
         try:
-            path.unlink()
+            path.unlink()  # a symlink goes as a link: its target is never touched
             log_rank0(logging.INFO, "rotated out %s (keep_last=%d)", path, keep_last)
         except FileNotFoundError:
             pass
         except OSError as err:
             logger.warning("could not delete old checkpoint %s: %s", path, err)
+        with _known_lock:
+            _known_valid.pop(path.absolute(), None)
+    if len(_known_valid) > 10_000:  # many folders in one long-lived process: forget the oldest
+        with _known_lock:
+            for key in list(_known_valid)[: len(_known_valid) // 2]:
+                _known_valid.pop(key, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
@@ -19,7 +20,15 @@ from .._core.log import logger
 from .._core.types import PathLike
 from .integrity import CheckpointInfo, inspect_checkpoint
 
-__all__ = ["CHECKPOINT_NAME", "checkpoint_name", "numbered_checkpoints", "find_latest", "latest_checkpoint"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "checkpoint_name",
+    "numbered_checkpoints",
+    "check_numbered",
+    "first_valid",
+    "find_latest",
+    "latest_checkpoint",
+]
 
 CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
 
@@ -43,7 +52,9 @@ def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
+def check_numbered(path: Path, step: int, verify: bool) -> CheckpointInfo:
+    """``path``'s :class:`CheckpointInfo` if it is a complete checkpoint of ``step`` (its name's), else raise
+    :class:`CheckpointError` (``verify``: every record's CRC-32 too)."""
     info = inspect_checkpoint(path, verify=verify)
     if info.step != step:
         raise NotACheckpointError(
@@ -54,20 +65,30 @@ def _check(path: Path, step: int, verify: bool) -> CheckpointInfo:
     return info
 
 
+def first_valid(
+    candidates: Iterable[tuple[int, Path]], verify: bool
+) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
+    """The first of ``candidates`` ((step, path), newest first) that is complete, and those skipped before it, each
+    with its error. Local; logs nothing (:func:`find_latest` does)."""
+    skipped: list[tuple[Path, Exception]] = []
+    for step, path in candidates:
+        try:
+            return check_numbered(path, step, verify), skipped
+        except (CheckpointError, OSError) as err:
+            skipped.append((path, err))
+    return None, skipped
+
+
 def find_latest(
     folder: Path, verify: bool, numbered: list[tuple[int, Path]] | None = None
 ) -> tuple[CheckpointInfo | None, list[tuple[Path, Exception]]]:
-    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error.
+    """The newest complete checkpoint, and the newer ones skipped on the way, each with its error (logged).
 
     ``numbered`` is the folder's :func:`numbered_checkpoints` when the caller has listed it already."""
-    skipped: list[tuple[Path, Exception]] = []
-    for step, path in reversed(numbered_checkpoints(folder) if numbered is None else numbered):
-        try:
-            return _check(path, step, verify), skipped
-        except (CheckpointError, OSError) as err:
-            skipped.append((path, err))
-            logger.warning("skipping checkpoint %s: %s", path, err)
-    return None, skipped
+    info, skipped = first_valid(reversed(numbered_checkpoints(folder) if numbered is None else numbered), verify)
+    for path, err in skipped:
+        logger.warning("skipping checkpoint %s: %s", path, err)
+    return info, skipped
 
 
 def latest_checkpoint(folder: PathLike, *, verify: bool = True) -> Path | None:
