@@ -159,16 +159,15 @@ class ZipWriter:
         )
 
     def finish(self) -> int:
-        """Write the central directory (zip64 when needed); return the archive's size."""
+        """Write the central directory and the (zip64) end records; return the archive's size."""
         cd_offset = self.offset
         central = b"".join(self._central)
         write_all(self._fd, central, cd_offset)
         end = cd_offset + len(central)
         count = len(self._central)
-        tail = b""
-        if count >= 0xFFFF or cd_offset >= _U32 or len(central) >= _U32:
-            tail += _EOCD64.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(central), cd_offset)
-            tail += _LOCATOR64.pack(0x07064B50, 0, end, 1)
+        # torch's writer (miniz with its zip64 flag) always ends with the zip64 end record and its locator
+        tail = _EOCD64.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(central), cd_offset)
+        tail += _LOCATOR64.pack(0x07064B50, 0, end, 1)
         tail += _EOCD.pack(
             0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF), min(len(central), _U32), min(cd_offset, _U32), 0
         )
