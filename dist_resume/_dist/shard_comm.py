@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,10 +116,16 @@ def _send_boxes(full: torch.Tensor, dst: torch.Tensor) -> None:
             dst.copy_(full)
     outgoing = [(r, _wire(full[_box(s, o)].to(dst.dtype).contiguous())) for r, s, o in boxes]
     with released_by_backend(*(t for _, t in outgoing)):
-        works = [dist.isend(t, dst=r) for r, t in outgoing]
-        for work in works:
-            if work is not None:  # None: this rank is not in the group
-                work.wait()
+        _wait_all([dist.isend(t, dst=r) for r, t in outgoing])
+
+
+def _wait_all(works: list[Any]) -> None:
+    """Wait for each send; a finished Work still owns its tensor, so none may outlive this call."""
+    while works:
+        work = works.pop()
+        if work is not None:  # None: this rank is not in the group
+            work.wait()
+        del work
 
 
 def _receive_box(dst: torch.Tensor) -> None:
