@@ -71,6 +71,14 @@ def _row(name: str, m: dict[str, Any], base: float) -> str:
     )
 
 
+def _table(title: str, runs: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    print(f"  {'':<24} {'rank 0 growth':>22}  {'worst other rank':>22}  {'wall time':>16}")
+    base = next(iter(runs.values()))["wall_s"]
+    for how, m in runs.items():
+        print(_row(how, m, base))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=4096)
@@ -88,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         size = launch(make_checkpoint, 1, (str(ckpt), args.width, args.layers), timeout=900).results[0]
         results["file_bytes"] = size
         print(f"checkpoint: {args.layers} x Linear({args.width}, {args.width}) + AdamW, {size / MIB:.0f} MiB")
-        header = f"  {'':<24} {'rank 0 growth':>22}  {'worst other rank':>22}  {'wall time':>16}"
         warmth = {"both": (False, True), "warm": (True,), "fresh": (False,)}[args.warm]
         for world_size in args.ranks:
             for warm in warmth:
@@ -98,21 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                     for how in args.loads
                 }
                 shard = next(iter(runs.values()))["shard"]
-                print(f"\nload at {world_size} ranks, {label}; shard per rank {shard / MIB:.0f} MiB")
-                print(header)
-                base = next(iter(runs.values()))["wall_s"]
-                for how, m in runs.items():
-                    print(_row(how, m, base))
+                _table(f"load at {world_size} ranks, {label}; shard per rank {shard / MIB:.0f} MiB", runs)
                 results[f"load_{world_size}_{'warm' if warm else 'fresh'}"] = runs
             saves = [s for s in args.saves if s != "none"]
             if saves:
                 out = folder / "full.pt"
                 runs = {how: _measure(save_rank, world_size, (str(out), args.width, args.layers, how)) for how in saves}
-                print(f"\nsave to one file at {world_size} ranks")
-                print(header)
-                base = next(iter(runs.values()))["wall_s"]
-                for how, m in runs.items():
-                    print(_row(how, m, base))
+                _table(f"save to one file at {world_size} ranks", runs)
                 results[f"save_{world_size}"] = runs
     finally:
         shutil.rmtree(folder, ignore_errors=True)
