@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import errno
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dist_resume import CheckpointWriteError, OptimizerStateMismatchError
 from dist_resume._checkpoint.full_state import save_full_state
-from dist_resume._core.shards import shard_spec
 from dist_resume._dist.shard_comm import gather_full, scatter_full_into
 from dist_resume._format import stream_write
 from dist_resume._state.adapt import adapt_state_dict
@@ -134,13 +131,14 @@ def _by_name(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {"state": {names[i]: dict(s) for i, s in osd["state"].items()}, "param_groups": groups}
 
 
-def _meta(obj: Any) -> Any:
+def meta_stand_ins(obj: Any) -> Any:
+    """``obj`` with every tensor a meta tensor of its shape and dtype: what a rank that reads no file holds."""
     if isinstance(obj, torch.Tensor):
         return torch.empty_like(obj, device="meta")
     if isinstance(obj, dict):
-        return {k: _meta(v) for k, v in obj.items()}
+        return {k: meta_stand_ins(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_meta(v) for v in obj]
+        return [meta_stand_ins(v) for v in obj]
     return obj
 
 
@@ -184,7 +182,7 @@ def against_dsd(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     scattered, scat_opt = _sharded(mesh, seed=30, per_layer=False)
     _train(scattered, scat_opt, steps=1, seed=99)  # state exists: it is written in place
     before = {id(v) for s in scat_opt.state.values() for v in s.values()}
-    source = saved if rank == 0 else _meta(saved)
+    source = saved if rank == 0 else meta_stand_ins(saved)
     pairs = [(full, dst) for _, full, dst in model_destinations(scattered, source["model"])]
     opt_sd, opt_pairs = sharded_optimizer_state(
         scat_opt, prepare_optimizer_state(source["optimizer"], scat_opt, scattered)
@@ -247,103 +245,3 @@ def against_dsd(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     else:
         report["gathered"] = sum(v is not None for v in gathered.values())
     return report
-
-
-class _AnonPeak:
-    """Samples this process's RssAnon (KiB) every half millisecond from a thread; ``growth`` is peak minus start."""
-
-    def __init__(self) -> None:
-        _trim()  # freed heap goes back to the kernel: what the block allocates shows as new anonymous pages
-        self.start = self.peak = _rss_anon()
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
-            self.samples += 1
-            time.sleep(0.0005)
-
-    def __enter__(self) -> _AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
-
-    @property
-    def growth(self) -> int:
-        return (self.peak - self.start) * 1024
-
-
-def _trim() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str, Any]:
-    """Anonymous-memory growth while a 4-layer checkpoint (width x width weights) loads into a stepped FSDP2 model."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    ckpt = Path(folder) / "big.pt"
-
-    def build(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
-
-    if rank == 0:
-        plain = build(0)
-        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-        plain(torch.ones(1, width)).sum().backward()
-        plain_opt.step()
-        torch.save({"model": plain.state_dict(), "optimizer": plain_opt.state_dict()}, ckpt)
-        del plain, plain_opt
-    dist.barrier()
-    model = build(1)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after fully_shard: over the DTensor parameters
-    model(torch.ones(1, width)).sum().backward()
-    opt.step()  # the state exists: a resume after a rollback, or state built eagerly
-    opt.zero_grad(set_to_none=True)
-    shard = sum(p.to_local().nbytes for p in model.parameters()) * 3
-    saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)
-    dist.barrier()
-    with _AnonPeak() as copied:
-        load_full_model_state(model, saved["model"])
-        load_full_optimizer_state(opt, prepare_optimizer_state(saved["optimizer"], opt, model))
-    dist.barrier()
-    source = saved if rank == 0 else _meta(saved)
-    with _AnonPeak() as scattered:
-        pairs = [(full, dst) for _, full, dst in model_destinations(model, source["model"])]
-        opt_sd, opt_pairs = sharded_optimizer_state(opt, prepare_optimizer_state(source["optimizer"], opt, model))
-        scatter_full_into(pairs + opt_pairs)
-        opt.load_state_dict(opt_sd)
-    dist.barrier()
-    with _AnonPeak() as control:  # what materialising one full tensor looks like to the same sampler
-        held = saved["model"]["0.weight"].clone()
-    del held
-    loaded_ok = all(
-        torch.equal(p.to_local(), saved["model"][n][shard_spec(p).slices()]) for n, p in model.named_parameters()
-    )
-    return {
-        "copy_growth": copied.growth,
-        "scatter_growth": scattered.growth,
-        "control_growth": control.growth,
-        "samples": min(copied.samples, scattered.samples),
-        "shard_bytes": shard,
-        "tensor_bytes": width * width * 4,
-        "loaded_ok": loaded_ok,
-    }

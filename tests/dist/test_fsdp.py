@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.dist import fsdp_memory_workers as MW
 from tests.dist import fsdp_workers as FW
 from tests.dist.harness import run_ranks
 
@@ -48,7 +49,7 @@ def test_full_state_into_shards_and_back_is_dsd_bit_for_bit(tmp_path, world_size
 
 def test_loading_through_the_shards_allocates_nothing(tmp_path):
     width = 2048  # 16 MiB per weight; the file holds 4 weights and their two Adam moments (192 MiB)
-    results = run_ranks(FW.anon_growth, 2, tmp_path=tmp_path, args=(str(tmp_path), width), deadline=200, pg_timeout=90)
+    results = run_ranks(MW.anon_growth, 2, tmp_path=tmp_path, args=(str(tmp_path), width), deadline=200, pg_timeout=90)
     for rank, r in enumerate(results):
         assert r["loaded_ok"] and r["samples"] >= 2, (rank, r)
         assert r["control_growth"] >= 0.9 * r["tensor_bytes"], (rank, r)  # the sampler sees one full tensor
