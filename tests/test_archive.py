@@ -14,8 +14,9 @@ import torch
 
 from dist_resume import load_checkpoint
 from dist_resume._convert import archive_write as _archive_write
-from dist_resume._convert.archive_write import dump_pickle, rewrite_archive
+from dist_resume._convert.archive_write import rewrite_archive
 from dist_resume._format.archive import read_archive
+from dist_resume._format.pickle_write import dump_pickle
 from dist_resume._format.records import FindingKind, read_records
 from dist_resume.errors import (
     CheckpointCorruptError,

@@ -22,7 +22,8 @@ import torch
 from .._core import torch_compat
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, StorageInfo
-from .archive_write import ZipWriter, copy_range, dump_pickle
+from .._format.pickle_write import dump_pickle
+from .._format.zip_write import ZipWriter, copy_range
 
 __all__ = ["RawTensors", "read_safetensors_meta", "write_archive"]
 
@@ -54,10 +55,7 @@ def read_safetensors_meta(path: Path) -> RawTensors:
         numel = nbytes // storage_dtype.itemsize
         key = str(i)
         info = StorageInfo(key, storage_dtype, "cpu", numel, nbytes, ("storage", cls, key, "cpu", numel))
-        storage = tensor.untyped_storage()
-        contents.storages[key] = info
-        contents._by_cdata[torch_compat.storage_id(storage)] = info
-        contents._keepalive.append(storage)
+        contents.register(tensor.untyped_storage(), info)
         raw.tensors[name] = tensor
         raw.ranges[key] = (data_start + begin, nbytes)
     return raw

@@ -29,10 +29,11 @@ from .._core.types import PathLike
 from .._foreign.folders import checkpoint_subfolders, detect_folder, read_foreign_folder, unrecognised_folder
 from .._foreign.safetensors_read import is_safetensors
 from .._format.archive import read_archive
+from .._format.pickle_write import dump_pickle
 from .._format.records import verify_zip
 from .._layout.layout import split_checkpoint
 from .._state.prefix import prefix_style
-from .archive_write import dump_pickle, rewrite_archive
+from .archive_write import rewrite_archive
 from .formats import (
     ConvertFormat,
     WriterReport,

@@ -21,7 +21,7 @@ from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._foreign.safetensors_read import DTYPES
 from .._format.archive import ArchiveContents
 from .._format.records import Record
-from .archive_write import copy_range, write_all
+from .._format.zip_write import copy_range, write_all
 
 __all__ = ["DTYPE_CODES", "safetensors_header", "write_safetensors_from_archive"]
 

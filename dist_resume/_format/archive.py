@@ -66,6 +66,12 @@ class ArchiveContents:
             return None
         return self._by_cdata.get(torch_compat.storage_id(tensor.untyped_storage()))
 
+    def register(self, storage: torch.UntypedStorage, info: StorageInfo) -> None:
+        """Record that the meta ``storage`` stands for the saved storage ``info`` (what re-pickling emits)."""
+        self.storages[info.key] = info
+        self._by_cdata[torch_compat.storage_id(storage)] = info
+        self._keepalive.append(storage)
+
 
 def _name(path: Path) -> str:
     return repr(str(path))
@@ -99,9 +105,7 @@ class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
         nbytes = numel * dtype.itemsize
         untyped = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
         info = StorageInfo(key, dtype, location, numel, nbytes, ("storage", cls, key, location, numel))
-        self._contents.storages[key] = info
-        self._contents._by_cdata[torch_compat.storage_id(untyped)] = info
-        self._contents._keepalive.append(untyped)
+        self._contents.register(untyped, info)
         typed = torch_compat.meta_typed_storage(untyped, dtype)
         self._typed[key] = typed
         return typed
