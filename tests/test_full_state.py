@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_resume import CheckpointWriteError
 from dist_resume._checkpoint.full_state import save_full_state
+from dist_resume.errors import CheckpointWriteError
 
 
 def test_one_process_writes_the_file_atomically_and_it_loads(tmp_path: Path) -> None:

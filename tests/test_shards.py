@@ -10,8 +10,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # the oracle, private to torch
 
-from dist_resume import StateMismatchError
 from dist_resume._core.shards import flat_range, is_dtensor, shard_region
+from dist_resume.errors import StateMismatchError
 
 SHAPES = [(7,), (1, 3), (3, 5), (8, 4), (5, 2, 3), (0, 4), (2, 9)]
 LAYOUTS = [

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from dist_resume import CheckpointWriteError, load_checkpoint
+from dist_resume import load_checkpoint
 from dist_resume._format.archive import read_archive
 from dist_resume._format.records import verify_zip
 from dist_resume._format.stream_write import distinct_tensors, write_streamed
+from dist_resume.errors import CheckpointWriteError
 
 
 def _sample() -> dict[str, Any]:

@@ -21,7 +21,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the oracle, private to torch
 
-from dist_resume import CheckpointWriteError, OptimizerStateMismatchError
 from dist_resume._checkpoint.full_state import save_full_state
 from dist_resume._dist.shard_comm import gather_full, scatter_full_into
 from dist_resume._format import stream_write
@@ -35,6 +34,7 @@ from dist_resume._state.sharded import (
     sharded_parameters,
 )
 from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
+from dist_resume.errors import CheckpointWriteError, OptimizerStateMismatchError
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
