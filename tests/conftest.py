@@ -63,6 +63,17 @@ def accelerator(request: pytest.FixtureRequest) -> Iterator[sim.Accel]:
     if request.param == "cuda":
         yield sim.Accel("cuda", torch.accelerator.device_count())
         return
+    yield from _sim_devices()
+
+
+@pytest.fixture
+def sim_accelerator() -> Iterator[sim.Accel]:
+    """The test accelerator alone, on for this test as in ``accelerator``: for what only a PrivateUse1 backend has
+    (a process-group backend its plugin registers for the device type). Skipped where it cannot be built."""
+    yield from _sim_devices()
+
+
+def _sim_devices() -> Iterator[sim.Accel]:
     reason = sim.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
