@@ -55,11 +55,12 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
 SIM_DEVICES = 2  # the accelerator fixture's sim devices: sim:0 and sim:1
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=sim.accelerator_params())
 def accelerator(request: pytest.FixtureRequest) -> Iterator[sim.Accel]:
     """One test body, two accelerators: the test accelerator (``sim``, 2 devices, every CI run; built on first use,
-    skipped with the reason where it cannot be built) and CUDA (marked ``cuda``: the multi-GPU job). For sim the
-    devices are on for this test only: afterwards ``torch.accelerator.is_available()`` is False again."""
+    skipped with the reason where it cannot be built) and CUDA (marked ``cuda``: the multi-GPU job; a test that needs
+    two devices says ``@on_accelerators(2)``, which marks its CUDA variant ``multigpu`` too). For sim the devices are
+    on for this test only: afterwards ``torch.accelerator.is_available()`` is False again."""
     if request.param == "cuda":
         yield sim.Accel("cuda", torch.accelerator.device_count())
         return
