@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dist_resume._dist import accelerator as acc
 from dist_resume._dist.comm import comm_device
-from tests.accelerator import Accel
+from tests.accelerator import Accel, on_accelerators
 from tests.helpers import fake_accelerator
 from tests.models import single_rank_group
 
@@ -112,8 +112,8 @@ def test_current_accelerator_is_torchs_answer_as_a_value(monkeypatch, device_typ
     assert acc.current_device("cpu") == torch.device("cpu")
 
 
+@on_accelerators(2)
 def test_current_accelerator_of_a_real_accelerator(accelerator: Accel):
-    accelerator.need(2)
     assert acc.current_accelerator() == acc.Accelerator(accelerator.type, accelerator.count)
     before = torch.accelerator.current_device_index()
     try:

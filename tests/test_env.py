@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import dist_resume as dr
-from tests.accelerator import Accel
+from tests.accelerator import Accel, on_accelerators
 from tests.helpers import fake_accelerator
 
 
@@ -96,8 +96,8 @@ def test_rank_device_is_the_accelerator_at_local_rank_never_rank(env, monkeypatc
     assert dr.rank_map_location() == torch.device(device_type, 1)
 
 
+@on_accelerators(2)
 def test_rank_device_on_a_real_accelerator_is_local_rank_never_rank(env, accelerator: Accel):
-    accelerator.need(2)
     env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=1)
     assert dr.rank_device() == accelerator.device(1) == dr.rank_map_location()
     assert dr.rank_device(0) == accelerator.device(0) and dr.rank_map_location(0) == accelerator.device(0)

@@ -471,15 +471,3 @@ def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_pat
         tmp_path / "none.pt", model=target, optimizer=opt2, sampler=Sampler(10, 1, 0), strict=False, rng=True
     )
     assert "sampler" in res.skipped and "rng" not in res.restored
-
-
-@pytest.mark.cuda
-def test_cuda_rng_state_of_the_own_device_round_trips():
-    device = dist_resume.rank_device()
-    dist_resume.seed_rng(1, rank=0, device=device)
-    state = _roundtrip(dist_resume.rng_state_dict(device))
-    assert state["device"]["type"] == "cuda"
-    expected = torch.rand(4, device=device)
-    torch.rand(4, device=device)
-    dist_resume.load_rng_state_dict(state, device)
-    assert torch.equal(torch.rand(4, device=device), expected)
