@@ -31,6 +31,7 @@ pytestmark = pytest.mark.dist
 WORKER = str(Path(accelerator_worker.__file__))
 BACKENDS = {"sim": "simgloo", "cuda": "nccl"}  # what init_distributed() picks for the device type
 LAUNCH_TIMEOUT = 240.0
+SCENARIOS = "single_to_ddp,single_to_ddp_broadcast,ddp_save"  # accelerator_worker's, in both launches
 
 
 def _worker_env(accelerator: sim.Accel) -> dict[str, str]:
@@ -78,6 +79,18 @@ def _check_single_to_ddp(r: dict[str, Any], folder: Path, rank: int, expected: d
     assert r["single_to_ddp"]["loaded_devices"] == {"single.pt": [r["device"]], "single_cuda3.pt": [r["device"]]}
 
 
+def _check_single_and_ddp(
+    accelerator: sim.Accel, reports: dict[int, dict[str, Any]], folder: Path, expected: dict[str, torch.Tensor]
+) -> None:
+    """Every rank of the first attempt on its own device (devices 0, 1 of its node), single -> DDP and DDP -> single."""
+    for rank, r in reports.items():
+        assert r["node_rank"] == rank // 2 and r["world_size"] == len(reports)  # two ranks per node, node-major
+        _check_placement(accelerator, r, rank % 2)  # global ranks 2 and 3 take devices 0 and 1 of their node
+        _check_single_to_ddp(r, folder, rank, expected)
+        assert r["ddp_save"]["exists"] and r["ddp_save"]["peak_on_other_devices"] == 0
+    _check_ddp_to_single(accelerator, folder, _state(folder, "ddp_save", 0, 0))
+
+
 def _check_ddp_to_single(accelerator: sim.Accel, folder: Path, writer: dict[str, torch.Tensor]) -> None:
     """The DDP run's checkpoint (written by rank 0, tagged ``<type>:0``) resumed by one process on device 1."""
     assert not any(k.startswith("module.") for k in torch.load(folder / "ddp.pt", weights_only=True)["model"])
@@ -96,8 +109,9 @@ def test_two_ranks_single_and_ddp_both_ways_and_an_elastic_restart_ends_bitwise_
     accelerator: sim.Accel, tmp_path: Path
 ) -> None:
     expected = _single_checkpoint(accelerator, tmp_path)
+    args = [WORKER, str(tmp_path), accelerator.type, f"{SCENARIOS},elastic"]
     proc = run_torchrun(
-        [WORKER, str(tmp_path), accelerator.type, "single_to_ddp,single_to_ddp_broadcast,ddp_save,elastic"],
+        args,
         nproc=2,
         cwd=tmp_path,
         env=_worker_env(accelerator),
@@ -105,11 +119,7 @@ def test_two_ranks_single_and_ddp_both_ways_and_an_elastic_restart_ends_bitwise_
         extra_torchrun_args=["--max-restarts=1"],
     )
     first, second = _reports(proc, tmp_path, 0, 2), _reports(proc, tmp_path, 1, 2)
-    for rank, r in first.items():
-        _check_placement(accelerator, r, rank)
-        _check_single_to_ddp(r, tmp_path, rank, expected)
-        assert r["ddp_save"]["exists"] and r["ddp_save"]["peak_on_other_devices"] == 0
-    _check_ddp_to_single(accelerator, tmp_path, _state(tmp_path, "ddp_save", 0, 0))
+    _check_single_and_ddp(accelerator, first, tmp_path, expected)
 
     # the elastic run: rank 1 SIGKILLed itself after step 4 of 6; torchrun restarted the group, which resumed the
     # checkpoint of step 3 (model, optimizer, sampler position, every rank's RNG streams) and finished
@@ -134,20 +144,11 @@ def test_two_nodes_of_two_ranks_place_by_local_rank_single_and_ddp_both_ways(
         accelerator.need(4)
         node_env = ({"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"})
     expected = _single_checkpoint(accelerator, tmp_path)
+    args = [WORKER, str(tmp_path), accelerator.type, SCENARIOS]
     nodes = run_two_nodes(
-        [WORKER, str(tmp_path), accelerator.type, "single_to_ddp,single_to_ddp_broadcast,ddp_save"],
-        nproc_per_node=2,
-        cwd=tmp_path,
-        env=_worker_env(accelerator),
-        node_env=node_env,
-        timeout=LAUNCH_TIMEOUT,
+        args, nproc_per_node=2, cwd=tmp_path, env=_worker_env(accelerator), node_env=node_env, timeout=LAUNCH_TIMEOUT
     )
     for node in nodes:
         assert node.returncode == 0, f"exit {node.returncode}\n{node.stdout[-4000:]}\n{node.stderr[-6000:]}"
     reports = _reports(nodes[0], tmp_path, 0, 4)
-    for rank, r in reports.items():
-        assert r["world_size"] == 4 and r["node_rank"] == rank // 2
-        _check_placement(accelerator, r, rank % 2)  # global ranks 2 and 3 take devices 0 and 1 of their node
-        _check_single_to_ddp(r, tmp_path, rank, expected)
-        assert r["ddp_save"]["exists"] and r["ddp_save"]["peak_on_other_devices"] == 0
-    _check_ddp_to_single(accelerator, tmp_path, _state(tmp_path, "ddp_save", 0, 0))
+    _check_single_and_ddp(accelerator, reports, tmp_path, expected)
