@@ -1,13 +1,11 @@
 # Sourced by the launch scripts: how many processes per node, and how torchrun is called.
 
-# One process per visible GPU (CUDA_VISIBLE_DEVICES, else nvidia-smi); 2 CPU processes without GPUs.
+# One process per device of the accelerator torch reports (torch.accelerator.device_count(): CUDA, XPU, an NPU
+# whose plugin torch loads by itself, ...; it honours CUDA_VISIBLE_DEVICES and the like); 2 CPU processes without
+# one. Asking costs one `import torch` ($PYTHON, default python): set NPROC_PER_NODE to skip it.
 default_nproc() {
-    local n=0
-    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-        [ -n "$CUDA_VISIBLE_DEVICES" ] && n=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
-    elif command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    fi
+    local n
+    n=$("${PYTHON:-python}" -c 'import torch; print(torch.accelerator.device_count())' 2>/dev/null) || n=0
     if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 2; fi
 }
 
@@ -18,10 +16,10 @@ default_nproc() {
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Failed to initialize NumPy:UserWarning"
 
-# TORCHRUN (default: torchrun) and TORCHRUN_ARGS (extra flags) as arrays; the training script.
+# TORCHRUN (default: torchrun) and TORCHRUN_ARGS (extra flags) as arrays; processes per node; the training script.
 read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
 read -r -a extra <<<"${TORCHRUN_ARGS:-}"
-nproc_per_node="${NPROC_PER_NODE:-$(default_nproc)}"
+nproc_per_node() { echo "${NPROC_PER_NODE:-$(default_nproc)}"; }  # asked when a script launches, not when sourced
 train_script="${TRAIN_SCRIPT:-$(dirname "${BASH_SOURCE[0]}")/train.py}"
 
 # Run torchrun so that the whole job stops on Ctrl-C, SIGTERM or SIGHUP to this script. torchrun starts each

@@ -24,6 +24,6 @@ if [ -n "${MASTER_ADDR:-}" ]; then
 else
     rdzv=(--standalone)
 fi
-run_torchrun "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="$nproc_per_node" \
+run_torchrun "${torchrun[@]}" "${rdzv[@]}" --nproc_per_node="$(nproc_per_node)" \
     --max-restarts="${MAX_RESTARTS:-3}" ${extra[@]+"${extra[@]}"} \
     "$train_script" --resume auto "$@"

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Reference training script: DDP, checkpoints, exact resume — built on the public dist_resume API only.
 
-One process or any number under torchrun (gloo on CPU, nccl on GPUs)::
+One process or any number under torchrun, on the accelerator torch reports (``cuda``, ``xpu``, ``npu``, ``hpu``,
+``mps``, a PrivateUse1 backend: one device per process, ``<type>:LOCAL_RANK``, its own process-group backend such
+as nccl) or on the CPU (gloo)::
 
     python launch/train.py --ckpt-dir ckpt --steps 100
     torchrun --standalone --nproc_per_node=2 launch/train.py --ckpt-dir ckpt --steps 100
@@ -21,7 +23,9 @@ Output: this script's own lines (logger ``train``) and the library's (logger ``d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import logging
 import os
@@ -81,8 +85,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=512, help="size of the synthetic dataset")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--amp", action="store_true", help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="'auto': this process's accelerator (<type>:LOCAL_RANK) if torch reports one, else the CPU; 'cpu'; or an "
+        "accelerator type (cuda, xpu, npu, hpu, mps, ...) that must be the one torch reports",
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before any device is used (repeatable): a device's torch plugin that registers its "
+        "backend where torch does not load it by itself, e.g. tests.accelerator.plugin, the tests' simulated devices",
+    )
+    p.add_argument(
+        "--amp",
+        action="store_true",
+        help="autocast: float16 + GradScaler on an accelerator whose autocast torch supports, bfloat16 on the CPU",
+    )
     p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
@@ -152,10 +173,25 @@ def build_model(features: int = 32, classes: int = 4) -> nn.Module:
 def pick_device(choice: str) -> torch.device:
     if choice == "cpu":
         return torch.device("cpu")
-    device = dr.rank_device()  # cuda:<LOCAL_RANK>, never RANK
-    if choice == "cuda" and device.type != "cuda":
-        raise SystemExit("--device cuda, but CUDA is not available; use --device auto or cpu")
+    device = dr.rank_device()  # <accelerator>:<LOCAL_RANK>, never RANK; cpu without an accelerator
+    if choice != "auto" and device.type != choice:
+        found = f"this process's accelerator is {device.type}" if device.type != "cpu" else "torch reports none"
+        raise SystemExit(f"--device {choice}, but {found}; use --device auto or cpu (or --plugin for its module)")
     return device
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """float16 (with a GradScaler) on an accelerator, bfloat16 on the CPU; exit where torch has no autocast for it."""
+    dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
+    try:  # torch.amp.is_autocast_available() says yes for any PrivateUse1 backend: ask autocast itself
+        with torch.autocast(device.type, dtype=dtype):
+            pass
+    except (AssertionError, RuntimeError) as err:  # what torch raises for a backend without autocast support
+        raise SystemExit(
+            f"--amp: torch has no {dtype} autocast for {device.type} here ({str(err).strip().splitlines()[0]}); "
+            "run without --amp"
+        ) from err
+    return dtype
 
 
 def resume_run(
@@ -194,14 +230,19 @@ def setup_logging(rank: int, library_level: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for module in args.plugin:  # before anything asks torch which accelerator this process has
+        importlib.import_module(module)
     if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initialises
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it when it starts
         torch.use_deterministic_algorithms(True, warn_only=True)  # a warning names any op that is not
     device = pick_device(args.device)
+    # the device type's own backend (nccl, xccl, hccl, or what its plugin registered), gloo for CPU training
     info = dr.init_distributed(
-        backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout)
+        backend="gloo" if device.type == "cpu" else None, timeout=timedelta(seconds=args.timeout)
     )
     setup_logging(info.rank, args.log_level)
+    backend = f", process group backend {dist.get_backend()}" if dist.is_initialized() else ""
+    log.info("rank %d of %d on %s%s", info.rank, info.world_size, device, backend)
     try:
         train(args, info, device)
     finally:
@@ -222,13 +263,12 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     model: nn.Module = build_model().to(device)
     dr.seed_rng(args.seed, rank=rank, device=device)  # then each rank its own dropout stream
     if info.is_distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
     optimizer = torch.optim.AdamW(model.named_parameters(), lr=args.lr, weight_decay=0.01)
     warmup = 10
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    use_amp = args.amp
-    scaler = torch.amp.GradScaler(device.type, enabled=use_amp and device.type == "cuda")
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    amp_dtype = autocast_dtype(device) if args.amp else None
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     dataset = SyntheticDataset(args.num_samples)
     sampler = dr.ResumableDistributedSampler(dataset, seed=args.seed)
@@ -286,7 +326,8 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
         epoch = sampler.epoch
         for idx, x, y in loader:  # the sampler resumes mid-epoch and moves to the next epoch by itself
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+            # no autocast object at all without --amp: torch refuses one for a backend it cannot autocast
+            with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext():
                 logits = model(x)
             # cross-entropy written out: F.cross_entropy's nll_loss has no deterministic CUDA kernel
             loss = -(F.one_hot(y, logits.shape[-1]) * logits.float().log_softmax(-1)).sum(-1).mean()

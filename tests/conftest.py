@@ -55,14 +55,26 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
 SIM_DEVICES = 2  # the accelerator fixture's sim devices: sim:0 and sim:1
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=sim.accelerator_params())
 def accelerator(request: pytest.FixtureRequest) -> Iterator[sim.Accel]:
     """One test body, two accelerators: the test accelerator (``sim``, 2 devices, every CI run; built on first use,
-    skipped with the reason where it cannot be built) and CUDA (marked ``cuda``: the multi-GPU job). For sim the
-    devices are on for this test only: afterwards ``torch.accelerator.is_available()`` is False again."""
+    skipped with the reason where it cannot be built) and CUDA (marked ``cuda``: the multi-GPU job; a test that needs
+    two devices says ``@on_accelerators(2)``, which marks its CUDA variant ``multigpu`` too). For sim the devices are
+    on for this test only: afterwards ``torch.accelerator.is_available()`` is False again."""
     if request.param == "cuda":
         yield sim.Accel("cuda", torch.accelerator.device_count())
         return
+    yield from _sim_devices()
+
+
+@pytest.fixture
+def sim_accelerator() -> Iterator[sim.Accel]:
+    """The test accelerator alone, on for this test as in ``accelerator``: for what only a PrivateUse1 backend has
+    (a process-group backend its plugin registers for the device type). Skipped where it cannot be built."""
+    yield from _sim_devices()
+
+
+def _sim_devices() -> Iterator[sim.Accel]:
     reason = sim.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)

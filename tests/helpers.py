@@ -13,7 +13,6 @@ import torch
 import torch.serialization as ts
 
 __all__ = [
-    "PRIVATEUSE1",
     "TORCHRUN_VARS",
     "FakeAccelerator",
     "device_tagging",
@@ -34,9 +33,6 @@ TORCHRUN_VARS = (
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
-
-# the PrivateUse1 backend's name in this process ("privateuseone" until a backend renames it, e.g. to "sim")
-PRIVATEUSE1 = torch._C._get_privateuse1_backend_name()
 
 Tag = str | Callable[[Any], str | None]
 
@@ -108,7 +104,9 @@ def fake_accelerator(
     set_device_index, device_index, synchronize) and ``torch.get_device_module(device_type)`` (RNG
     functions when ``rng``). Only decisions can be tested with it: no tensor can live there. The
     tests that move real tensors run on the test accelerator (tests/accelerator) and on CUDA.
-    ``device_type`` must be one ``torch.device`` parses: a built-in type, or :data:`PRIVATEUSE1`.
+    ``device_type`` must be a built-in type this machine cannot have (cuda, xpu, hpu, mps, mtia, ...):
+    PrivateUse1 is the test accelerator's once it is loaded (renamed ``sim``), so a PrivateUse1 case
+    runs on the real one (the ``accelerator`` and ``sim_accelerator`` fixtures), never faked.
     """
     fake = FakeAccelerator(
         device_type, count, rng={i: torch.full((8,), i, dtype=torch.uint8) for i in range(count)} if rng else None

@@ -20,6 +20,8 @@ __all__ = [
     "WRAPPERS",
     "wrap",
     "make_batches",
+    "batches_on",
+    "state_devices",
     "train_steps",
     "snapshot",
     "assert_same",
@@ -91,6 +93,23 @@ def wrap(model: nn.Module, kind: str) -> nn.Module:
 def make_batches(n: int, seed: int = 123, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 4, generator=g), torch.randn(batch, 2, generator=g)) for _ in range(n)]
+
+
+def batches_on(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` with every tensor moved to ``device``."""
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def state_devices(optimizer: torch.optim.Optimizer, key: str) -> set[torch.device]:
+    """The devices of ``optimizer.state[p][key]`` over every parameter that has it."""
+    return {
+        optimizer.state[p][key].device
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if key in optimizer.state.get(p, {})
+    }
 
 
 def train_steps(

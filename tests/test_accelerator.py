@@ -1,8 +1,9 @@
 """dist_resume._dist.accelerator, the one module that knows device types; and the proof that no other module
 names torch.cuda.
 
-torch.accelerator is faked here (tests.helpers.fake_accelerator): these test decisions and tables. The tests
-that move real tensors run on the test accelerator (tests/accelerator) and on CUDA.
+torch.accelerator is faked (tests.helpers.fake_accelerator) for the device types this machine cannot have: these
+test decisions and tables. PrivateUse1 is the real test accelerator (the accelerator fixture: sim, and CUDA in the
+multi-GPU job), as are the tests that move tensors (test_*_accelerator.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 from dist_resume._dist import accelerator as acc
 from dist_resume._dist.comm import comm_device
-from tests.helpers import PRIVATEUSE1, fake_accelerator
+from tests.accelerator import Accel, on_accelerators
+from tests.helpers import fake_accelerator
 from tests.models import single_rank_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +100,7 @@ def test_a_cpu_host_has_no_accelerator():
     assert acc.current_device("cuda") == torch.device("cuda")  # no index to add
 
 
-@pytest.mark.parametrize("device_type", ["cuda", "xpu", "hpu", "mps", PRIVATEUSE1])
+@pytest.mark.parametrize("device_type", ["cuda", "xpu", "hpu", "mps"])
 def test_current_accelerator_is_torchs_answer_as_a_value(monkeypatch, device_type):
     fake = fake_accelerator(monkeypatch, device_type, count=3)
     found = acc.current_accelerator()
@@ -107,6 +109,20 @@ def test_current_accelerator_is_torchs_answer_as_a_value(monkeypatch, device_typ
         found.count = 4  # type: ignore[misc,union-attr]
     acc.set_device(torch.device(device_type, 2))
     assert fake.current == 2 and acc.current_device(device_type) == torch.device(device_type, 2)
+    assert acc.current_device("cpu") == torch.device("cpu")
+
+
+@on_accelerators(2)
+def test_current_accelerator_of_a_real_accelerator(accelerator: Accel):
+    assert acc.current_accelerator() == acc.Accelerator(accelerator.type, accelerator.count)
+    before = torch.accelerator.current_device_index()
+    try:
+        acc.set_device(accelerator.device(1))
+        assert torch.accelerator.current_device_index() == 1
+        assert acc.current_device(accelerator.type) == accelerator.device(1)
+        assert torch.empty(1, device=accelerator.type).device == accelerator.device(1)  # torch's current device too
+    finally:
+        torch.accelerator.set_device_index(before)
     assert acc.current_device("cpu") == torch.device("cpu")
 
 
@@ -143,9 +159,14 @@ def test_backend_serves_follows_torchs_tables(monkeypatch):
     assert acc.backend_serves("gloo", "cpu") and acc.backend_serves("gloo", "cuda")
     assert acc.backend_serves("nccl", "cuda") and not acc.backend_serves("nccl", "cpu")
     assert acc.backend_serves("gloo", "mps")  # torch's default map names gloo for mps
-    assert not acc.backend_serves("gloo", PRIVATEUSE1)
-    monkeypatch.setitem(dist.Backend.backend_capability, "simccl", ["cpu", PRIVATEUSE1])
-    assert acc.backend_serves("simccl", PRIVATEUSE1)
+    assert not acc.backend_serves("gloo", "mtia")
+    monkeypatch.setitem(dist.Backend.backend_capability, "mtiaccl", ["cpu", "mtia"])  # register_backend(devices=)
+    assert acc.backend_serves("mtiaccl", "mtia")
+
+
+def test_backend_serves_a_backend_registered_for_a_privateuse1_device(sim_accelerator: Accel):
+    assert acc.backend_serves("simgloo", "sim")  # the test accelerator's register_backend(..., devices=["sim"])
+    assert not acc.backend_serves("gloo", "sim") and not acc.backend_serves("simgloo", "cuda")
 
 
 def test_synchronize_waits_on_each_accelerator_device_once(monkeypatch):

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import dist_resume as dr
-from tests.helpers import PRIVATEUSE1, fake_accelerator
+from tests.accelerator import Accel, on_accelerators
+from tests.helpers import fake_accelerator
 
 
 def test_single_process_defaults(env):
@@ -75,8 +76,8 @@ def test_no_env_var_leaks_between_tests(env):
 
 
 # ---------------------------------------------------------------- rank_device
-# torch.accelerator is faked here (tests.helpers.fake_accelerator): these test the decisions. The tests that
-# put real tensors on each rank's device run on the test accelerator (tests/accelerator) and on CUDA.
+# torch.accelerator is faked (tests.helpers.fake_accelerator) for the types this machine cannot have; the
+# PrivateUse1 cases run on the real test accelerator (the accelerator and sim_accelerator fixtures).
 
 
 def test_rank_device_is_cpu_without_an_accelerator(env, monkeypatch):
@@ -86,13 +87,25 @@ def test_rank_device_is_cpu_without_an_accelerator(env, monkeypatch):
     assert dr.rank_device() == torch.device("cpu")
 
 
-@pytest.mark.parametrize("device_type", ["cuda", "xpu", "hpu", "mtia", PRIVATEUSE1])
+@pytest.mark.parametrize("device_type", ["cuda", "xpu", "hpu", "mtia"])
 def test_rank_device_is_the_accelerator_at_local_rank_never_rank(env, monkeypatch, device_type):
     fake_accelerator(monkeypatch, device_type, count=2)
     env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=1)
     assert dr.rank_device() == torch.device(device_type, 1)  # global rank 3 would be "invalid device ordinal"
     assert dr.rank_device(0) == torch.device(device_type, 0)
     assert dr.rank_map_location() == torch.device(device_type, 1)
+
+
+@on_accelerators(2)
+def test_rank_device_on_a_real_accelerator_is_local_rank_never_rank(env, accelerator: Accel):
+    env(RANK=3, LOCAL_RANK=1, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_RANK=1)
+    assert dr.rank_device() == accelerator.device(1) == dr.rank_map_location()
+    assert dr.rank_device(0) == accelerator.device(0) and dr.rank_map_location(0) == accelerator.device(0)
+    assert torch.ones(1, device=dr.rank_device()).device == accelerator.device(1)  # a device torch can use
+    with pytest.raises(
+        dr.errors.EnvironmentMismatchError, match=rf"{accelerator.count} visible {accelerator.type} device"
+    ):
+        dr.rank_device(accelerator.count)
 
 
 @pytest.mark.parametrize(
@@ -162,8 +175,6 @@ def _available(monkeypatch, *names):
         ("xpu", ["xccl"], "xccl"),
         ("hpu", ["hccl"], "hccl"),  # Habana's bridge registers hccl
         ("mps", [], "gloo"),  # torch's own default map
-        (PRIVATEUSE1, ["simccl"], "simccl"),  # a backend registered for the device: torch's default map
-        (PRIVATEUSE1, [], "gloo"),
     ],
 )
 def test_init_distributed_sets_the_device_and_picks_its_backend(
@@ -171,8 +182,6 @@ def test_init_distributed_sets_the_device_and_picks_its_backend(
 ):
     fake = fake_accelerator(monkeypatch, device_type, count=1 if device_type == "mps" else 2)
     _available(monkeypatch, *registered)
-    if registered == ["simccl"]:
-        monkeypatch.setitem(dist.Backend.default_device_backend_map, device_type, "simccl")
     if device_type == "mps":  # one device per Mac: two nodes of one process each
         env(RANK=1, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, GROUP_RANK=1)
     else:
@@ -183,25 +192,27 @@ def test_init_distributed_sets_the_device_and_picks_its_backend(
     assert recorded_init[0][1]["world_size"] == info.world_size and recorded_init[0][1]["rank"] == info.rank
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_a_device_without_a_registered_backend_warns_once_on_rank_0(
-    env, monkeypatch, recorded_init, caplog, registered
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_privateuse1_device_gets_the_backend_its_plugin_registered_else_gloo_and_one_warning(
+    env, monkeypatch, recorded_init, caplog, sim_accelerator: Accel, registered
 ):
-    fake_accelerator(monkeypatch, PRIVATEUSE1, count=2)
-    if registered:  # what Backend.register_backend("simccl", ..., devices=[PRIVATEUSE1]) leaves behind
-        _available(monkeypatch, "simccl")
-        monkeypatch.setitem(dist.Backend.default_device_backend_map, PRIVATEUSE1, "simccl")
-        monkeypatch.setitem(dist.Backend.backend_capability, "simccl", [PRIVATEUSE1])
+    # the test accelerator registers simgloo for "sim" (Backend.register_backend(..., devices=["sim"])): torch's
+    # default map then names it; without that registration nothing serves sim tensors
+    assert dist.Backend.default_device_backend_map["sim"] == "simgloo"
+    if not registered:
+        monkeypatch.delitem(dist.Backend.default_device_backend_map, "sim")
     for rank in (0, 1):
         env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
         with caplog.at_level(logging.WARNING, logger="dist_resume"):
-            dr.init_distributed()
+            info = dr.init_distributed()
+        assert info.local_rank == rank and torch.accelerator.current_device_index() == rank  # the real device
+        assert recorded_init[-1][1]["rank"] == rank and recorded_init[-1][1]["world_size"] == 2
     warned = [r.getMessage() for r in caplog.records if "no backend registered" in r.getMessage()]
-    assert [b for b, _ in recorded_init] == ["simccl" if registered else "gloo"] * 2
+    assert [b for b, _ in recorded_init] == ["simgloo" if registered else "gloo"] * 2
     if registered:
         assert warned == []
     else:
-        assert len(warned) == 1 and f"for {PRIVATEUSE1} tensors; using gloo" in warned[0]
+        assert len(warned) == 1 and "for sim tensors; using gloo" in warned[0]  # rank 0 only
 
 
 def test_init_distributed_keeps_an_explicit_backend(env, monkeypatch, recorded_init):

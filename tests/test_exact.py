@@ -18,7 +18,7 @@ from dist_resume import ResumableDistributedSampler as Sampler
 from dist_resume._exact import rng as _rng
 from dist_resume._exact import sampler as _exact
 from dist_resume.errors import StateMismatchError
-from tests.helpers import PRIVATEUSE1, fake_accelerator
+from tests.helpers import fake_accelerator
 
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
     import numpy as np
@@ -392,15 +392,17 @@ def test_a_stream_from_another_device_type_restores_the_rest_and_warns_once(monk
 
 
 def test_a_backend_without_rng_functions_saves_no_device_stream(monkeypatch, caplog):
-    fake_accelerator(monkeypatch, PRIVATEUSE1, count=2, rng=False)
-    device = torch.device(PRIVATEUSE1, 1)
+    # a device module without RNG functions (as some PrivateUse1 plugins have), faked under a type this machine
+    # cannot have: the test accelerator has RNG functions, and it is PrivateUse1 once loaded in this process
+    fake_accelerator(monkeypatch, "mtia", count=2, rng=False)
+    device = torch.device("mtia", 1)
     state = dist_resume.rng_state_dict(device)
     assert state["device"] is None
     assert dist_resume.seed_rng(1, rank=0, device=device) == dist_resume.derive_seed(1, 0)  # CPU streams only
-    state["device"] = {"type": PRIVATEUSE1, "state": torch.ones(8, dtype=torch.uint8)}  # saved where it had them
+    state["device"] = {"type": "mtia", "state": torch.ones(8, dtype=torch.uint8)}  # saved where it had them
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         dist_resume.load_rng_state_dict(state, device)
-    assert f"saved {PRIVATEUSE1} RNG stream is not restored" in caplog.text
+    assert "saved mtia RNG stream is not restored" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -547,15 +549,3 @@ def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_pat
         options=dist_resume.ResumeOptions(strict=False, rng=True),
     )
     assert "sampler" in res.skipped and "rng" not in res.restored
-
-
-@pytest.mark.cuda
-def test_cuda_rng_state_of_the_own_device_round_trips():
-    device = dist_resume.rank_device()
-    dist_resume.seed_rng(1, rank=0, device=device)
-    state = _roundtrip(dist_resume.rng_state_dict(device))
-    assert state["device"]["type"] == "cuda"
-    expected = torch.rand(4, device=device)
-    torch.rand(4, device=device)
-    dist_resume.load_rng_state_dict(state, device)
-    assert torch.equal(torch.rand(4, device=device), expected)

@@ -1,7 +1,8 @@
 """optimizer_to across torch.optim, and matching saved optimizer state to parameters (by name and shape).
 
-This host has no GPU: the meta device stands in for "another device" (a moved tensor changes device, keeps
-dtype and shape); the real CUDA moves are in test_cuda.py.
+The meta device stands in for "another device" here (a moved tensor changes device, keeps dtype and shape); the
+real moves onto an accelerator (sim devices in every run, CUDA in the multi-GPU job) are in
+test_devices_accelerator.py.
 """
 
 from __future__ import annotations

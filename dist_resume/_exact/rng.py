@@ -159,7 +159,7 @@ def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | N
         np.random.set_state(
             (
                 saved_np["bit_generator"],
-                saved_np["keys"].numpy().astype(np.uint32),
+                saved_np["keys"].cpu().numpy().astype(np.uint32),  # map_location may have put it on a device
                 saved_np["pos"],
                 saved_np["has_gauss"],
                 saved_np["cached_gaussian"],
@@ -185,7 +185,7 @@ def _device_entry(state: Mapping[str, Any]) -> tuple[str, torch.Tensor] | None:
     )
     raise StateMismatchError(
         f"the RNG state's device stream must be {{'type': str, 'state': tensor}} as rng_state_dict() writes it, "
-        f"got {found}; resume without rng=True to keep the current streams"
+        f"got {found}; resume with ResumeOptions(rng=False) to keep the current streams"
     )
 
 

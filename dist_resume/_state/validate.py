@@ -100,5 +100,5 @@ def check_rng_states(states: Any, rank: int, source: str) -> None:
         found = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
         raise StateMismatchError(
             f"{source}: the RNG state of rank {rank if own else 0} lacks {sorted(needed)} (found {found}); "
-            "it was not written by save_checkpoint(rng=True); resume without rng=True to keep the current streams"
+            "it was not written by save_checkpoint(rng=True); resume with ResumeOptions(rng=False) to keep the current streams"
         )

@@ -21,14 +21,16 @@ API (all local to the calling process):
     enabled(num_devices=2)        context manager: on for the block, back off afterwards
     disable()                     off: torch.accelerator.is_available() is False again
     worker_env(num_devices=2) -> dict    environment a sub-process needs to activate() without building
-    Accel(type, count)            what the fixture yields: device(i), module, need(n), memory_allocated(i), ...
+    Accel(type, count)            what the fixture yields: device(i), module, move(module, i), need(n), ...
+    swap_module_params()          context manager: Module.to() keeps the Parameter objects, as CPU<->CUDA does
+    on_accelerators(n)            decorator: the accelerator fixture's params, the CUDA one marked multigpu for n >= 2
 """
 
 from __future__ import annotations
 
 import os
 
-from tests.accelerator._accel import Accel
+from tests.accelerator._accel import Accel, accelerator_params, on_accelerators, swap_module_params
 from tests.accelerator._activate import (
     DEVICE_TYPE,
     DEVICES_ENV,
@@ -44,6 +46,7 @@ from tests.accelerator._pg import BACKEND, SimGlooProcessGroup
 __all__ = [
     "BACKEND",
     "Accel",
+    "accelerator_params",
     "DEVICES_ENV",
     "DEVICE_TYPE",
     "LIB_ENV",
@@ -56,6 +59,8 @@ __all__ = [
     "enabled",
     "enabled_count",
     "engine_has_threads",
+    "on_accelerators",
+    "swap_module_params",
     "unavailable_reason",
     "worker_env",
 ]

@@ -14,8 +14,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,6 @@ SAME_DEVICE = "Expected all tensors to be on the same device"
 
 def _same_device(a: torch.device, b: str | torch.device) -> str:
     return re.escape(f"{SAME_DEVICE}, but found at least two devices, {a} and {b}!")
-
-
-@contextmanager
-def _swap_on_conversion() -> Iterator[None]:
-    """FACTS 28: swap only around the move, never globally."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 @pytest.fixture
@@ -101,8 +89,8 @@ def test_enabled_switches_the_accelerator_on_and_off(sim_only: None, tmp_path: P
     assert dist_resume.rank_device() == torch.device("cpu")
 
 
+@sim.on_accelerators(2)
 def test_memory_is_counted_per_device(accelerator: sim.Accel) -> None:
-    accelerator.need(2)
     gc.collect()
     base0, base1 = accelerator.memory_allocated(0), accelerator.memory_allocated(1)
     t = torch.empty(256 * 1024, device=accelerator.device(1))  # 1 MiB, made while device 0 is current
@@ -133,8 +121,8 @@ def test_memory_is_counted_per_device(accelerator: sim.Accel) -> None:
     assert accelerator.max_memory_allocated(1) == base1
 
 
+@sim.on_accelerators(2)
 def test_values_and_copies_match_the_cpu(accelerator: sim.Accel) -> None:
-    accelerator.need(2)
     d0, d1 = accelerator.device(0), accelerator.device(1)
     x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
     xs = x.to(d1)
@@ -165,8 +153,8 @@ def test_values_and_copies_match_the_cpu(accelerator: sim.Accel) -> None:
     torch.set_rng_state(cpu_state)
 
 
+@sim.on_accelerators(2)
 def test_mixed_devices_are_refused_with_torchs_message(accelerator: sim.Accel) -> None:
-    accelerator.need(2)
     d0, d1 = accelerator.device(0), accelerator.device(1)
     a = torch.ones(3, device=d0)
     with pytest.raises(RuntimeError, match=_same_device(d0, "cpu")):
@@ -187,8 +175,8 @@ def test_mixed_devices_are_refused_with_torchs_message(accelerator: sim.Accel) -
     assert torch.equal((scalar * a).cpu(), torch.full((3,), 2.0))
 
 
+@sim.on_accelerators(2)
 def test_save_tags_and_load_remaps(accelerator: sim.Accel, tmp_path: Path) -> None:
-    accelerator.need(2)
     kind, d0, d1 = accelerator.type, accelerator.device(0), accelerator.device(1)
     path = tmp_path / "ckpt.pt"
     w = torch.arange(6.0).reshape(2, 3)
@@ -236,7 +224,7 @@ def test_module_to_creates_new_parameters_unless_swapped(accelerator: sim.Accel)
     assert (not torch.equal(model.weight.detach(), before)) == shallow
     kept = torch.nn.Linear(3, 2)
     kept_weight = kept.weight
-    with _swap_on_conversion():
+    with sim.swap_module_params():
         kept.to(device)
     assert kept.weight is kept_weight and kept_weight.device == device
     assert not torch.__future__.get_swap_module_params_on_conversion()
@@ -271,7 +259,7 @@ def test_seed_bug_reproduces_in_the_wrong_order(accelerator: sim.Accel) -> None:
             wrong_opt = make(wrong.parameters(), foreach=foreach)
             wrong.load_state_dict(model_sd)
             wrong_opt.load_state_dict(copy.deepcopy(opt_sd))
-            with _swap_on_conversion():
+            with sim.swap_module_params():
                 wrong.to(device)
             with pytest.raises(RuntimeError, match=_same_device(device, "cpu")):
                 _train(wrong, wrong_opt, device)

@@ -32,12 +32,20 @@ def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     return model, opt, sched
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int, seed: int) -> list[float]:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    steps: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> list[float]:
+    """``steps`` steps on batches drawn from a generator of their own (made on the CPU, then moved to ``device``)."""
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        x = torch.randn(16, 6, generator=gen)
-        y = torch.randint(0, 3, (16,), generator=gen)
+        x = torch.randn(16, 6, generator=gen).to(device)
+        y = torch.randint(0, 3, (16,), generator=gen).to(device)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()

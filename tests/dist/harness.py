@@ -153,6 +153,7 @@ def run_two_nodes(
     nproc_per_node: int = 2,
     cwd: str | os.PathLike[str],
     env: Mapping[str, str] | None = None,
+    node_env: Sequence[Mapping[str, str]] = ({}, {}),
     timeout: float = 180.0,
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """Simulate a two-node torchrun job on this machine; return (node 0, node 1) results.
@@ -161,6 +162,7 @@ def run_two_nodes(
     ``is_host=false`` makes both agents connect to it as clients (torch's ``_create_tcp_store``
     honours an explicit ``is_host`` instead of guessing from the hostname). The c10d rendezvous
     ignores ``--node_rank``: GROUP_RANK follows sorted (address, agent pid), so check ranks as sets.
+    ``node_env[n]`` is added to node n's environment (e.g. its own ``CUDA_VISIBLE_DEVICES``).
     """
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=timeout)
@@ -176,7 +178,17 @@ def run_two_nodes(
             "--local-addr=127.0.0.1",
         ]
         cmds = [
-            [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={n}", *script_args] for n in (0, 1)
+            [
+                "env",
+                *(f"{name}={value}" for name, value in node_env[n].items()),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *common,
+                f"--node_rank={n}",
+                *script_args,
+            ]
+            for n in (0, 1)
         ]
         node0, node1 = _launch(cmds, cwd, env, timeout)
     finally:
