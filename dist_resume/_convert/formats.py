@@ -24,6 +24,7 @@ from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
+from .._state.optim_keys import optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
 from .output import replace_folder, write_locked
@@ -188,17 +189,7 @@ def _dsd_optimizer(
             "build the optimizer from model.named_parameters() (torch >= 2.5 stores param_names) and save again, "
             "or convert to --format pt and restore with dist_resume",
         )
-    fqn = dict(zip(ids, names))
-    state = {fqn[k]: v for k, v in optimizer["state"].items() if k in fqn}
-    new_groups = []
-    for g in groups:
-        params = [fqn[p] for p in g.get("params", ())]
-        new = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-        if "param_names" in g:
-            new["param_names"] = list(params)
-        new["params"] = params
-        new_groups.append(new)
-    return {"state": state, "param_groups": new_groups}
+    return optimizer_by_name(optimizer, names)
 
 
 def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> WriterReport:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointWriteError, UsageError
-from .._format.atomic import TEMP_NAME, atomic_write
+from .._format.atomic import TEMP_NAME, atomic_write, remove_path
 
 __all__ = ["check_paths", "remove_stale_temps", "temp_path", "write_locked", "replace_folder"]
 
@@ -70,17 +70,9 @@ def remove_stale_temps(dst: Path) -> list[Path]:
             continue  # a conversion is writing it right now
         finally:
             os.close(fd)
-        _remove(tmp)
+        remove_path(tmp)
         removed.append(tmp)
     return removed
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or a folder tree; a symlink goes as a link (``rmtree`` never follows links inside a tree)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def temp_path(dst: Path, fd: int) -> Path:
@@ -149,4 +141,4 @@ def replace_folder(dst: Path, fill: Callable[[Path], None]) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if moved:
-            _remove(old)
+            remove_path(old)

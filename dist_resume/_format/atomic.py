@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,11 @@ from typing import Any
 from .._core.errors import CheckpointWriteError
 from .._core.types import PathLike
 
-__all__ = ["TEMP_NAME", "atomic_write"]
+__all__ = ["TEMP_NAME", "atomic_write", "fsync_dir", "remove_path"]
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, so that the names created or renamed in it survive a power loss. Local."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -26,6 +28,17 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a whole folder tree; a symlink goes as a link. Local.
+
+    ``shutil.rmtree`` never follows a symlink inside the tree (it unlinks it), so nothing outside ``path``
+    is touched. A path that is already gone is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 TEMP_NAME = re.compile(r"^\.(?P<dest>.+)\.(?P<token>[0-9a-f]{16})\.tmp$")
@@ -128,7 +141,7 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp_name, dest)
         tmp_name = None
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
         raise _write_error(dest, cause) from cause
