@@ -15,7 +15,15 @@ from typing import Any
 from .._core.errors import CheckpointWriteError
 from .._core.types import PathLike
 
-__all__ = ["TEMP_NAME", "atomic_write", "fsync_dir", "remove_path"]
+__all__ = [
+    "TEMP_NAME",
+    "atomic_write",
+    "write_error",
+    "fsync_dir",
+    "remove_path",
+    "make_temp_folder",
+    "commit_folder",
+]
 
 
 def fsync_dir(folder: Path) -> None:
@@ -93,7 +101,8 @@ def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
             continue
 
 
-def _write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+def write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` for a failed write of ``dest``: the cause (disk full, ...) and the fix."""
     if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
         what, fix = _WRITE_ERRORS[err.errno]
         what = f"{what} ({errno.errorcode[err.errno]}: {err.strerror})"
@@ -144,7 +153,7 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
         fsync_dir(folder)
     except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
-        raise _write_error(dest, cause) from cause
+        raise write_error(dest, cause) from cause
     except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
         raise CheckpointWriteError(
             f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
@@ -158,3 +167,45 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
             except OSError:
                 pass
     return dest
+
+
+def make_temp_folder(dest: Path) -> Path:
+    """A new empty folder ``.<dest name>.<16 hex>.tmp`` (:data:`TEMP_NAME`) next to ``dest``. Local.
+
+    Raises :class:`CheckpointWriteError` when ``dest``'s folder does not exist or refuses it."""
+    if not dest.parent.is_dir():
+        raise CheckpointWriteError(
+            f"cannot save {str(dest)!r}: the folder {str(dest.parent)!r} does not exist; create it first"
+        )
+    while True:
+        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:  # pragma: no cover - 64 random bits collided
+            continue
+        except OSError as err:
+            raise write_error(dest, err) from err
+
+
+def commit_folder(tmp: Path, dest: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``dest``, then fsync their folder. Local; raises ``OSError``.
+
+    The rename is the completion marker (fsync ``tmp``'s files and ``tmp`` itself first). An existing
+    ``dest`` (a folder, a file, or a symlink, moved as a name) is renamed aside to a :data:`TEMP_NAME` first
+    and deleted after; if the rename fails it is put back. A crash between the two renames leaves ``dest``
+    absent and both at temporary names, which ``CheckpointManager`` removes on its next save.
+    """
+    old = None
+    if os.path.lexists(dest):
+        old = dest.parent / f".{dest.name}.{secrets.token_hex(8)}.tmp"
+        os.replace(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    fsync_dir(dest.parent)
+    if old is not None:
+        remove_path(old)
