@@ -25,8 +25,6 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +39,9 @@ from .._core.log import log_rank0
 from .._core.shards import is_dtensor, local_of, shard_spec
 from .._core.text import preview
 from .._core.tree import map_tensors
-from .._core.version import __version__
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import Outcome, all_gather_objects, collective_step, relabel, run_on_rank0
-from .._foreign.sharded import split_payload
+from .._foreign.sharded import new_manifest, split_payload
 from .._format.atomic import atomic_write, commit_folder, make_temp_folder, remove_path, write_error
 from .._format.manifest import DCP_METADATA, MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, file_entry
 from .._state.sharded import is_sharded, sharded_parameters
@@ -229,18 +226,9 @@ def _finish(save: ShardedSave, rank: int, group: Any) -> Path:
         error, files = err, []
     reports = _agree(error, files, "writing the shards", save.dest, group)
     entries = [e for r in reports for e in r]
-    manifest = Manifest(
-        save.step,
-        save.epoch,
-        dist.get_world_size(group),
-        *save.mesh,
-        sum(1 for r in reports if any(SHARD_FILE.match(e.name) for e in r)),
-        tuple(save.state),
-        tuple(entries),
-        secrets.token_hex(16),
-        time.time(),
-        str(torch.__version__),
-        __version__,
+    world = dist.get_world_size(group)
+    manifest = new_manifest(
+        entries, list(save.state), step=save.step, epoch=save.epoch, world_size=world, mesh=save.mesh
     )
     dest = save.dest
     run_on_rank0(lambda: _commit(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)

@@ -38,6 +38,8 @@ __all__ = [
     "pt_to_safetensors",
     "safetensors_to_pt",
     "pt_to_dcp",
+    "dsd_optimizer",
+    "parts_payload",
     "parts_to_pt",
 ]
 
@@ -50,6 +52,7 @@ class ConvertFormat(enum.Enum):
     PT = "pt"  # a torch zip checkpoint (torch.save's format)
     SAFETENSORS = "safetensors"  # model weights only
     DCP = "dcp"  # a torch.distributed.checkpoint folder, {"model": ..., "optim": ...} as DSD keys them
+    SHARDED = "sharded"  # dist_resume's sharded checkpoint folder (what an FSDP2 model saves): DCP + train state
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def _pairs_by_position(
     return True
 
 
-def _dsd_optimizer(
+def dsd_optimizer(
     optimizer: Any, model: Mapping[str, Any], meta: Mapping[str, Any], source: str
 ) -> dict[str, Any] | None:
     """An optimizer state dict in DSD's ``get_state_dict`` form: state and ``params`` keyed by canonical FQN."""
@@ -208,7 +211,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
     before = prefix_style(parts.model)
     model, renamed = _rekeyed(parts.model, KeyForm.SINGLE, source)
     state: dict[str, Any] = {"model": model}
-    optim = _dsd_optimizer(parts.optimizer, model, parts.meta, source)
+    optim = dsd_optimizer(parts.optimizer, model, parts.meta, source)
     if optim is not None:
         state["optim"] = optim
     for name in ("scheduler", "scaler", "step", "epoch"):
@@ -227,12 +230,12 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
     )
 
 
-def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> WriterReport:
-    """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
+def parts_payload(parts: CheckpointParts, to: KeyForm | None, source: str) -> tuple[dict[str, Any], int, int]:
+    """Checkpoint parts read from a foreign folder as a dist_resume payload, re-keyed ``to`` (None: as they are);
+    and how many model keys and optimizer ``param_names`` were renamed. Local."""
     model = dict(parts.model)
     if not model:
         raise KeyMismatchError(f"{source}: no model weights were found to write")
-    before = prefix_style(model)
     renamed = rekey_state_dict(model, to, source) if to is not None else 0
     optimizer = parts.optimizer
     names = rekey_param_names(optimizer, to) if to is not None else 0
@@ -247,6 +250,14 @@ def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: s
     ):
         if value is not None:
             obj[key] = plain_namespaces(value)
+    return obj, renamed, names
+
+
+def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> WriterReport:
+    """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
+    before = prefix_style(parts.model)
+    obj, renamed, names = parts_payload(parts, to, source)
+    model = obj[Key.MODEL]
 
     def fill(fd: int, tmp: Path) -> int:
         with open(fd, "wb", closefd=False) as f:

@@ -19,21 +19,42 @@ tensors and the optimizer keyed by ids with ``param_names``.
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import torch
+
 from .._core.errors import CheckpointCorruptError, CheckpointWriteError, NotACheckpointError
 from .._core.text import preview
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
+from .._core.version import __version__
 from .._format.load import load_torch_file
-from .._format.manifest import MANIFEST, TRAIN_STATE, Manifest, manifest_problems, read_manifest
+from .._format.manifest import (
+    MANIFEST,
+    SHARD_FILE,
+    TRAIN_STATE,
+    FileEntry,
+    Manifest,
+    manifest_problems,
+    read_manifest,
+)
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state, optimizer_by_name
 
-__all__ = ["DCP_PARTS", "SHARDED_LAYOUT", "split_payload", "join_payload", "load_sharded_payload", "read_sharded"]
+__all__ = [
+    "DCP_PARTS",
+    "SHARDED_LAYOUT",
+    "split_payload",
+    "join_payload",
+    "new_manifest",
+    "load_sharded_payload",
+    "read_sharded",
+]
 
 DCP_PARTS: Final = (Key.MODEL, Key.OPTIMIZER, Key.EMA)  # the payload entries saved through DCP
 SHARDED_LAYOUT: Final = "sharded_layout"  # train_state.pt's record of what DCP does not keep
@@ -105,6 +126,36 @@ def join_payload(dcp_state: Mapping[str, Any], train_state: Mapping[str, Any]) -
             parts[key] = _ordered(dcp_state[key], layout.get(f"{key}_keys"), layout.get(f"{key}_metadata"))
     order = [k for k in layout.get("order", ()) if k in parts]
     return {**{k: parts[k] for k in order}, **{k: v for k, v in parts.items() if k not in order}}
+
+
+def new_manifest(
+    files: list[FileEntry],
+    contents: list[str],
+    *,
+    step: int | None,
+    epoch: int | None,
+    world_size: int,
+    mesh: tuple[tuple[int, ...] | None, tuple[str, ...] | None] = (None, None),
+) -> Manifest:
+    """The manifest of a folder just written: ``files`` (every file but the manifest), the DCP state's top-level
+    entries, a fresh save id, this torch's and this dist_resume's versions. ``mesh``: the device mesh's shape and
+    dimension names (None: written from full tensors). Local."""
+    writers = len({f.rank for f in files if SHARD_FILE.match(f.name)})
+    shape, names = mesh
+    return Manifest(
+        step,
+        epoch,
+        world_size,
+        shape,
+        names,
+        writers,
+        tuple(contents),
+        tuple(files),
+        secrets.token_hex(16),
+        time.time(),
+        str(torch.__version__),
+        __version__,
+    )
 
 
 def _checked_manifest(folder: Path) -> Manifest:

@@ -67,12 +67,12 @@ def optimizer_by_name(osd: Mapping[str, Any], names: Sequence[str]) -> dict[str,
 
     ``names`` holds one parameter name per id, in the groups' order: state entries and each group's
     ``params`` become those names, ``param_names`` (where a group has it) the same list; every other
-    group entry stays. :func:`normalize_optimizer_state` turns it back.
+    group entry stays, in its place. :func:`normalize_optimizer_state` turns it back.
 
     Example::
 
         >>> optimizer_by_name({"state": {0: {"step": 1}}, "param_groups": [{"params": [0], "lr": 0.1}]}, ["w"])
-        {'state': {'w': {'step': 1}}, 'param_groups': [{'lr': 0.1, 'params': ['w']}]}
+        {'state': {'w': {'step': 1}}, 'param_groups': [{'params': ['w'], 'lr': 0.1}]}
     """
     ids = _group_ids(osd)
     if len(names) != len(ids) or len(set(names)) != len(names):
@@ -84,11 +84,7 @@ def optimizer_by_name(osd: Mapping[str, Any], names: Sequence[str]) -> dict[str,
     groups = []
     for g in osd["param_groups"]:
         params = [fqn[p] for p in g["params"]]
-        new = {k: v for k, v in g.items() if k not in GROUP_BOOKKEEPING}
-        if "param_names" in g:
-            new["param_names"] = list(params)
-        new["params"] = params
-        groups.append(new)
+        groups.append({k: list(params) if k in GROUP_BOOKKEEPING else v for k, v in g.items()})  # order kept
     return {"state": {fqn[k]: v for k, v in osd["state"].items() if k in fqn}, "param_groups": groups}
 
 
