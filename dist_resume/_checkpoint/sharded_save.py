@@ -102,7 +102,10 @@ def _own_files(tmp: Path, rank: int, train_state: bool) -> list[FileEntry]:
     return [file_entry(tmp / n, rank) for n in names]
 
 
-def _dcp_write(tmp: Path, state: dict[str, Any], group: Any) -> None:
+def _dcp_write(tmp: Path, state: dict[str, Any], group: Any) -> bool:
+    """``dcp.save`` of this rank's shards into ``tmp``; False when another rank failed. DCP relays one rank's
+    failure to every rank: only the rank that failed raises it here (its own cause), so that the agreement
+    after names that rank."""
     import warnings
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -114,13 +117,14 @@ def _dcp_write(tmp: Path, state: dict[str, Any], group: Any) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*existing checkpoint.*", category=UserWarning)
             dcp_save(state, storage_writer=writer, process_group=group)
-    except CheckpointException as err:  # every rank gets it: DCP relays each rank's exception
-        ranks = sorted(err.failures)
-        exc = err.failures[ranks[0]][0]
+    except CheckpointException as err:
+        mine = err.failures.get(dist.get_rank())
+        if mine is None:
+            return False  # another rank failed: it says so in the agreement that follows
+        exc = mine[0]
         cause = exc if isinstance(exc, DistResumeError) else write_error(tmp, exc)
-        raise CheckpointWriteError(
-            f"torch.distributed.checkpoint failed on rank(s) {ranks}: rank {ranks[0]}: {cause}"
-        ) from exc
+        raise CheckpointWriteError(f"torch.distributed.checkpoint.save failed: {cause}") from exc
+    return True
 
 
 def _commit(tmp: Path, dest: Path, manifest: Manifest) -> None:
@@ -220,8 +224,7 @@ def finish_sharded(save: ShardedSave, group: Any = None) -> Path:
 def _finish(save: ShardedSave, rank: int, group: Any) -> Path:
     error: BaseException | None = None
     try:
-        _dcp_write(save.tmp, save.state, group)
-        files = _own_files(save.tmp, rank, train_state=rank == 0)
+        files = _own_files(save.tmp, rank, train_state=rank == 0) if _dcp_write(save.tmp, save.state, group) else []
     except Exception as err:
         error, files = err, []
     reports = _agree(error, files, "writing the shards", save.dest, group)
