@@ -70,6 +70,22 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._outcome: tuple[Path | None, BaseException | None] | None = None
 
+    def _start(self, write: Callable[[], None]) -> None:
+        """Run ``write`` in a thread; its error, if any, is what :meth:`wait` raises (on every rank)."""
+
+        def run() -> None:
+            try:
+                write()
+            except CheckpointWriteError as err:
+                self._error = err
+            except Exception as err:  # surfaced by wait() on every rank
+                self._error = CheckpointWriteError(
+                    f"background save of {str(self.path)!r} failed: {type(err).__name__}: {err}"
+                )
+
+        self._thread = threading.Thread(target=run, name=f"dist_resume-save-{self.path.name}", daemon=False)
+        self._thread.start()
+
     def done(self) -> bool:
         """True once the background write has finished (successfully or not). Local."""
         return self._thread is None or not self._thread.is_alive()
@@ -180,19 +196,11 @@ def _sharded_in_background(
     handle = AsyncSave(dest, None, every_rank=True)
 
     def write() -> None:
-        try:
-            finish_sharded(save, group)
-            if after is not None and dist.get_rank() == 0:
-                after(dest)
-        except CheckpointWriteError as err:
-            handle._error = err
-        except Exception as err:  # surfaced by wait() on every rank
-            handle._error = CheckpointWriteError(
-                f"background save of {str(dest)!r} failed: {type(err).__name__}: {err}"
-            )
+        finish_sharded(save, group)
+        if after is not None and dist.get_rank() == 0:
+            after(dest)
 
-    handle._thread = threading.Thread(target=write, name=f"dist_resume-save-{dest.name}", daemon=False)
-    handle._thread.start()
+    handle._start(write)
     return handle
 
 
@@ -211,7 +219,6 @@ def write_in_background(
     An FSDP2 ``model``: collective, every rank writes its shards in a thread (``full_state``: one file, now)."""
     global _pending
     dest = Path(path)
-    thread = None
     if model is not None and is_sharded(model):
         if full_state:
             written = save_full(dest, build, step=step, epoch=epoch)
@@ -226,21 +233,12 @@ def write_in_background(
         handle = AsyncSave(dest, None)
 
         def write() -> None:
-            try:
-                atomic_write(dest, lambda f: torch.save(snapshot, f))
-                log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
-                if after_write is not None:
-                    after_write(dest)
-            except CheckpointWriteError as err:
-                handle._error = err
-            except Exception as err:  # surfaced by wait() on every rank
-                handle._error = CheckpointWriteError(
-                    f"background save of {str(dest)!r} failed: {type(err).__name__}: {err}"
-                )
+            atomic_write(dest, lambda f: torch.save(snapshot, f))
+            log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
+            if after_write is not None:
+                after_write(dest)
 
-        thread = threading.Thread(target=write, name=f"dist_resume-save-{dest.name}", daemon=False)
-        handle._thread = thread
-        thread.start()
+        handle._start(write)
     else:
         handle = AsyncSave(dest, None)
     with _pending_lock:

@@ -39,8 +39,8 @@ from .._core.log import log_rank0
 from .._core.shards import is_dtensor, local_of, shard_spec
 from .._core.text import preview
 from .._core.tree import map_tensors
-from .._dist.broadcast import DEFAULT_BUCKET_BYTES
-from .._dist.comm import Outcome, all_gather_objects, collective_step, relabel, run_on_rank0
+from .._dist.broadcast import DEFAULT_BUCKET_BYTES, first_failure
+from .._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
 from .._foreign.sharded import new_manifest, split_payload
 from .._format.atomic import atomic_write, commit_folder, make_temp_folder, remove_path, write_error
 from .._format.manifest import DCP_METADATA, MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, file_entry
@@ -63,17 +63,14 @@ def _agree(error: BaseException | None, value: Any, step: str, dest: Path, group
     mine = Outcome(value=value) if error is None else Outcome.failed(dist.get_rank(), error)
     with collective_step(f"{step} for {str(dest)!r}", CheckpointWriteError):
         outcomes: list[Outcome] = all_gather_objects(mine, group=group)
-    failed = [o.error for o in outcomes if o.error is not None]
-    if not failed:
-        return [o.value for o in outcomes]
-    first = failed[0]
-    err = first.rebuild(CheckpointWriteError)
-    what = first.message if type(err).__qualname__ == first.class_name else str(err)
-    raise relabel(
-        err,
-        f"rank(s) {[f.rank for f in failed]} failed while {step}, so the sharded checkpoint {str(dest)!r} was not "
-        f"committed (the previous checkpoint, if any, is untouched); rank {first.rank}: {what}",
-    ) from error
+    what = (
+        f"failed while {step}, so the sharded checkpoint {str(dest)!r} was not committed (the previous checkpoint, "
+        "if any, is untouched)"
+    )
+    err = first_failure(outcomes, CheckpointWriteError, what)
+    if err is not None:
+        raise err from error
+    return [o.value for o in outcomes]
 
 
 def _payload(build: Build) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "dsd_optimizer",
     "parts_payload",
     "parts_to_pt",
+    "save_locked",
 ]
 
 Progress = Callable[[int, int], None]
@@ -258,11 +259,16 @@ def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: s
     before = prefix_style(parts.model)
     obj, renamed, names = parts_payload(parts, to, source)
     model = obj[Key.MODEL]
+    written = save_locked(dst, obj)
+    return WriterReport(parts.layout, before, prefix_style(model), len(model), renamed, names, written)
+
+
+def save_locked(dst: Path, obj: Any) -> int:
+    """``torch.save(obj)`` into ``dst`` atomically (:func:`write_locked`); the file's size. Local."""
 
     def fill(fd: int, tmp: Path) -> int:
         with open(fd, "wb", closefd=False) as f:
             torch.save(obj, f)
         return os.fstat(fd).st_size
 
-    return_size = write_locked(dst, fill)
-    return WriterReport(parts.layout, before, prefix_style(model), len(model), renamed, names, return_size)
+    return write_locked(dst, fill)

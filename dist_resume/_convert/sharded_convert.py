@@ -27,8 +27,8 @@ from .._format.manifest import MANIFEST, TRAIN_STATE, file_entry
 from .._layout.layout import FORMAT_NAME, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
 from .._state.prefix import prefix_style
-from .formats import WriterReport, dsd_optimizer, parts_payload, plain_namespaces
-from .output import replace_folder, write_locked
+from .formats import WriterReport, dsd_optimizer, parts_payload, plain_namespaces, save_locked
+from .output import replace_folder
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict
 
 __all__ = ["sharded_to_pt", "pt_to_sharded"]
@@ -41,13 +41,7 @@ def sharded_to_pt(src: Path, dst: Path, to: KeyForm | None) -> WriterReport:
     before = prefix_style(model)
     renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
     names = rekey_param_names(payload.get(Key.OPTIMIZER), to) if to is not None else 0
-
-    def fill(fd: int, tmp: Path) -> int:
-        with open(fd, "wb", closefd=False) as f:
-            torch.save(payload, f)
-        return os.fstat(fd).st_size
-
-    written = write_locked(dst, fill)
+    written = save_locked(dst, payload)
     return WriterReport(Layout.SHARDED, before, prefix_style(model), len(model), renamed, names, written)
 
 

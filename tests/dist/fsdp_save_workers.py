@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dist_resume as dr
 from dist_resume._checkpoint import sharded_save
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
-from dist_resume.errors import CheckpointWriteError
+from dist_resume.errors import CheckpointWriteError, UsageError
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh, _sharded, _train
 
 FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -159,6 +159,12 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
         report["plain_vs_dsd"] = _differ(
             _from_file({"model": plain.state_dict(), "optimizer": _named(plain_opt)}), saved_full
         )
+
+    try:  # a sharded checkpoint is a folder: a file name is refused on every rank, before anything is written
+        dr.save_checkpoint(root / "x.pt", model=model)
+        report["file_name"] = ""
+    except UsageError as err:
+        report["file_name"] = str(err)
 
     # 4) full_state=True: one ordinary file gathered on rank 0, the payload a DDP save writes
     full = dr.save_checkpoint(root / "full.pt", model=model, optimizer=opt, scheduler=sched, step=100, full_state=True)

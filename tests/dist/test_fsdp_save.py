@@ -58,6 +58,7 @@ def _check(results: list[dict], world_size: int) -> None:
         assert zero["flat_into_hsdp"] == [] and zero["hsdp_into_flat"] == []
     for rank, r in enumerate(results):
         assert r["first"] == "ckpt_00000100.dcp" and r["rng_untouched"], rank
+        assert "is named like a file" in r["file_name"], rank
         for check in ("dcp_load", "dcp_load_root_only", "kept", "back_into_fsdp", "async_vs_before", "compiled"):
             assert r[check] == [], (rank, check, r[check])
         assert r["plain_resume"] == ("ckpt_00000100.dcp", 100, "dist_resume-sharded"), rank
