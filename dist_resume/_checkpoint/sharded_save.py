@@ -36,7 +36,6 @@ from torch import nn
 
 from .._core.errors import CheckpointWriteError, DistResumeError, UsageError
 from .._core.log import log_rank0
-from .._core.shards import is_dtensor, local_of, shard_spec
 from .._core.text import preview
 from .._core.tree import map_tensors
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES, first_failure
@@ -162,13 +161,9 @@ class ShardedSave:
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    if not is_dtensor(t):
-        return t.detach().to("cpu", copy=True)
-    from torch.distributed.tensor import DTensor
-
-    spec = shard_spec(t)
-    local = local_of(t).detach().to("cpu", copy=True)
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=t.shape, stride=t.stride())
+    """A private CPU copy; a DTensor stays a DTensor of its mesh and placements with a CPU local tensor (as torch's own
+    staging makes it: ``DTensor.from_local`` would move the copy back to the mesh's device)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _cleanup(save_tmp: Path) -> None:
