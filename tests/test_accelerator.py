@@ -214,5 +214,5 @@ def test_object_collectives_use_the_groups_device(tmp_path, monkeypatch):
         acc.set_device(torch.device("xpu", 1))
         from dist_resume._dist import comm
 
-        monkeypatch.setattr(comm, "object_collective_device_type", lambda: "xpu")  # as for an xccl group
+        monkeypatch.setattr(comm, "object_collective_device_type", lambda group=None: "xpu")  # as for an xccl group
         assert comm_device() == torch.device("xpu", 1)  # the current device, as torch's own collectives use

@@ -21,8 +21,10 @@ from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
+from .._state.sharded import is_sharded
 from .objects import LiveObjects
 from .save import prepare_payload
+from .sharded_save import begin_sharded, finish_sharded, save_full
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
 
@@ -61,11 +63,28 @@ def _snapshot(obj: Any) -> tuple[Any, set[torch.device]]:
 class AsyncSave:
     """Handle of a checkpoint being written in the background by :func:`save_checkpoint_async`."""
 
-    def __init__(self, path: Path, thread: threading.Thread | None) -> None:
+    def __init__(self, path: Path, thread: threading.Thread | None, *, every_rank: bool = False) -> None:
         self.path = path
         self._thread = thread
+        self._every_rank = every_rank  # a sharded save: every rank writes in a thread of its own
         self._error: BaseException | None = None
         self._outcome: tuple[Path | None, BaseException | None] | None = None
+
+    def _start(self, write: Callable[[], None]) -> None:
+        """Run ``write`` in a thread; its error, if any, is what :meth:`wait` raises (on every rank)."""
+
+        def run() -> None:
+            try:
+                write()
+            except CheckpointWriteError as err:
+                self._error = err
+            except Exception as err:  # surfaced by wait() on every rank
+                self._error = CheckpointWriteError(
+                    f"background save of {str(self.path)!r} failed: {type(err).__name__}: {err}"
+                )
+
+        self._thread = threading.Thread(target=run, name=f"dist_resume-save-{self.path.name}", daemon=False)
+        self._thread.start()
 
     def done(self) -> bool:
         """True once the background write has finished (successfully or not). Local."""
@@ -95,6 +114,8 @@ class AsyncSave:
                 if _pending is self:
                     _pending = None
             try:
+                if self._every_rank and self._thread is not None:
+                    self._thread.join()  # this rank's part; its outcome is the one every rank agreed on
                 self._outcome = (run_on_rank0(self._join), None)
             except Exception as err:
                 self._outcome = (None, err)
@@ -125,6 +146,7 @@ def save_checkpoint_async(
     epoch: int | None = None,
     extra: Any = None,
     rng: bool = True,
+    full_state: bool = False,
 ) -> AsyncSave:
     """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
 
@@ -137,6 +159,11 @@ def save_checkpoint_async(
     1 GiB allocation per save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU
     memory.
 
+    An FSDP2 model's sharded checkpoint folder is written by every rank in a thread of its own from a CPU
+    copy of its shards (the collectives of the write run on a second gloo process group, made once), so
+    training goes on meanwhile; with ``full_state=True`` the file is gathered and written before this returns
+    (the gather is a collective stream), and the handle is done at once.
+
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
@@ -147,7 +174,34 @@ def save_checkpoint_async(
     wait_pending()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_in_background(path, build, step=step)
+    return write_in_background(path, build, step=step, epoch=epoch, model=model, full_state=full_state)
+
+
+_background: tuple[Any, Any] = (None, None)  # (the default process group, the second group made for it)
+
+
+def _background_group() -> Any:
+    """A gloo process group of every rank for the writes of background threads (collective the first time)."""
+    global _background
+    if _background[0] is not dist.group.WORLD:
+        _background = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _background[1]
+
+
+def _sharded_in_background(
+    dest: Path, build: Callable[[], dict[str, Any]], model: nn.Module, *, step: Any, epoch: Any, after: Any
+) -> AsyncSave:
+    save = begin_sharded(dest, build, model, step=step, epoch=epoch).staged()
+    group = _background_group()
+    handle = AsyncSave(dest, None, every_rank=True)
+
+    def write() -> None:
+        finish_sharded(save, group)
+        if after is not None and dist.get_rank() == 0:
+            after(dest)
+
+    handle._start(write)
+    return handle
 
 
 def write_in_background(
@@ -155,34 +209,36 @@ def write_in_background(
     build: Callable[[], dict[str, Any]],
     *,
     step: int | None,
+    epoch: int | None = None,
     after_write: Callable[[Path], None] | None = None,
+    model: nn.Module | None = None,
+    full_state: bool = False,
 ) -> AsyncSave:
     """Rank 0 snapshots ``build()``'s payload and a thread writes it atomically, then runs ``after_write`` (e.g.
-    rotation) once the file is durable. Local; the caller has waited for the previous save (:func:`wait_pending`)."""
+    rotation) once the file is durable. Local; the caller has waited for the previous save (:func:`wait_pending`).
+    An FSDP2 ``model``: collective, every rank writes its shards in a thread (``full_state``: one file, now)."""
     global _pending
     dest = Path(path)
-    thread = None
-    if not is_distributed() or dist.get_rank() == 0:
+    if model is not None and is_sharded(model):
+        if full_state:
+            written = save_full(dest, build, step=step, epoch=epoch)
+            if after_write is not None:
+                run_on_rank0(lambda: after_write(written))
+            handle = AsyncSave(written, None)
+        else:
+            handle = _sharded_in_background(dest, build, model, step=step, epoch=epoch, after=after_write)
+    elif not is_distributed() or dist.get_rank() == 0:
         snapshot, queued = _snapshot(build())
         synchronize(queued)  # the non-blocking copies must land before the thread reads them
         handle = AsyncSave(dest, None)
 
         def write() -> None:
-            try:
-                atomic_write(dest, lambda f: torch.save(snapshot, f))
-                log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
-                if after_write is not None:
-                    after_write(dest)
-            except CheckpointWriteError as err:
-                handle._error = err
-            except Exception as err:  # surfaced by wait() on every rank
-                handle._error = CheckpointWriteError(
-                    f"background save of {str(dest)!r} failed: {type(err).__name__}: {err}"
-                )
+            atomic_write(dest, lambda f: torch.save(snapshot, f))
+            log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
+            if after_write is not None:
+                after_write(dest)
 
-        thread = threading.Thread(target=write, name=f"dist_resume-save-{dest.name}", daemon=False)
-        handle._thread = thread
-        thread.start()
+        handle._start(write)
     else:
         handle = AsyncSave(dest, None)
     with _pending_lock:

@@ -37,17 +37,18 @@ __all__ = ["save_full_state"]
 
 
 def _signature(tensors: list[torch.Tensor]) -> str:
-    """What every rank must agree on before streaming: the tensors' shapes, dtypes and kinds, in order."""
-    spec = [(tuple(t.shape), str(t.dtype), is_dtensor(t)) for t in tensors]
+    """What every rank must agree on before streaming: the DTensors' shapes and dtypes, in order (plain tensors
+    are rank 0's own, written without a message, so the other ranks' may differ: RNG states gathered on rank 0)."""
+    spec = [(tuple(t.shape), str(t.dtype)) for t in tensors if is_dtensor(t)]
     return f"{len(spec)}:{hashlib.sha256(pickle.dumps(spec)).hexdigest()[:16]}"
 
 
 def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
     """Save ``state`` as one torch zip file on global rank 0, tensor by tensor; return its path.
 
-    Collective: call it on every rank with a state of the same structure (each rank's own state dicts:
-    DTensors, plain tensors, plain values); the file holds rank 0's plain values and, for each DTensor,
-    its full value gathered from the ranks that hold it. Rank 0 holds at most ``bucket_bytes`` beyond
+    Collective: call it on every rank with states holding the same DTensors in the same order (each rank's
+    own state dicts); the file holds rank 0's plain values and plain tensors and, for each DTensor, its full
+    value gathered from the ranks that hold it. Rank 0 holds at most ``bucket_bytes`` beyond
     its own shards, the other ranks nothing beyond theirs. Written atomically (a temporary file, then
     ``os.replace``); every rank returns once the file is in place, or raises rank 0's
     :class:`CheckpointWriteError`. Outside torch.distributed it is a streaming ``torch.save``.
@@ -67,7 +68,7 @@ def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_B
         signatures = all_gather_objects(_signature(tensors))
     if len(set(signatures)) > 1:
         raise CheckpointWriteError(
-            f"the ranks' states differ (tensor count:hash per rank {signatures}), so rank 0 cannot gather them "
+            f"the ranks' states differ (DTensor count:hash per rank {signatures}), so rank 0 cannot gather them "
             "into one file; call save_full_state on every rank with the same model and optimizer structure"
         )
     if dist.get_rank() != 0:

@@ -27,8 +27,10 @@ from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
+from .._state.sharded import is_sharded
 from .ema import canonical_ema_state
 from .objects import LiveObjects
+from .sharded_save import save_full, save_sharded
 
 __all__ = ["save_checkpoint", "write_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
 
@@ -133,12 +135,24 @@ def prepare_payload(
 
 
 def write_checkpoint(
-    path: PathLike, build: Callable[[], dict[str, Any]], *, step: int | None, epoch: int | None
+    path: PathLike,
+    build: Callable[[], dict[str, Any]],
+    *,
+    step: int | None,
+    epoch: int | None,
+    model: nn.Module | None = None,
+    full_state: bool = False,
 ) -> Path:
     """Rank 0 builds the payload and writes it atomically; every rank returns its path (or raises rank 0's error).
 
-    Collective under torch.distributed (one broadcast); local in a single process.
+    Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
+    by every rank into a sharded checkpoint folder (:func:`~dist_resume._checkpoint.sharded_save.save_sharded`),
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._checkpoint.sharded_save.save_full`).
     """
+    if model is not None and is_sharded(model):
+        if full_state:
+            return save_full(Path(path), build, step=step, epoch=epoch)
+        return save_sharded(Path(path), build, model, step=step, epoch=epoch)
 
     def write() -> Path:
         payload = build()
@@ -163,6 +177,7 @@ def save_checkpoint(
     epoch: int | None = None,
     extra: Any = None,
     rng: bool = True,
+    full_state: bool = False,
 ) -> Path:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
@@ -183,6 +198,13 @@ def save_checkpoint(
     holding averaged weights) is stored under ``"ema"`` with canonical keys, like the model;
     ``resume(..., ema=...)`` restores it.
 
+    A model sharded with FSDP2 (``fully_shard``) is saved by every rank in parallel into a sharded
+    checkpoint **folder** at ``path`` (a DCP folder, plus ``train_state.pt`` and ``manifest.json``; committed
+    by one rename once every rank's files are durable: see docs/checkpoint-folders.md), which ``dcp.load``
+    and ``dist-resume convert`` read. ``full_state=True`` writes one ordinary torch file instead, gathered
+    tensor by tensor on rank 0, which loads into a plain or DDP model like any other; for a model that is
+    not sharded, ``full_state`` changes nothing (one file either way).
+
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
@@ -192,4 +214,4 @@ def save_checkpoint(
     """
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_checkpoint(path, build, step=step, epoch=epoch)
+    return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state)

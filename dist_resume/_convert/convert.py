@@ -8,8 +8,11 @@ SRC -> format          what is written
                        tensor records copied byte for byte
 ``.pt`` -> safetensors the model weights, plain keys unless ``to=ddp``; bytes copied
 ``.pt`` -> dcp         ``{"model", "optim"}`` keyed by FQN as DSD's ``get_state_dict`` gives them
+``.pt`` -> sharded     dist_resume's sharded checkpoint folder (an FSDP2 save's form), written by
+                       one process, loadable at any world size
 ``.safetensors`` -> pt a dist_resume checkpoint holding the weights; bytes copied
 folder -> pt           HF Trainer / Accelerate / DCP folders as a dist_resume checkpoint
+sharded folder -> pt   the one file a DDP save would have written (RNG, sampler, scheduler kept)
 ====================  ======================================================================
 """
 
@@ -31,7 +34,7 @@ from .._foreign.safetensors_read import is_safetensors
 from .._format.archive import read_archive
 from .._format.pickle_write import dump_pickle
 from .._format.records import verify_zip
-from .._layout.layout import split_checkpoint
+from .._layout.layout import Layout, split_checkpoint
 from .._state.prefix import prefix_style
 from .archive_write import rewrite_archive
 from .formats import (
@@ -45,6 +48,7 @@ from .formats import (
 )
 from .output import check_paths, remove_stale_temps, write_locked
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict, target_key
+from .sharded_convert import pt_to_sharded, sharded_to_pt
 
 __all__ = [
     "KeyForm",
@@ -80,17 +84,22 @@ class _Source(enum.Enum):
     PT = "a torch zip checkpoint"
     SAFETENSORS = "a .safetensors file"
     FOLDER = "a checkpoint folder"
+    SHARDED = "a sharded checkpoint folder"
 
 
 def _source_kind(src: Path) -> _Source:
     if src.is_dir():
-        if detect_folder(src) is not None:  # HF Trainer, Accelerate or DCP
+        kind = detect_folder(src)
+        if kind is Layout.SHARDED:
+            return _Source.SHARDED
+        if kind is not None:  # HF Trainer, Accelerate or DCP
             return _Source.FOLDER
         if checkpoint_subfolders(src):  # an HF output_dir: name the checkpoint folders inside
             raise unrecognised_folder(src)
         raise UsageError(
             f"SRC {str(src)!r} is a folder of no kind dist_resume knows",
-            "give a .pt/.ckpt/.safetensors file, an HF Trainer or Accelerate folder, or a DCP folder",
+            "give a .pt/.ckpt/.safetensors file, an HF Trainer or Accelerate folder, a DCP folder, or a sharded "
+            "checkpoint folder (ckpt_<step>.dcp/)",
         )
     return _Source.SAFETENSORS if is_safetensors(src) else _Source.PT
 
@@ -118,7 +127,10 @@ def convert_checkpoint(
     Local. See the module docstring for what each direction writes; ``part_keys`` names the entry of
     each part where detection should not decide (``{"model": "MODEL_STATE"}``). ``.pt`` to ``.pt`` and
     ``.safetensors`` reads only ``src``'s data.pkl and copies tensor records byte for byte, as does
-    ``.safetensors`` to ``.pt``. ``dst`` appears atomically (temp file or folder, fsync, rename) or not at all.
+    ``.safetensors`` to ``.pt``. A sharded checkpoint folder (what an FSDP2 model saves, ``ckpt_<step>.dcp/``)
+    becomes the one file a DDP save would have written, and ``format="sharded"`` turns a file into such a
+    folder (loadable at any world size). ``dst`` appears atomically (temp file or folder, fsync, rename) or not
+    at all.
 
     Example::
 
@@ -132,7 +144,7 @@ def convert_checkpoint(
     src_path, dst_path = Path(src), Path(dst)
     form = _as_enum(KeyForm, to, "to") if to is not None else None
     fmt = _as_enum(ConvertFormat, format, "format")
-    check_paths(src_path, dst_path, force, folder=fmt is ConvertFormat.DCP)
+    check_paths(src_path, dst_path, force, folder=fmt in (ConvertFormat.DCP, ConvertFormat.SHARDED))
     kind = _source_kind(src_path)
     if check_crc and kind is _Source.PT:
         verify_zip(src_path)
@@ -141,8 +153,12 @@ def convert_checkpoint(
         done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)
     elif kind is _Source.PT and fmt is ConvertFormat.SAFETENSORS:
         done = pt_to_safetensors(src_path, dst_path, form, part_keys)
+    elif kind is _Source.PT and fmt is ConvertFormat.SHARDED:
+        done = pt_to_sharded(src_path, dst_path, form, part_keys)
     elif kind is _Source.PT:
         done = pt_to_dcp(src_path, dst_path, form, part_keys)
+    elif kind is _Source.SHARDED and fmt is ConvertFormat.PT:
+        done = sharded_to_pt(src_path, dst_path, form)
     elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
         done = safetensors_to_pt(src_path, dst_path, form, progress)
     elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:

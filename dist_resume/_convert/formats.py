@@ -24,6 +24,7 @@ from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
+from .._state.optim_keys import optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
 from .output import replace_folder, write_locked
@@ -37,7 +38,10 @@ __all__ = [
     "pt_to_safetensors",
     "safetensors_to_pt",
     "pt_to_dcp",
+    "dsd_optimizer",
+    "parts_payload",
     "parts_to_pt",
+    "save_locked",
 ]
 
 Progress = Callable[[int, int], None]
@@ -49,6 +53,7 @@ class ConvertFormat(enum.Enum):
     PT = "pt"  # a torch zip checkpoint (torch.save's format)
     SAFETENSORS = "safetensors"  # model weights only
     DCP = "dcp"  # a torch.distributed.checkpoint folder, {"model": ..., "optim": ...} as DSD keys them
+    SHARDED = "sharded"  # dist_resume's sharded checkpoint folder (what an FSDP2 model saves): DCP + train state
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def _pairs_by_position(
     return True
 
 
-def _dsd_optimizer(
+def dsd_optimizer(
     optimizer: Any, model: Mapping[str, Any], meta: Mapping[str, Any], source: str
 ) -> dict[str, Any] | None:
     """An optimizer state dict in DSD's ``get_state_dict`` form: state and ``params`` keyed by canonical FQN."""
@@ -188,17 +193,7 @@ def _dsd_optimizer(
             "build the optimizer from model.named_parameters() (torch >= 2.5 stores param_names) and save again, "
             "or convert to --format pt and restore with dist_resume",
         )
-    fqn = dict(zip(ids, names))
-    state = {fqn[k]: v for k, v in optimizer["state"].items() if k in fqn}
-    new_groups = []
-    for g in groups:
-        params = [fqn[p] for p in g.get("params", ())]
-        new = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-        if "param_names" in g:
-            new["param_names"] = list(params)
-        new["params"] = params
-        new_groups.append(new)
-    return {"state": state, "param_groups": new_groups}
+    return optimizer_by_name(optimizer, names)
 
 
 def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> WriterReport:
@@ -217,7 +212,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
     before = prefix_style(parts.model)
     model, renamed = _rekeyed(parts.model, KeyForm.SINGLE, source)
     state: dict[str, Any] = {"model": model}
-    optim = _dsd_optimizer(parts.optimizer, model, parts.meta, source)
+    optim = dsd_optimizer(parts.optimizer, model, parts.meta, source)
     if optim is not None:
         state["optim"] = optim
     for name in ("scheduler", "scaler", "step", "epoch"):
@@ -236,12 +231,12 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
     )
 
 
-def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> WriterReport:
-    """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
+def parts_payload(parts: CheckpointParts, to: KeyForm | None, source: str) -> tuple[dict[str, Any], int, int]:
+    """Checkpoint parts read from a foreign folder as a dist_resume payload, re-keyed ``to`` (None: as they are);
+    and how many model keys and optimizer ``param_names`` were renamed. Local."""
     model = dict(parts.model)
     if not model:
         raise KeyMismatchError(f"{source}: no model weights were found to write")
-    before = prefix_style(model)
     renamed = rekey_state_dict(model, to, source) if to is not None else 0
     optimizer = parts.optimizer
     names = rekey_param_names(optimizer, to) if to is not None else 0
@@ -256,11 +251,24 @@ def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: s
     ):
         if value is not None:
             obj[key] = plain_namespaces(value)
+    return obj, renamed, names
+
+
+def parts_to_pt(parts: CheckpointParts, dst: Path, to: KeyForm | None, source: str) -> WriterReport:
+    """Checkpoint parts read from a foreign folder as a dist_resume ``.pt`` file (tensors were loaded). Local."""
+    before = prefix_style(parts.model)
+    obj, renamed, names = parts_payload(parts, to, source)
+    model = obj[Key.MODEL]
+    written = save_locked(dst, obj)
+    return WriterReport(parts.layout, before, prefix_style(model), len(model), renamed, names, written)
+
+
+def save_locked(dst: Path, obj: Any) -> int:
+    """``torch.save(obj)`` into ``dst`` atomically (:func:`write_locked`); the file's size. Local."""
 
     def fill(fd: int, tmp: Path) -> int:
         with open(fd, "wb", closefd=False) as f:
             torch.save(obj, f)
         return os.fstat(fd).st_size
 
-    return_size = write_locked(dst, fill)
-    return WriterReport(parts.layout, before, prefix_style(model), len(model), renamed, names, return_size)
+    return write_locked(dst, fill)

@@ -9,14 +9,12 @@ from __future__ import annotations
 import fcntl
 import glob
 import os
-import secrets
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointWriteError, UsageError
-from .._format.atomic import TEMP_NAME, atomic_write
+from .._format.atomic import TEMP_NAME, atomic_write, commit_folder, make_temp_folder, remove_path
 
 __all__ = ["check_paths", "remove_stale_temps", "temp_path", "write_locked", "replace_folder"]
 
@@ -70,17 +68,9 @@ def remove_stale_temps(dst: Path) -> list[Path]:
             continue  # a conversion is writing it right now
         finally:
             os.close(fd)
-        _remove(tmp)
+        remove_path(tmp)
         removed.append(tmp)
     return removed
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or a folder tree; a symlink goes as a link (``rmtree`` never follows links inside a tree)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def temp_path(dst: Path, fd: int) -> Path:
@@ -120,33 +110,11 @@ def replace_folder(dst: Path, fill: Callable[[Path], None]) -> None:
     An existing ``dst`` (the caller checked ``force``) is moved aside first and deleted after the rename;
     a ``dst`` that is a symlink is moved and deleted as a link, and the folder it points to is never touched.
     """
-    parent = dst.parent
-    if not parent.is_dir():
-        raise CheckpointWriteError(f"cannot write {str(dst)!r}: the folder {str(parent)!r} does not exist")
-    tmp = parent / f".{dst.name}.{secrets.token_hex(8)}.tmp"
-    old = parent / f".{dst.name}.{secrets.token_hex(8)}.tmp"
-    moved = False
+    tmp = make_temp_folder(dst)
     try:
-        tmp.mkdir()
         fill(tmp)
-        if os.path.lexists(dst):
-            os.replace(dst, old)
-            moved = True
-        try:
-            os.replace(tmp, dst)
-        except OSError:
-            if moved:
-                os.replace(old, dst)
-                moved = False
-            raise
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        commit_folder(tmp, dst)
     except OSError as err:
         raise CheckpointWriteError(f"writing {str(dst)!r} failed ({err.strerror or err}); DST is untouched") from err
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if moved:
-            _remove(old)
+        remove_path(tmp)

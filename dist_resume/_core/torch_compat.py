@@ -82,14 +82,14 @@ def storage_id(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
-def object_collective_device_type() -> str:
-    """The device type torch's own object collectives (``broadcast_object_list``) use on the default group:
+def object_collective_device_type(group: Any = None) -> str:
+    """The device type torch's own object collectives (``broadcast_object_list``) use on ``group`` (None: the default):
     torch.distributed.distributed_c10d._get_object_coll_device (torch >= 2.3) reads the group's backends'
     device types and prefers ``cpu`` when the group has one (gloo); else the one type it serves (``cuda``
     for nccl, ``xpu`` for xccl, a registered backend's device)."""
     from torch.distributed import distributed_c10d
 
-    return str(distributed_c10d._get_object_coll_device())
+    return str(distributed_c10d._get_object_coll_device(group))
 
 
 def tensor_owners(tensor: torch.Tensor) -> int:

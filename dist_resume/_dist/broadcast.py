@@ -22,7 +22,7 @@ from .comm import (
     run_on_rank0,
 )
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "agree_across_ranks"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_loaded", "agree_across_ranks", "first_failure"]
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
@@ -174,14 +174,23 @@ def agree_across_ranks(error: BaseException | None) -> None:
         if error is not None:
             return  # this rank's own failure says more; its caller raises it
         raise
-    failed = [o.error for o in outcomes if o.error is not None]
-    if not failed or error is not None:
-        return
-    first = failed[0]
-    err = first.rebuild(StateMismatchError)
-    what = first.message if type(err).__qualname__ == first.class_name else str(err)
-    raise relabel(
-        err,
-        f"rank(s) {[f.rank for f in failed]} could not restore the broadcast checkpoint, so nothing was restored "
-        f"on any rank; rank {first.rank}: {what}",
+    err = first_failure(
+        outcomes, StateMismatchError, "could not restore the broadcast checkpoint, so nothing was restored on any rank"
     )
+    if err is not None and error is None:
+        raise err
+
+
+def first_failure(outcomes: list[Outcome], fallback: type[DistResumeError], what: str) -> DistResumeError | None:
+    """The error every rank raises when some of ``outcomes`` (one per rank) failed, else None. Local.
+
+    The lowest failing rank's error (its class and attributes, ``rank`` set; ``fallback`` for one that is no
+    dist_resume error), its message naming every failing rank: ``rank(s) [1, 3] <what>; rank 1: <its message>``.
+    """
+    failed = [o.error for o in outcomes if o.error is not None]
+    if not failed:
+        return None
+    first = failed[0]
+    err = first.rebuild(fallback)
+    message = first.message if type(err).__qualname__ == first.class_name else str(err)
+    return relabel(err, f"rank(s) {[f.rank for f in failed]} {what}; rank {first.rank}: {message}")

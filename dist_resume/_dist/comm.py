@@ -44,12 +44,12 @@ __all__ = [
 ]
 
 
-def comm_device() -> torch.device:
-    """Where this process group's object collectives put their bytes: torch's own choice for
+def comm_device(group: Any = None) -> torch.device:
+    """Where ``group``'s (None: the default group's) object collectives put their bytes: torch's own choice for
     ``broadcast_object_list`` (``cpu`` whenever the group has a CPU backend, as ``gloo`` and
     ``"cpu:gloo,cuda:nccl"`` do; else the device type of its one backend: the current cuda device for
     ``nccl``, the current xpu device for ``xccl``, ...). Payloads are pickled bytes, read back on the CPU."""
-    kind = object_collective_device_type()
+    kind = object_collective_device_type(group)
     return torch.device("cpu") if kind == "cpu" else current_device(kind)
 
 
@@ -95,36 +95,37 @@ def _decode(buf: torch.Tensor, size: int) -> Any:
     return pickle.loads(ctypes.string_at(cpu.data_ptr(), size))
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Collective: every rank returns ``src``'s ``obj`` (others pass anything, e.g. None)."""
-    device = comm_device()
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Collective: every rank returns ``src``'s ``obj`` (others pass anything, e.g. None); ``group``: a process
+    group of every rank (None: the default one)."""
+    device = comm_device(group)
     payload = _encode(obj, device) if dist.get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     with released_by_backend(size):
-        dist.broadcast(size, src=src)
+        dist.broadcast(size, src=src, group=group)
     n = int(size.item())
     buf = payload if payload is not None else torch.empty(n, dtype=torch.uint8, device=device)
     with released_by_backend(buf):
-        dist.broadcast(buf, src=src)
+        dist.broadcast(buf, src=src, group=group)
     return obj if dist.get_rank() == src else _decode(buf, n)
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Collective: every rank returns the list of all ranks' ``obj``, indexed by rank."""
-    device = comm_device()
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Collective: every rank returns the list of all ranks' ``obj``, indexed by rank (``group``: as above)."""
+    device = comm_device(group)
     payload = _encode(obj, device)
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     own_size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     with released_by_backend(own_size, *sizes):
-        dist.all_gather(sizes, own_size)
+        dist.all_gather(sizes, own_size, group=group)
     counts = [int(s.item()) for s in sizes]
     longest = max(counts)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     with released_by_backend(padded, *bufs):
-        dist.all_gather(bufs, padded)
+        dist.all_gather(bufs, padded, group=group)
     return [_decode(buf, n) for buf, n in zip(bufs, counts)]
 
 
@@ -258,6 +259,7 @@ def run_on_rank0(
     *,
     task: str = "write the checkpoint",
     hint: str = RESTART_HINT,
+    group: Any = None,
 ) -> Any:
     """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error.
 
@@ -266,6 +268,7 @@ def run_on_rank0(
     dist_resume error class with its attributes and ``rank == 0`` (``fallback`` for any other
     exception, chained to it). If rank 0 dies or the broadcast times out, the waiting ranks raise
     ``fallback`` naming ``task`` ("while waiting for rank 0 to write the checkpoint") and ``hint``.
+    ``group``: a process group of every rank (None: the default one).
     """
     if not is_distributed():
         return fn()
@@ -274,7 +277,7 @@ def run_on_rank0(
     step = f"telling the other ranks whether rank 0 could {task}" if rank0 else f"waiting for rank 0 to {task}"
     try:
         with collective_step(step, fallback, hint):
-            received: Outcome = broadcast_object(outcome, src=0)
+            received: Outcome = broadcast_object(outcome, src=0, group=group)
     except DistResumeError as lost:
         if failure is None:
             raise

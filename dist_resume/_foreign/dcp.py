@@ -42,7 +42,7 @@ from .._state.optim_keys import normalize_optimizer_state
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 
-__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state"]
+__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device"]
 
 
 def is_dcp_folder(path: PathLike) -> bool:
@@ -178,7 +178,8 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
     return check_walkable(state, f"DCP folder {str(folder)!r}")
 
 
-def _to_device(map_location: MapLocation, folder: Path) -> torch.device:
+def folder_device(map_location: MapLocation, folder: Path) -> torch.device:
+    """The one device a folder's tensors go to: ``map_location`` as a device (None: this rank's). Local."""
     if isinstance(map_location, dict) or callable(map_location):
         raise CheckpointError(
             f"map_location={map_location!r} cannot be applied to DCP folder {str(folder)!r}: it has no device "
@@ -201,7 +202,7 @@ def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: 
         >>> parts = read_dcp("ckpt", map_location="cpu")
     """
     folder = Path(path)
-    device = _to_device(map_location, folder)
+    device = folder_device(map_location, folder)
     state = load_dcp_state(folder, weights_only=weights_only)
     if device.type != "cpu":
         state = map_tensors(state, lambda t: t.to(device))

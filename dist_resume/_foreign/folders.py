@@ -1,26 +1,24 @@
-"""Checkpoint folders other tools write: HF Trainer ``checkpoint-N/``, Accelerate ``save_state``, DCP.
+"""Checkpoint folders: HF Trainer ``checkpoint-N/``, Accelerate ``save_state``, DCP, dist_resume's sharded folder.
 
 ``detect_folder`` recognises a folder by its files; ``read_foreign_folder`` reads it into the same
-:class:`CheckpointParts` a single file yields. Files that only an unsafe unpickler can read and that
-``resume`` does not need (``rng_state*.pth``, ``training_args.bin``, ``random_states_*.pkl``) are never
-opened; their names are listed in ``meta["skipped_files"]``.
+:class:`CheckpointParts` a single file yields, through the reader of its kind (:mod:`.hf_folders`,
+:mod:`.dcp`, :mod:`.sharded`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.errors import NotACheckpointError
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
-from .._format.load import load_torch_file
-from .._layout.layout import CheckpointParts, Layout, is_state_dict
-from .safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors
+from .._format.manifest import MANIFEST, TRAIN_STATE
+from .._layout.layout import CheckpointParts, Layout
+from .hf_folders import has_weights, read_accelerate, read_hf, read_model_weights, trainer_progress
+from .safetensors_read import SAFETENSORS_SUFFIX, is_safetensors
+from .sharded import read_sharded
 
 __all__ = [
     "FolderKind",
@@ -36,19 +34,16 @@ __all__ = [
 ]
 
 
-FolderKind = Layout  # the folder kinds are Layout.HF_TRAINER, Layout.ACCELERATE and Layout.DCP
-FOLDER_LAYOUTS: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP)
+FolderKind = Layout  # the folder kinds are FOLDER_LAYOUTS
+FOLDER_LAYOUTS: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP, Layout.SHARDED)
 
 
-# a CheckpointManager folder (dist_resume's own; _source.listing.CHECKPOINT_NAME plus its temps)
-_OWN_FOLDER: Final = re.compile(r"^\.?ckpt_\d+\.pt(\.[0-9a-f]{16}\.tmp)?$")
-_SAFE_WEIGHTS: Final = "model.safetensors"
-_BIN_WEIGHTS: Final = "pytorch_model.bin"
-_INDEX_SUFFIX: Final = ".index.json"
-_HF_STATE: Final = "trainer_state.json"
-_HF_FILES: Final = {"optimizer.pt", "scheduler.pt", _HF_STATE}
+# a CheckpointManager folder (dist_resume's own; _source.listing.CHECKPOINT_NAME plus its temps): files
+# ckpt_<step>.pt and sharded checkpoint folders ckpt_<step>.dcp/
+_OWN_FOLDER: Final = re.compile(r"^\.?ckpt_\d+\.(pt|dcp)(\.[0-9a-f]{16}\.tmp)?$")
+_TEMP: Final = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")  # _format.atomic.TEMP_NAME: a save or conversion in progress
+_HF_FILES: Final = {"optimizer.pt", "scheduler.pt", "trainer_state.json"}
 _ACCELERATE_FILES: Final = re.compile(r"^(optimizer|scheduler|sampler)(_\d+)?\.bin$|^random_states_\d+\.pkl$")
-_NEVER_OPENED: Final = re.compile(r"^rng_state.*\.pth$|^training_args\.bin$|^random_states_\d+\.pkl$|^.*\.pkl$")
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -56,33 +51,38 @@ def _names(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir() if p.is_file()}
 
 
-def _has_weights(names: set[str]) -> bool:
-    return bool({_SAFE_WEIGHTS, _BIN_WEIGHTS, _SAFE_WEIGHTS + _INDEX_SUFFIX, _BIN_WEIGHTS + _INDEX_SUFFIX} & names)
+def _entries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir()]
 
 
 def is_manager_folder(path: PathLike) -> bool:
-    """True when ``path`` is a folder holding ``CheckpointManager`` files (``ckpt_<step>.pt``). Local."""
+    """True when ``path`` is a folder holding ``CheckpointManager`` checkpoints (``ckpt_<step>.pt`` files,
+    ``ckpt_<step>.dcp/`` folders) or their temporaries. Local."""
     folder = Path(path)
-    return folder.is_dir() and any(_OWN_FOLDER.match(n) for n in _names(folder))
+    return folder.is_dir() and any(_OWN_FOLDER.match(n) for n in _entries(folder))
 
 
 def detect_folder(path: PathLike) -> Layout | None:
     """The kind of foreign checkpoint folder ``path`` is, or ``None`` (not a folder, unknown, or dist_resume's own).
 
-    Local. A ``CheckpointManager`` folder (``ckpt_<step>.pt`` files) always yields ``None``, so the
-    caller's own handling keeps priority.
+    Local. A ``CheckpointManager`` folder (``ckpt_<step>.pt`` files, ``ckpt_<step>.dcp/`` folders) always
+    yields ``None``, so the caller's own handling keeps priority. dist_resume's own sharded checkpoint folder
+    (``manifest.json`` or ``train_state.pt`` next to DCP's files) is ``Layout.SHARDED``, complete or not: its
+    reader and its integrity check say what is missing.
     """
     folder = Path(path)
     if not folder.is_dir():
         return None
     names = _names(folder)
-    if any(_OWN_FOLDER.match(n) for n in names):
+    if MANIFEST in names or TRAIN_STATE in names:
+        return Layout.SHARDED
+    if any(_OWN_FOLDER.match(n) for n in _entries(folder)):
         return None
     if ".metadata" in names and any(n.endswith(".distcp") for n in names):
         return Layout.DCP
     if any(_ACCELERATE_FILES.match(n) for n in names):
         return Layout.ACCELERATE
-    if _HF_FILES & names or _has_weights(names):
+    if _HF_FILES & names or has_weights(names):
         return Layout.HF_TRAINER
     return None
 
@@ -123,13 +123,15 @@ def read_foreign_folder(
     kind = detect_folder(folder) if layout is None else layout
     opts: dict[str, Any] = {"map_location": map_location, "mmap": mmap, "weights_only": weights_only}
     if kind is Layout.HF_TRAINER:
-        return _read_hf(folder, opts)
+        return read_hf(folder, opts)
     if kind is Layout.ACCELERATE:
-        return _read_accelerate(folder, opts)
+        return read_accelerate(folder, opts)
     if kind is Layout.DCP:
         from .dcp import read_dcp  # torch.distributed.checkpoint costs ~1 s to import
 
         return read_dcp(folder, map_location=map_location, weights_only=weights_only)
+    if kind is Layout.SHARDED:
+        return read_sharded(folder, map_location=map_location, weights_only=weights_only)
     raise unrecognised_folder(folder)
 
 
@@ -140,7 +142,11 @@ def checkpoint_subfolders(folder: Path) -> list[Path]:
     """
     if not folder.is_dir():
         return []
-    subs = [p for p in folder.iterdir() if p.is_dir() and (detect_folder(p) is not None or is_manager_folder(p))]
+    subs = [
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and not _TEMP.match(p.name) and (detect_folder(p) is not None or is_manager_folder(p))
+    ]
     return sorted(subs, key=lambda p: (int(m.group(1)) if (m := _HF_STEP_DIR.match(p.name)) else -1, p.name))
 
 
@@ -159,151 +165,10 @@ def unrecognised_folder(folder: Path) -> NotACheckpointError:
     found = sorted(_names(folder)) if folder.is_dir() else []
     return NotACheckpointError(
         f"{str(folder)!r} is not a checkpoint folder dist_resume recognises (files: "
-        f"{preview(found, 8) if found else 'none'}); known folders: a CheckpointManager folder (ckpt_<step>.pt), "
+        f"{preview(found, 8) if found else 'none'}); known folders: a CheckpointManager folder (ckpt_<step>.pt, "
+        "ckpt_<step>.dcp/), a sharded checkpoint folder (manifest.json, train_state.pt, DCP files), "
         f"{Layout.HF_TRAINER.value!r} (an HF Trainer checkpoint-N/: model.safetensors or pytorch_model.bin, "
         f"optimizer.pt, trainer_state.json), {Layout.ACCELERATE.value!r} (an Accelerate save_state folder: "
         f"model.safetensors, optimizer.bin) and {Layout.DCP.value!r} (a DCP folder "
         "written by torch.distributed.checkpoint: .metadata, *.distcp); a single checkpoint file (.pt, .pth, .ckpt, .bin, .safetensors) is read as well"
     )
-
-
-def _load(folder: Path, name: str, opts: dict[str, Any]) -> Any:
-    return load_torch_file(folder / name, **opts)
-
-
-def read_model_weights(folder: Path, stem: str = "model", opts: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Model weights in HF naming: ``<stem>.safetensors``, ``pytorch_<stem>.bin`` or a sharded index of either. Local."""
-    opts = opts or {"map_location": "cpu", "mmap": True, "weights_only": True}
-    names = _names(folder)
-    safe, binary = f"{stem}.safetensors", f"pytorch_{stem}.bin"
-    if safe in names:
-        return _read_safe(folder / safe, opts)
-    if binary in names:
-        return _as_state_dict(_load(folder, binary, opts), folder / binary)
-    for index in (safe + _INDEX_SUFFIX, binary + _INDEX_SUFFIX):
-        if index in names:
-            return _read_sharded(folder, index, opts)
-    raise NotACheckpointError(
-        f"{str(folder)!r} has no model weights ({safe}, {binary} or a sharded *.index.json); "
-        f"files: {preview(sorted(names), 8)}"
-    )
-
-
-def _read_safe(path: Path, opts: dict[str, Any]) -> dict[str, Any]:
-    return read_safetensors(path, map_location=opts["map_location"], mmap=opts["mmap"])[0]
-
-
-def _as_state_dict(obj: Any, path: Path) -> dict[str, Any]:
-    if not is_state_dict(obj):
-        raise NotACheckpointError(f"{str(path)!r} does not hold a state dict (found {type(obj).__name__})")
-    return dict(obj)
-
-
-def _read_sharded(folder: Path, index_name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    index = _read_json(folder / index_name)
-    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
-    if not isinstance(weight_map, Mapping) or not weight_map:
-        raise CheckpointCorruptError(f"{str(folder / index_name)!r} has no 'weight_map'; re-save the model")
-    odd = [f"{k!r}: {v!r}" for k, v in weight_map.items() if not (isinstance(k, str) and isinstance(v, str))]
-    if odd:  # JSON keys are strings; a damaged file can map a key to a number, list or object
-        raise CheckpointCorruptError(
-            f"{str(folder / index_name)!r} maps tensors to things that are not shard file names: "
-            f"{preview(odd)}; copy the whole checkpoint folder"
-        )
-    shards = sorted(set(weight_map.values()))
-    bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")]
-    missing = [s for s in shards if s not in bad and not (folder / s).is_file()]
-    if bad or missing:
-        raise CheckpointCorruptError(
-            f"{str(folder / index_name)!r} names shards that are not files of the folder: "
-            f"{preview(bad + missing)}; copy the whole checkpoint folder"
-        )
-    merged: dict[str, Any] = {}
-    for shard in shards:
-        part = (
-            _read_safe(folder / shard, opts)
-            if shard.endswith(".safetensors")
-            else _as_state_dict(_load(folder, shard, opts), folder / shard)
-        )
-        merged.update(part)
-    absent = [k for k in weight_map if k not in merged]
-    if absent:
-        raise CheckpointCorruptError(
-            f"{str(folder / index_name)!r} lists tensors no shard holds: {preview(absent)}; copy the whole folder"
-        )
-    return {k: merged[k] for k in weight_map}
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointCorruptError(f"cannot read {str(path)!r} as JSON ({err}); the file is damaged") from err
-
-
-def _base_meta(folder: Path, names: set[str], kind: Layout) -> dict[str, Any]:
-    skipped = sorted(n for n in names if _NEVER_OPENED.match(n))
-    return {"source_layout": kind.value, "files": sorted(names), "skipped_files": skipped}
-
-
-def trainer_progress(folder: Path) -> tuple[int | None, int | None, float | None]:
-    """``(step, epoch, epoch as HF counts it)`` of an HF Trainer folder, from ``trainer_state.json``. Local.
-
-    ``step`` is ``global_step`` (else the ``checkpoint-N`` folder name's N); ``epoch`` the whole epochs
-    (HF counts fractional ones: 1.5 is half-way through epoch 1).
-    """
-    step = epoch = epoch_float = None
-    if (folder / _HF_STATE).is_file():
-        state = _read_json(folder / _HF_STATE)
-        if isinstance(state, Mapping):
-            step = state.get("global_step") if type(state.get("global_step")) is int else None
-            raw_epoch = state.get("epoch")
-            if isinstance(raw_epoch, (int, float)) and not isinstance(raw_epoch, bool) and math.isfinite(raw_epoch):
-                epoch, epoch_float = math.floor(raw_epoch), float(raw_epoch)
-    if step is None and (match := _HF_STEP_DIR.match(folder.name)):
-        step = int(match.group(1))
-    return step, epoch, epoch_float
-
-
-def _read_hf(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
-    names = _names(folder)
-    meta = _base_meta(folder, names, Layout.HF_TRAINER)
-    model = read_model_weights(folder, "model", opts)
-    parts: dict[str, Any] = {}
-    for part, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
-        if name in names:
-            parts[part] = _load(folder, name, opts)
-    step, epoch, epoch_float = trainer_progress(folder)
-    if epoch_float is not None:
-        meta["epoch_float"] = epoch_float
-    meta["step"], meta["epoch"] = step, epoch
-    return CheckpointParts(layout=Layout.HF_TRAINER, model=model, step=step, epoch=epoch, meta=meta, **parts)
-
-
-def _numbered(names: set[str], stem: str, suffix: str) -> list[str]:
-    pattern = re.compile(rf"^{re.escape(stem)}_(\d+){re.escape(suffix)}$")
-    return sorted((n for n in names if pattern.match(n)), key=lambda n: int(pattern.match(n).group(1)))  # type: ignore[union-attr]
-
-
-def _read_accelerate(folder: Path, opts: dict[str, Any]) -> CheckpointParts:
-    names = _names(folder)
-    meta = _base_meta(folder, names, Layout.ACCELERATE)
-    if not _has_weights(names) and any(p.name.startswith("pytorch_model_fsdp") for p in folder.iterdir()):
-        raise NotACheckpointError(
-            f"{str(folder)!r} holds FSDP-sharded Accelerate state (pytorch_model_fsdp_*); dist_resume reads "
-            "full state dicts only: save with StateDictType.FULL_STATE_DICT, or convert it with "
-            "accelerate merge-weights"
-        )
-    model = read_model_weights(folder, "model", opts)
-    parts: dict[str, Any] = {}
-    for part, name in (("optimizer", "optimizer.bin"), ("scheduler", "scheduler.bin"), ("scaler", "scaler.pt")):
-        if name in names:
-            parts[part] = _load(folder, name, opts)
-    more = {
-        "more_models": _numbered(names, "model", ".safetensors") + _numbered(names, "pytorch_model", ".bin"),
-        "more_optimizers": _numbered(names, "optimizer", ".bin"),
-        "more_schedulers": _numbered(names, "scheduler", ".bin"),
-    }
-    meta.update({k: v for k, v in more.items() if v})
-    meta["not_read"] = sorted(n for n in names if n.startswith("sampler") or n.startswith("custom_checkpoint"))
-    return CheckpointParts(layout=Layout.ACCELERATE, model=model, meta=meta, **parts)

@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,19 @@ from typing import Any
 from .._core.errors import CheckpointWriteError
 from .._core.types import PathLike
 
-__all__ = ["TEMP_NAME", "atomic_write"]
+__all__ = [
+    "TEMP_NAME",
+    "atomic_write",
+    "write_error",
+    "fsync_dir",
+    "remove_path",
+    "make_temp_folder",
+    "commit_folder",
+]
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, so that the names created or renamed in it survive a power loss. Local."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -26,6 +36,17 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a whole folder tree; a symlink goes as a link. Local.
+
+    ``shutil.rmtree`` never follows a symlink inside the tree (it unlinks it), so nothing outside ``path``
+    is touched. A path that is already gone is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 TEMP_NAME = re.compile(r"^\.(?P<dest>.+)\.(?P<token>[0-9a-f]{16})\.tmp$")
@@ -80,7 +101,8 @@ def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
             continue
 
 
-def _write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+def write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` for a failed write of ``dest``: the cause (disk full, ...) and the fix."""
     if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
         what, fix = _WRITE_ERRORS[err.errno]
         what = f"{what} ({errno.errorcode[err.errno]}: {err.strerror})"
@@ -128,10 +150,10 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp_name, dest)
         tmp_name = None
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
-        raise _write_error(dest, cause) from cause
+        raise write_error(dest, cause) from cause
     except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
         raise CheckpointWriteError(
             f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
@@ -145,3 +167,45 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
             except OSError:
                 pass
     return dest
+
+
+def make_temp_folder(dest: Path) -> Path:
+    """A new empty folder ``.<dest name>.<16 hex>.tmp`` (:data:`TEMP_NAME`) next to ``dest``. Local.
+
+    Raises :class:`CheckpointWriteError` when ``dest``'s folder does not exist or refuses it."""
+    if not dest.parent.is_dir():
+        raise CheckpointWriteError(
+            f"cannot save {str(dest)!r}: the folder {str(dest.parent)!r} does not exist; create it first"
+        )
+    while True:
+        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:  # pragma: no cover - 64 random bits collided
+            continue
+        except OSError as err:
+            raise write_error(dest, err) from err
+
+
+def commit_folder(tmp: Path, dest: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``dest``, then fsync their folder. Local; raises ``OSError``.
+
+    The rename is the completion marker (fsync ``tmp``'s files and ``tmp`` itself first). An existing
+    ``dest`` (a folder, a file, or a symlink, moved as a name) is renamed aside to a :data:`TEMP_NAME` first
+    and deleted after; if the rename fails it is put back. A crash between the two renames leaves ``dest``
+    absent and both at temporary names, which ``CheckpointManager`` removes on its next save.
+    """
+    old = None
+    if os.path.lexists(dest):
+        old = dest.parent / f".{dest.name}.{secrets.token_hex(8)}.tmp"
+        os.replace(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    fsync_dir(dest.parent)
+    if old is not None:
+        remove_path(old)

@@ -57,6 +57,7 @@ class Layout(enum.Enum):
     ACCELERATE = "accelerate"  # an Accelerate save_state folder
     DCP = "dcp"  # a torch.distributed.checkpoint folder
     SAFETENSORS = "safetensors"  # a single .safetensors file: model weights only
+    SHARDED = "dist_resume-sharded"  # dist_resume's sharded folder (an FSDP2 save): DCP files + train state + manifest
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,17 @@ class FolderLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        """Take the lock, or raise :class:`CheckpointWriteError` naming the folder and the holder."""
+        """Take the lock (creating the folder, with its parents, on a first run), or raise
+        :class:`CheckpointWriteError` naming the folder and the holder."""
         if self._fd is not None:
             return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"cannot create the checkpoint folder {str(self.path.parent)!r}: {err.strerror or err}; "
+                "check the path and its permissions"
+            ) from err
         fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -6,7 +6,6 @@ cleaning up and rotating after a save is :mod:`~dist_resume._manager.rotation`'s
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from collections.abc import Mapping
@@ -19,11 +18,12 @@ from .._checkpoint.objects import LiveObjects, TrainingObjects, data_position
 from .._checkpoint.options import ResumeOptions
 from .._checkpoint.restore import ResumeResult, checked_options
 from .._checkpoint.save import prepare_payload, write_checkpoint
+from .._checkpoint.sharded_save import writes_folder
 from .._core.errors import CheckpointWriteError
 from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
-from .._source.listing import checkpoint_name, latest_checkpoint, numbered_checkpoints
+from .._source.listing import checkpoint_name, latest_checkpoint, numbered_checkpoints, sharded_checkpoint_name
 from .lock import FolderLock
 from .rotation import remove_leftovers, rotate_out
 from .start import start_run
@@ -53,6 +53,10 @@ class CheckpointManager:
     (``mgr.save(step, model=other)``; ``optimizer=None``: not this time); an unknown keyword is a
     :class:`~dist_resume.errors.UsageError` at once. ``options`` (a :class:`ResumeOptions`) is what
     :meth:`resume` uses unless it is given its own.
+
+    An FSDP2 model (``fully_shard``) is saved as a sharded checkpoint folder ``ckpt_<step>.dcp/``, every rank
+    writing its own shards, committed by one rename (see :func:`save_checkpoint`); ``full_state=True`` saves it
+    as one file ``ckpt_<step>.pt`` instead, gathered on rank 0 (a model that is not sharded always gets one file).
 
     ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest ``keep_last``
     checkpoints (never the one just written), so a crash at any moment leaves the previous checkpoint in
@@ -95,6 +99,7 @@ class CheckpointManager:
         *,
         keep_last: int = 2,
         options: ResumeOptions | None = None,
+        full_state: bool = False,
         **objects: Unpack[TrainingObjects],
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -106,6 +111,7 @@ class CheckpointManager:
         data_position(objects, saving=False, where="CheckpointManager()")  # unknown names fail here, not at a save
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self.full_state = bool(full_state)
         self.options = checked_options(options)
         self._objects: dict[str, Any] = dict(objects)
         self._lock = FolderLock(self.folder)
@@ -114,7 +120,8 @@ class CheckpointManager:
         self._finalizer = weakref.finalize(self, FolderLock.release, self._lock)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self.folder)!r}, keep_last={self.keep_last})"
+        full = ", full_state=True" if self.full_state else ""
+        return f"CheckpointManager({str(self.folder)!r}, keep_last={self.keep_last}{full})"
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -237,12 +244,11 @@ class CheckpointManager:
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
         live = self._live(objects, saving=True, where="save")
-        path = self.folder / checkpoint_name(_check_step(step))
+        path = self._path(live, step)
         wait_pending()
         run_on_rank0(self._prepare)
-        write_checkpoint(
-            path, prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True), step=step, epoch=epoch
-        )
+        build = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
+        write_checkpoint(path, build, step=step, epoch=epoch, model=live.model, full_state=self.full_state)
         run_on_rank0(lambda: self._rotate(path, step))
         return path
 
@@ -255,30 +261,33 @@ class CheckpointManager:
         background thread only after the new checkpoint is durable.
         """
         live = self._live(objects, saving=True, where="save_async")
-        path = self.folder / checkpoint_name(_check_step(step))
+        path = self._path(live, step)
         wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
         run_on_rank0(self._prepare)
         build = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
-        self._pending = write_in_background(path, build, step=step, after_write=lambda done: self._rotate(done, step))
+        self._pending = write_in_background(
+            path,
+            build,
+            step=step,
+            epoch=epoch,
+            after_write=lambda done: self._rotate(done, step),
+            model=live.model,
+            full_state=self.full_state,
+        )
         return self._pending
+
+    def _path(self, live: LiveObjects, step: int) -> Path:
+        """``ckpt_<step>.pt``, or ``ckpt_<step>.dcp`` for the sharded checkpoint folder of an FSDP2 model."""
+        folder = writes_folder(live.model, self.full_state)
+        return self.folder / (sharded_checkpoint_name if folder else checkpoint_name)(_check_step(step))
 
     def _live(self, objects: Mapping[str, Any], *, saving: bool, where: str) -> LiveObjects:
         where = f"CheckpointManager.{where}()"
         return LiveObjects.named(objects, saving=saving, where=where, registered=self._objects)
 
-    def _take_lock(self) -> None:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise CheckpointWriteError(
-                f"cannot create the checkpoint folder {str(self.folder)!r}: {err.strerror or err}; "
-                "check the path and its permissions"
-            ) from err
-        self._lock.acquire()
-
     def _lock_for_resume(self) -> None:
         try:
-            self._take_lock()
+            self._lock.acquire()
         except CheckpointWriteError as err:
             raise CheckpointWriteError(
                 f"CheckpointManager.resume() takes the folder's write lock before it reads anything, so that a "
@@ -286,15 +295,8 @@ class CheckpointManager:
             ) from err
 
     def _prepare(self) -> None:
-        self._take_lock()  # before anything is written or removed
-        try:
-            names = os.listdir(self.folder)
-        except OSError as err:
-            raise CheckpointWriteError(
-                f"cannot list the checkpoint folder {str(self.folder)!r}: {err.strerror or err}; "
-                "check the path and its permissions"
-            ) from err
-        remove_leftovers(self.folder, names)
+        self._lock.acquire()  # before anything is written or removed
+        remove_leftovers(self.folder)
 
     def _rotate(self, new: Path, step: int) -> None:
         rotate_out(self.folder, new, step, self.keep_last)

@@ -3,6 +3,10 @@
 Both run on the writing rank only, under the folder's lock (:mod:`~dist_resume._manager.lock`),
 and both only log what they cannot delete: a file left behind never fails a save that succeeded.
 
+A checkpoint is a file ``ckpt_<step>.pt`` or a sharded checkpoint folder ``ckpt_<step>.dcp/``; a folder
+is deleted as a whole, and the checkpoint of the step just saved in the other form (a file where a folder
+was just written, or the reverse) is superseded and deleted with the rotation.
+
 Rotation counts valid checkpoints only. Every other ``ckpt_<step>.pt`` is checked as ``latest()``
 checks it without its CRC pass (zip structure, the CRC-32 of the small records, dist_resume
 metadata whose step matches the name); one that fails (empty, truncated, foreign, unreadable)
@@ -11,35 +15,43 @@ deleting it would destroy what may be the only copy of a run's state, and moving
 what the user sees in ``dist-resume list`` and in the logs. Each save names the damaged files in
 one warning. A file the toolkit wrote itself, or checked once, is not read again while it keeps
 its inode, size and modification time (a 200,000-key checkpoint takes seconds to check). Rotation
-deletes directory entries only: a ``ckpt_<step>.pt`` that is a symlink is removed as a link, and
-whatever it points to is never touched.
+deletes directory entries only: a ``ckpt_<step>.pt`` (or ``.dcp``) that is a symlink is removed as a
+link, whatever it points to is never touched, and a folder is removed without following any link in it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
-from .._core.errors import CheckpointError
+from .._core.errors import CheckpointError, CheckpointWriteError
 from .._core.log import log_rank0, logger
 from .._core.text import preview
-from .._format.atomic import TEMP_NAME
+from .._format.atomic import TEMP_NAME, remove_path
 from .._source.listing import CHECKPOINT_NAME, check_numbered, first_valid, numbered_checkpoints
 
 __all__ = ["remove_leftovers", "rotate_out", "remember_valid"]
 
-_Signature = tuple[int, int, int, int]
-_known_valid: dict[Path, _Signature] = {}  # files known to be complete checkpoints, as they were then
+_Signature = tuple[int, int, int, int, str]
+_known_valid: dict[Path, _Signature] = {}  # checkpoints known to be complete, as they were then
 _known_lock = threading.Lock()  # rotation runs in an async save's thread too
 
 
 def _signature(path: Path) -> _Signature | None:
+    """A file's inode, size and modification time; a folder's, with those of every file in it."""
     try:
         st = path.stat()
+        inside = hashlib.sha256()
+        if path.is_dir():
+            for entry in sorted(os.scandir(path), key=lambda e: e.name):
+                est = entry.stat()
+                inside.update(f"{entry.name}\0{est.st_ino}\0{est.st_size}\0{est.st_mtime_ns}\n".encode())
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, inside.hexdigest())
 
 
 def remember_valid(path: Path) -> None:
@@ -65,14 +77,23 @@ def _problem(path: Path, step: int) -> Exception | None:
     return None
 
 
-def remove_leftovers(folder: Path, names: list[str]) -> None:
-    """Delete, among ``names`` in ``folder``, the temporary files of interrupted checkpoint saves
-    (``.ckpt_<step>.pt.<16 hex>.tmp``); nothing else is touched, and a symlink is removed as a link."""
+def remove_leftovers(folder: Path) -> None:
+    """Delete the temporary files and folders of interrupted checkpoint saves in ``folder``
+    (``.ckpt_<step>.pt.<16 hex>.tmp``, ``.ckpt_<step>.dcp.<16 hex>.tmp/``); nothing else is touched, a
+    symlink is removed as a link, and a folder without following any link in it. An unlistable folder
+    raises :class:`CheckpointWriteError`."""
+    try:
+        names = os.listdir(folder)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"cannot list the checkpoint folder {str(folder)!r}: {err.strerror or err}; check the path and its "
+            "permissions"
+        ) from err
     for name in names:
         found = TEMP_NAME.match(name)
         if found and CHECKPOINT_NAME.match(found.group("dest")):
             try:
-                (folder / name).unlink()
+                remove_path(folder / name)
                 log_rank0(logging.INFO, "removed %s, left by an interrupted save", folder / name)
             except OSError as err:
                 logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
@@ -96,7 +117,11 @@ def rotate_out(folder: Path, new: Path, step: int, keep_last: int) -> None:
     remember_valid(new)
     valid: list[tuple[int, Path]] = []  # newest first
     damaged: list[tuple[Path, Exception]] = []
+    superseded: list[tuple[int, Path]] = []  # the step just saved, in the other form (file / folder)
     for s, path in reversed(numbered_checkpoints(folder)):
+        if s == step and path != new:
+            superseded.append((s, path))
+            continue
         err = None if path == new else _problem(path, s)
         if err is None:
             valid.append((s, path))
@@ -131,14 +156,15 @@ def rotate_out(folder: Path, new: Path, step: int, keep_last: int) -> None:
             folder,
         )
     keep = {path for _, path in valid[:keep_last]} | {new}
-    for _, path in valid:
+    for _, path in [*superseded, *valid]:
         if path in keep:
             continue
         try:
-            path.unlink()  # a symlink goes as a link: its target is never touched
-            log_rank0(logging.INFO, "rotated out %s (keep_last=%d)", path, keep_last)
-        except FileNotFoundError:
-            pass
+            remove_path(path)  # a symlink goes as a link: its target is never touched
+            if os.path.lexists(path):
+                raise OSError(f"{path.name} is still there (a file in it could not be deleted)")
+            why = f"superseded by {new.name}" if (step, path) in superseded else f"keep_last={keep_last}"
+            log_rank0(logging.INFO, "rotated out %s (%s)", path, why)
         except OSError as err:
             logger.warning("could not delete old checkpoint %s: %s", path, err)
         with _known_lock:

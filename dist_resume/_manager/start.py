@@ -25,7 +25,7 @@ from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised
 from .._source.consensus import choose_newest, confirm_choice, resolve_source
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
-from .._source.source import Source, SourceKind
+from .._source.source import Source
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -118,7 +118,7 @@ def start_run(
     broadcast = options.broadcast_from_rank0 and is_distributed()
     if chosen is not None:
         path = chosen.path if broadcast else confirm_choice(folder, chosen)
-        source = Source(SourceKind.FOLDER_NEWEST, path, folder=folder, broadcast=broadcast)
+        source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)
         return restore_from(source, objects, options)
     if init_from is None:
         log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)

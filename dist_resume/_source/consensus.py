@@ -24,9 +24,9 @@ from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
-from .integrity import CheckpointInfo, archive_digest
+from .integrity import CheckpointInfo, checkpoint_identity
 from .listing import find_latest
-from .source import Source, SourceKind
+from .source import Source
 
 __all__ = ["ViewStatus", "RankView", "choose_newest", "confirm_choice", "resolve_source", "resolve_checkpoint"]
 
@@ -50,7 +50,7 @@ def choose_newest(folder: Path, numbered: list[tuple[int, Path]] | None = None) 
     others = sorted(os.listdir(folder))
     found = f"; it holds {preview(others, quote=False)}" if others else " (it is empty)"
     raise CheckpointNotFoundError(
-        f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt{found}; start from "
+        f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt or ckpt_<step>.dcp{found}; start from "
         "scratch (catch CheckpointNotFoundError), or pass a checkpoint file to resume()"
     )
 
@@ -85,9 +85,11 @@ class RankView:
 
 
 def _view(path: Path) -> RankView:
-    """What this rank sees at ``path``."""
+    """What this rank sees at ``path`` (a file, or a sharded checkpoint folder)."""
     try:
-        return RankView(ViewStatus.OK, str(path), path.stat().st_size, archive_digest(path))
+        if not path.exists():
+            return RankView(ViewStatus.MISSING, str(path))
+        return RankView(ViewStatus.OK, str(path), *checkpoint_identity(path))
     except (CheckpointNotFoundError, FileNotFoundError):
         return RankView(ViewStatus.MISSING, str(path))
     except (CheckpointError, OSError) as err:
@@ -100,14 +102,14 @@ _AGREE_HINT = (
 )
 
 
-def _agree(folder: Path) -> Path:
+def _agree(folder: Path) -> tuple[CheckpointInfo, Path]:
     chosen: CheckpointInfo = run_on_rank0(
         lambda: choose_newest(folder),
         fallback=CheckpointConsensusError,
         task=f"choose the checkpoint in {str(folder)!r}",
         hint=_AGREE_HINT,
     )
-    return confirm_choice(folder, chosen)
+    return chosen, confirm_choice(folder, chosen)
 
 
 def confirm_choice(folder: Path, chosen: CheckpointInfo) -> Path:
@@ -143,8 +145,12 @@ def _decide(path: Path, *, agree: bool, broadcast: bool) -> Source:
     layout = foreign_kind(path)  # a .safetensors file or an HF Trainer / Accelerate / DCP folder; asked once
     if layout is not None or not path.is_dir():
         return Source.at(path, layout, broadcast=broadcast)
-    chosen = _agree(path) if agree else choose_newest(path).path
-    return Source(SourceKind.FOLDER_NEWEST, chosen, folder=path, broadcast=broadcast)
+    if agree:
+        chosen, mine = _agree(path)
+    else:
+        chosen = choose_newest(path)
+        mine = chosen.path
+    return Source.newest(mine, path, chosen.layout, broadcast=broadcast)
 
 
 def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:

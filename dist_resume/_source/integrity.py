@@ -1,8 +1,10 @@
-"""Is this file a complete dist_resume checkpoint, and is it the same file another rank sees?
+"""Is this a complete dist_resume checkpoint, and is it the same one another rank sees?
 
 The byte-level checks (zip structure, the CRC-32 of every record, a refusing unpickler that reads
-no tensor data) live in :mod:`dist_resume._format.archive`; this module adds what a checkpoint folder
-needs on top: the dist_resume metadata, and a cheap digest that identifies one save.
+no tensor data) live in :mod:`dist_resume._format.archive`, a sharded checkpoint folder's manifest in
+:mod:`dist_resume._format.manifest`; this module adds what a checkpoint folder needs on top: the
+dist_resume metadata, and a cheap digest that identifies one save (a file's zip directory, a sharded
+folder's manifest).
 """
 
 from __future__ import annotations
@@ -11,17 +13,27 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from .._core.errors import CheckpointError, NotACheckpointError
 from .._core.types import PathLike
 from .._foreign.folders import foreign_kind, trainer_progress
 from .._foreign.safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
 from .._format.archive import read_archive
+from .._format.manifest import TRAIN_STATE, FileProblem, manifest_problems, read_manifest
 from .._format.records import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_zip
 from .._format.sniff import FileKind, file_kind
 from .._layout.layout import FORMAT_NAME, Key, Layout
 
-__all__ = ["CheckpointInfo", "archive_digest", "inspect_checkpoint", "verify_archive", "verify_source", "source_files"]
+__all__ = [
+    "CheckpointInfo",
+    "archive_digest",
+    "checkpoint_identity",
+    "inspect_checkpoint",
+    "verify_archive",
+    "verify_source",
+    "source_files",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +42,9 @@ class CheckpointInfo:
 
     ``digest`` (SHA-256 over each record's name, CRC-32 and size) identifies one save: two files
     with the same digest hold the same records, and computing it reads the zip directory, not the
-    tensors. A foreign source's digest covers each of its files.
+    tensors. A sharded checkpoint folder's digest is the SHA-256 of its manifest (every file's size and
+    CRC-32, and a save id), its size the bytes of the files the manifest lists; a foreign source's digest
+    covers each of its files.
     """
 
     path: Path
@@ -73,6 +87,10 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     :class:`CheckpointCorruptError`, :class:`NotACheckpointError` or
     :class:`UnsafeCheckpointError`, each naming the file.
 
+    A sharded checkpoint folder (what an FSDP2 model saves, ``ckpt_<step>.dcp/``) must hold its
+    ``manifest.json`` and every file it lists with the listed size (``verify=True``: and CRC-32), and a
+    ``train_state.pt`` whose metadata agrees with it; its ``files`` are the manifest's.
+
     A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
     instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
     Trainer's ``global_step``), and a digest over its files; ``verify=True`` checks each file as
@@ -86,6 +104,8 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     """
     p = Path(path)
     foreign = foreign_kind(p)
+    if foreign is Layout.SHARDED or (p.is_dir() and p.suffix == ".dcp"):  # ckpt_<step>.dcp: ours, complete or not
+        return _inspect_sharded(p, verify)
     if foreign is not None:
         return _inspect_foreign(p, foreign, verify)
     read_records(p)  # a damaged structure raises here, with the plain reason
@@ -102,6 +122,52 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise NotACheckpointError(f"{str(p)!r} has invalid dist_resume metadata: step is {step!r}, not an int")
     return CheckpointInfo(p, step, p.stat().st_size, archive_digest(p))
+
+
+_DAMAGED: Final = (
+    "the files were damaged after they were written (disk, copy or transfer): copy the checkpoint again, or "
+    "resume from an earlier one"
+)
+
+
+def _findings(problems: list[FileProblem]) -> list[ArchiveFinding]:
+    return [
+        ArchiveFinding(p.name, p.problem, FindingKind.CRC_MISMATCH if p.crc else FindingKind.UNREADABLE)
+        for p in problems
+    ]
+
+
+def _inspect_sharded(p: Path, verify: bool) -> CheckpointInfo:
+    manifest, raw = read_manifest(p)
+    problems = manifest_problems(p, manifest, verify=verify)
+    if problems:
+        raise integrity_failure(repr(str(p)), _findings(problems), _DAMAGED)
+    obj = read_archive(p / TRAIN_STATE).obj  # its small records' CRCs checked; no tensor data read
+    meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
+    if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
+        raise NotACheckpointError(f"{str(p / TRAIN_STATE)!r} carries no dist_resume metadata")
+    if meta.get("step") != manifest.step:
+        raise NotACheckpointError(
+            f"sharded checkpoint {str(p)!r}: its manifest says step {manifest.step}, its train state step "
+            f"{meta.get('step')!r}; the folder was assembled from two saves: resume from another checkpoint"
+        )
+    files = tuple((f.name, f.size) for f in manifest.files)
+    return CheckpointInfo(p, manifest.step, manifest.size, hashlib.sha256(raw).hexdigest(), Layout.SHARDED.value, files)
+
+
+def checkpoint_identity(path: PathLike) -> tuple[int, str]:
+    """``(size, digest)`` of a checkpoint as :class:`CheckpointInfo` gives them, cheaply. Local.
+
+    A torch file: its size and :func:`archive_digest`. A sharded checkpoint folder: the manifest's size and
+    digest, once every file it lists is there with its size (reads the manifest and stats each file)."""
+    p = Path(path)
+    if not p.is_dir():
+        return p.stat().st_size, archive_digest(p)
+    manifest, raw = read_manifest(p)
+    problems = manifest_problems(p, manifest, verify=False)
+    if problems:
+        raise integrity_failure(repr(str(p)), _findings(problems), _DAMAGED)
+    return manifest.size, hashlib.sha256(raw).hexdigest()
 
 
 def source_files(path: PathLike) -> list[Path]:
@@ -164,7 +230,8 @@ def verify_archive(
 def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding]:
     """Check every file of a source: each torch zip file's CRC-32s, each safetensors header and its offsets. Local.
 
-    ``path`` is a file or a foreign checkpoint folder (reads every torch file in it once). DCP's
+    ``path`` is a file or a foreign checkpoint folder (reads every torch file in it once); a sharded
+    checkpoint folder is checked against its manifest (every file's size and CRC-32). DCP's
     ``.distcp`` files carry no checksums; their sizes are checked when DCP reads them. Returns the
     findings, each naming its file; with ``strict=True`` (default) any finding raises
     :class:`CheckpointCorruptError` naming the first few.
@@ -175,7 +242,12 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
         []
     """
     p = Path(path)
-    findings: list[ArchiveFinding] = []
+    if foreign_kind(p) is Layout.SHARDED:
+        findings = _findings(manifest_problems(p, read_manifest(p)[0], verify=True))
+        if findings and strict:
+            raise integrity_failure(repr(str(p)), findings, _DAMAGED)
+        return findings
+    findings = []
     for f in source_files(p):
         where = f.name if p.is_dir() else None
         if f.suffix == SAFETENSORS_SUFFIX or is_safetensors(f):
@@ -188,10 +260,5 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
                 record = f"{where}: {finding.record}" if where and finding.record else where or finding.record
                 findings.append(ArchiveFinding(record, finding.problem, finding.kind))
     if findings and strict:
-        raise integrity_failure(
-            repr(str(p)),
-            findings,
-            "the files were damaged after they were written (disk, "
-            "copy or transfer): copy the checkpoint again, or resume from an earlier one",
-        )
+        raise integrity_failure(repr(str(p)), findings, _DAMAGED)
     return findings

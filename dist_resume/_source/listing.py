@@ -1,10 +1,13 @@
-"""What a checkpoint folder holds: ``ckpt_<step>.pt`` names, and the newest checkpoint that is complete and intact.
+"""What a checkpoint folder holds: ``ckpt_<step>.pt`` and ``ckpt_<step>.dcp/`` names, and the newest checkpoint
+that is complete and intact.
 
-A checkpoint in a folder is ``ckpt_<step, 8 digits>.pt``. It counts only once it is complete: the
-name appears only through :func:`~dist_resume._format.atomic.atomic_write`'s rename (after the data is
-fsynced), and the file must pass :func:`~dist_resume._source.integrity.inspect_checkpoint` (zip
-structure, the CRC-32 of every record, dist_resume metadata whose step matches the name).
-Readers need no lock (see :mod:`~dist_resume._manager.lock` for the writer's).
+A checkpoint in a folder is a file ``ckpt_<step, 8 digits>.pt`` or a sharded checkpoint folder
+``ckpt_<step, 8 digits>.dcp/`` (what an FSDP2 model saves by default). It counts only once it is complete:
+the name appears only through a rename after the data is fsynced (:func:`~dist_resume._format.atomic.atomic_write`
+for a file, :func:`~dist_resume._checkpoint.sharded_save.save_sharded` for a folder), and it must pass
+:func:`~dist_resume._source.integrity.inspect_checkpoint` (a file: zip structure, the CRC-32 of every record,
+dist_resume metadata whose step matches the name; a folder: its manifest, every file's size and CRC-32, the
+step). Readers need no lock (see :mod:`~dist_resume._manager.lock` for the writer's).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .integrity import CheckpointInfo, inspect_checkpoint
 __all__ = [
     "CHECKPOINT_NAME",
     "checkpoint_name",
+    "sharded_checkpoint_name",
     "numbered_checkpoints",
     "check_numbered",
     "first_valid",
@@ -30,7 +34,7 @@ __all__ = [
     "latest_checkpoint",
 ]
 
-CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.pt$")
+CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.(pt|dcp)$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -38,8 +42,14 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt_{step:08d}.pt"
 
 
+def sharded_checkpoint_name(step: int) -> str:
+    """The name of the sharded checkpoint folder of ``step`` in a checkpoint folder: ``ckpt_00000100.dcp``."""
+    return f"ckpt_{step:08d}.dcp"
+
+
 def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every file named like a checkpoint, oldest first; [] for a missing folder."""
+    """(step, path) of every entry named like a checkpoint (``ckpt_<step>.pt``, ``ckpt_<step>.dcp``), oldest
+    first (for one step, the folder before the file); [] for a missing folder."""
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
@@ -60,7 +70,7 @@ def check_numbered(path: Path, step: int, verify: bool) -> CheckpointInfo:
         raise NotACheckpointError(
             f"{str(path)!r} is named for step {step} but its metadata says step "
             f"{info.step}; it was renamed or copied by hand: rename it to "
-            f"{checkpoint_name(info.step or 0)!r} or remove it"
+            f"{(sharded_checkpoint_name if path.suffix == '.dcp' else checkpoint_name)(info.step or 0)!r} or remove it"
         )
     return info
 
@@ -94,10 +104,11 @@ def find_latest(
 def latest_checkpoint(folder: PathLike, *, verify: bool = True) -> Path | None:
     """The newest complete checkpoint in ``folder``, or None when there is none (or no folder).
 
-    Local. Newer files that fail the check are skipped, each logged (logger ``dist_resume``,
+    Local. Newer checkpoints that fail the check are skipped, each logged (logger ``dist_resume``,
     WARNING) with the reason. ``verify=True`` checks the CRC-32 of every record (reads each
-    candidate once); ``verify=False`` checks the zip structure and metadata only. Temporary files
-    of interrupted saves never count. Under torch.distributed use :func:`resume` (or
+    candidate once); ``verify=False`` checks the zip structure and metadata only (a sharded
+    checkpoint folder: its manifest and every file's size). Temporary files and folders of
+    interrupted saves never count. Under torch.distributed use :func:`resume` (or
     :func:`resolve_checkpoint`) with the folder instead, so that every rank agrees.
 
     Example::

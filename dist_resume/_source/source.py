@@ -23,7 +23,7 @@ class SourceKind(enum.Enum):
     """What a :class:`Source` is."""
 
     FILE = "a torch file"  # torch.save's zip (or legacy) format, any layout inside
-    FOLDER_NEWEST = "the newest complete checkpoint of a CheckpointManager folder"  # a torch file, chosen
+    FOLDER_NEWEST = "the newest complete checkpoint of a CheckpointManager folder"  # a file or a sharded folder
     FOREIGN = "a foreign checkpoint"  # an HF Trainer / Accelerate / DCP folder or a .safetensors file: see layout
 
 
@@ -44,6 +44,13 @@ class Source:
         """A torch file (``layout`` None) or a foreign source of ``layout``."""
         kind = SourceKind.FILE if layout is None else SourceKind.FOREIGN
         return cls(kind, path, layout, broadcast=broadcast)
+
+    @classmethod
+    def newest(cls, path: Path, folder: Path, layout: str, *, broadcast: bool = False) -> Source:
+        """The checkpoint chosen in a ``CheckpointManager`` folder: a torch file, or a sharded checkpoint folder
+        (``layout``: the chosen :class:`~dist_resume._source.integrity.CheckpointInfo`'s)."""
+        sharded = Layout.SHARDED if layout == Layout.SHARDED.value else None
+        return cls(SourceKind.FOLDER_NEWEST, path, sharded, folder=folder, broadcast=broadcast)
 
 
 def local_source(path: PathLike) -> Source:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from .._core.errors import OptimizerStateMismatchError
@@ -12,6 +12,7 @@ __all__ = [
     "GROUP_BOOKKEEPING",
     "NOT_HYPERPARAMETERS",
     "normalize_optimizer_state",
+    "optimizer_by_name",
     "unfit_state_keys",
     "check_state_keys",
     "state_coverage",
@@ -59,6 +60,32 @@ def normalize_optimizer_state(osd: Any) -> Any:
             new_groups.append({**g, "params": [position[n] for n in g["params"]], "param_names": list(g["params"])})
         return {**osd, "state": {position.get(k, k): v for k, v in state.items()}, "param_groups": new_groups}
     return osd
+
+
+def optimizer_by_name(osd: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``osd`` (``Optimizer.state_dict()``'s form) keyed as DSD's ``get_optimizer_state_dict`` keys it. Local.
+
+    ``names`` holds one parameter name per id, in the groups' order: state entries and each group's
+    ``params`` become those names, ``param_names`` (where a group has it) the same list; every other
+    group entry stays, in its place. :func:`normalize_optimizer_state` turns it back.
+
+    Example::
+
+        >>> optimizer_by_name({"state": {0: {"step": 1}}, "param_groups": [{"params": [0], "lr": 0.1}]}, ["w"])
+        {'state': {'w': {'step': 1}}, 'param_groups': [{'params': ['w'], 'lr': 0.1}]}
+    """
+    ids = _group_ids(osd)
+    if len(names) != len(ids) or len(set(names)) != len(names):
+        raise OptimizerStateMismatchError(
+            f"the optimizer's {len(ids)} parameters cannot be keyed by the {len(names)} names given "
+            f"({len(set(names))} distinct); each parameter needs a name of its own"
+        )
+    fqn = dict(zip(ids, names))
+    groups = []
+    for g in osd["param_groups"]:
+        params = [fqn[p] for p in g["params"]]
+        groups.append({k: list(params) if k in GROUP_BOOKKEEPING else v for k, v in g.items()})  # order kept
+    return {"state": {fqn[k]: v for k, v in osd["state"].items() if k in fqn}, "param_groups": groups}
 
 
 def unfit_state_keys(osd: Mapping[str, Any]) -> list[Any]:

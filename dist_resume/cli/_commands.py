@@ -46,7 +46,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to is None and args.format is None:
         raise UsageError(
             "convert needs --to, --format or both",
-            "--to ddp|single re-keys the model; --format pt|safetensors|dcp picks the output format",
+            "--to ddp|single re-keys the model; --format pt|safetensors|dcp|sharded picks the output format",
         )
     bar = ProgressBar.for_stderr("converting", quiet=args.quiet or args.json)
     try:

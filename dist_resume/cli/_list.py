@@ -16,6 +16,7 @@ from .._core.types import PathLike
 from .._foreign.folders import checkpoint_subfolders, detect_folder
 from .._format.archive import read_archive
 from .._format.atomic import TEMP_NAME
+from .._format.manifest import TRAIN_STATE
 from .._layout.layout import Key
 from .._manager.lock import LOCK_NAME
 from .._manager.manager import CheckpointManager
@@ -45,8 +46,8 @@ def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
         info = inspect_checkpoint(path, verify=verify)
         if info.step != step:
             raise CheckpointError(f"named for step {step} but its metadata says step {info.step} (renamed by hand?)")
-        meta = read_archive(path).obj[Key.META]
-        entry["epoch"], entry["world_size"] = meta.get("epoch"), meta.get("world_size")
+        meta = read_archive(path / TRAIN_STATE if path.is_dir() else path).obj[Key.META]  # a sharded folder's
+        entry["epoch"], entry["world_size"], entry["bytes"] = meta.get("epoch"), meta.get("world_size"), info.size
     except (CheckpointError, OSError) as err:
         reason = str(err).replace(f"{str(path)!r}", path.name).replace(str(path), path.name)
         entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         cmd_convert,
         "re-key model keys and optimizer param_names for a single-process or a DDP model, and/or write "
-        "another format (.pt, .safetensors, DCP folder); .pt <-> .safetensors copies tensor bytes as they are",
+        "another format (.pt, .safetensors, DCP folder, sharded checkpoint folder); .pt <-> .safetensors copies "
+        "tensor bytes as they are",
         "print a JSON summary (schema dist-resume/convert/1)",
     )
     p.add_argument("src", type=Path, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
@@ -88,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=["pt", "safetensors", "dcp"],
-        help="pt (default): a torch zip file (a .pt source keeps its layout; others become dist_resume files); "
+        choices=["pt", "safetensors", "dcp", "sharded"],
+        help="pt (default): a torch zip file (a .pt source keeps its layout; others become dist_resume files; "
+        "a sharded checkpoint folder becomes the file a DDP save writes); "
         "safetensors: model weights only, plain keys unless --to ddp; dcp: a torch.distributed.checkpoint "
-        "folder {'model', 'optim'} keyed by FQN, for dcp.load/set_state_dict",
+        "folder {'model', 'optim'} keyed by FQN, for dcp.load/set_state_dict; sharded: the folder an FSDP2 "
+        "model saves (ckpt_<step>.dcp/), loadable at any world size",
     )
     p.add_argument(
         "--part",
