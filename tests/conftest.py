@@ -10,9 +10,15 @@ import torch
 import torch.distributed as dist
 
 from tests import accelerator as sim
-from tests.helpers import TORCHRUN_VARS, save_with_device_tag
+from tests.helpers import DESELECTED, TORCHRUN_VARS, save_with_device_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Keep what ``-m``/``-k`` left out, so that tests/test_docs.py can count the whole suite (the ``slow`` tests)."""
+    if items:
+        items[0].config.stash.setdefault(DESELECTED, []).extend(items)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.serialization as ts
 
 __all__ = [
+    "DESELECTED",
     "TORCHRUN_VARS",
     "FakeAccelerator",
     "device_tagging",
@@ -33,6 +34,9 @@ TORCHRUN_VARS = (
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
+
+# the items -m/-k left out of this session (tests/conftest.py's pytest_deselected keeps them): the slow tests
+DESELECTED = pytest.StashKey[list[pytest.Item]]()
 
 Tag = str | Callable[[Any], str | None]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dist_resume
-from tests.helpers import TORCHRUN_VARS
+from tests.helpers import DESELECTED, TORCHRUN_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -212,3 +212,41 @@ def test_public_docstring_examples(test, single_cpu_process):
 
 def test_docstring_examples_are_found():
     assert len(DOCTESTS) >= 10
+
+
+def suite_figures(items: list[pytest.Item], deselected: list[pytest.Item]) -> dict[str, int]:
+    """What docs/testing.md says of the suite, counted from the items pytest collected."""
+
+    def under(folder: str) -> int:
+        return sum(1 for i in items if Path(i.path).is_relative_to(REPO / "tests" / folder))
+
+    return {
+        "tests": len(items),
+        "slow": sum(1 for i in deselected if i.get_closest_marker("slow")),
+        "dist": under("dist"),
+        "marked dist": sum(1 for i in items if i.get_closest_marker("dist")),
+        "interop": under("interop"),
+        "accelerator": sum(1 for i in items if "accelerator" in getattr(i, "fixturenames", ())),
+        "cuda": sum(1 for i in items if i.get_closest_marker("cuda")),
+        "multigpu": sum(1 for i in items if i.get_closest_marker("multigpu")),
+    }
+
+
+_FIGURES = re.compile(
+    r"\*\*(?P<tests>[\d,]+) tests\*\* run in the default suite \((?P<slow>\d+) more under `-m slow`\): "
+    r"(?P<dist>\d+) in `tests/dist/` \(multi-process, real gloo collectives; (?P<marked_dist>\d+) marked `dist`\), "
+    r"(?P<interop>\d+) in `tests/interop/`.*?, (?P<accelerator>\d+) on the test accelerator's fixture \(sim and CUDA "
+    r"variants\), of which (?P<cuda>\d+) are CUDA variants \(marked `cuda`, (?P<multigpu>\d+) of them also `multigpu`",
+    re.S,
+)
+
+
+def test_testing_page_figures_are_what_pytest_collects(request: pytest.FixtureRequest) -> None:
+    items, deselected = request.session.items, request.config.stash.get(DESELECTED, [])
+    collected = {Path(i.path) for i in [*items, *deselected]}
+    if not set((REPO / "tests").rglob("test_*.py")) <= collected or request.config.option.keyword:
+        pytest.skip("the page's figures are of the whole suite: python -m pytest")
+    found = _FIGURES.search(" ".join((REPO / "docs" / "testing.md").read_text().split()))
+    assert found, "docs/testing.md lost its sentence of figures (see _FIGURES)"
+    said = {k.replace("_", " "): int(v.replace(",", "")) for k, v in found.groupdict().items()}
+    assert said == suite_figures(items, deselected), "update docs/testing.md's figures to what pytest collects"
