@@ -126,7 +126,7 @@ def test_outcome_run_carries_the_value_or_the_error() -> None:
 def _agree_on_rank(monkeypatch: pytest.MonkeyPatch, rank: int, errors: list[BaseException | None]) -> None:
     """agree_across_ranks as ``rank`` sees it when the ranks passed ``errors`` (the gather is replayed)."""
     wire = [pickle.loads(pickle.dumps(Outcome() if e is None else Outcome.failed(r, e))) for r, e in enumerate(errors)]
-    monkeypatch.setattr(dist, "get_rank", lambda: rank)  # the torch.distributed broadcast asks
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)  # torch.distributed, which broadcast asks
     monkeypatch.setattr(B, "all_gather_objects", lambda mine: wire)
     B.agree_across_ranks(errors[rank])
 

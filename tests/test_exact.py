@@ -23,7 +23,7 @@ from tests.helpers import dataset_of, fake_accelerator
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
     import numpy as np
 except ImportError:
-    np = None  # type: ignore[assignment]  # optional: CI runs without numpy
+    np = None  # type: ignore[assignment]  # numpy is optional
 
 
 def _ranks(n: int, world: int, **kw: Any) -> list[Sampler]:

@@ -375,7 +375,8 @@ def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
     from dist_resume._foreign import dcp
     from dist_resume._state import optim_keys
 
-    assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state  # type: ignore[attr-defined]  # one owner
+    # the name as dcp imported it: not re-exported, which is the point
+    assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state  # type: ignore[attr-defined]
     mixed = {"state": {0: {}, "1": {}}, "param_groups": [{"params": [0, 1]}]}
     assert optim_keys.normalize_optimizer_state(mixed) is mixed  # not every key a digit string: left alone
     assert optim_keys.unfit_state_keys(mixed) == []  # '1' could be read as 1 ...

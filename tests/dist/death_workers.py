@@ -67,7 +67,7 @@ def _report(base: str, rank: int, fn: Callable[[], Any], check: Callable[[], dic
 
 def _small_buckets() -> None:
     """Every rank: stream the broadcast checkpoint in buckets of BUCKET_BYTES."""
-    original = sources.broadcast_loaded  # type: ignore[attr-defined]  # the name read imported (replaced below)
+    original = sources.broadcast_loaded  # type: ignore[attr-defined]  # the name _source.read imported
 
     def small(load: Any, **kwargs: Any) -> Any:
         return original(load, **{**kwargs, "bucket_bytes": BUCKET_BYTES})
