@@ -279,7 +279,9 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     )
 
     step = 0
-    objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, dataloader=loader)
+    objects = dr.TrainingObjects(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, dataloader=loader
+    )
     ckpts = dr.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, **objects)  # registered once
     res, initialised = resume_run(args, ckpts, **objects)
     if res is not None and initialised:  # model and optimizer state only: this run's lr, schedule, data order

@@ -136,6 +136,7 @@ def _load(how: str, path: str, model: nn.Module, opt: torch.optim.Optimizer, ran
         saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if rank == 0 else None
         skeleton = broadcast_object(_skeleton(saved) if rank == 0 else None)
         source = saved if rank == 0 else _stand_ins(skeleton)
+        assert source is not None
         pairs = [(full, dst) for _, full, dst in model_destinations(model, source["model"])]
         opt_sd, opt_pairs = sharded_optimizer_state(opt, prepare_optimizer_state(source["optimizer"], opt, model))
         scatter_full_into(pairs + opt_pairs)

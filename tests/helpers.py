@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
 import torch.serialization as ts
+from torch.utils.data import Dataset
 
 __all__ = [
     "DESELECTED",
     "TORCHRUN_VARS",
     "FakeAccelerator",
     "device_tagging",
+    "dataset_of",
     "fake_accelerator",
+    "local_shard",
+    "metadata_of",
     "save_with_device_tag",
 ]
 
@@ -39,6 +43,28 @@ TORCHRUN_VARS = (
 DESELECTED = pytest.StashKey[list[pytest.Item]]()
 
 Tag = str | Callable[[Any], str | None]
+T = TypeVar("T")
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``fully_shard`` parameter (``to_local()``, sharing its storage): torch types the
+    parameters of a sharded module as plain ``Parameter``. AssertionError for a parameter that is not a DTensor."""
+    from torch.distributed.tensor import DTensor  # here: most tests never import torch.distributed.tensor
+
+    assert isinstance(param, DTensor), f"not a DTensor: {type(param).__name__}"
+    return param.to_local()
+
+
+def dataset_of(items: Sequence[T]) -> Dataset[T]:
+    """``items`` (a list, a range) as the map-style dataset a DataLoader or sampler takes: it has ``__getitem__``
+    and ``__len__``, which is all they use; torch types the argument as ``Dataset``. Returns ``items`` itself."""
+    return cast("Dataset[T]", items)
+
+
+def metadata_of(state_dict: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``state_dict._metadata``: the per-module versions ``nn.Module.state_dict`` attaches (BatchNorm's ``version``),
+    typed (torch's stubs do not declare the attribute). AttributeError where there is none, as the attribute."""
+    return cast(dict[str, dict[str, Any]], state_dict._metadata)  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

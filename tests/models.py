@@ -7,7 +7,7 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ __all__ = [
     "TwinNet",
     "TwinNetReordered",
     "WRAPPERS",
+    "compile_module",
     "wrap",
     "make_batches",
     "batches_on",
@@ -71,18 +72,20 @@ class TwinNetReordered(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _compile(m: nn.Module) -> nn.Module:
-    return torch.compile(m)  # creating an OptimizedModule compiles nothing until it is called
+def compile_module(m: nn.Module) -> nn.Module:
+    """``torch.compile(m)``: an OptimizedModule (an nn.Module, "_orig_mod." keys), typed as one (torch types the
+    result of torch.compile as a plain callable). Creating it compiles nothing until it is called."""
+    return cast(nn.Module, torch.compile(m))
 
 
 # wrapper name -> (function, the key prefix it adds). DP works on a CPU-only host (no device_ids).
 WRAPPERS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "plain": (lambda m: m, ""),
     "dp": (nn.DataParallel, "module."),
-    "compiled": (_compile, "_orig_mod."),
+    "compiled": (compile_module, "_orig_mod."),
     "dp_dp": (lambda m: nn.DataParallel(nn.DataParallel(m)), "module.module."),
-    "compile_dp": (lambda m: _compile(nn.DataParallel(m)), "_orig_mod.module."),
-    "dp_compile": (lambda m: nn.DataParallel(_compile(m)), "module._orig_mod."),
+    "compile_dp": (lambda m: compile_module(nn.DataParallel(m)), "_orig_mod.module."),
+    "dp_compile": (lambda m: nn.DataParallel(compile_module(m)), "module._orig_mod."),
 }
 
 

@@ -51,6 +51,7 @@ def cuda_uses(root: Path) -> list[str]:
             ):
                 what = "from torch import cuda"
             if what:
+                assert isinstance(node, (ast.expr, ast.stmt))  # an Attribute, Import or ImportFrom: it has a line
                 found.append(f"{rel}:{node.lineno}: {what}")
     return found
 
@@ -196,7 +197,8 @@ def test_device_rng_functions_touch_the_named_device_only(monkeypatch):
     fake = fake_accelerator(monkeypatch, "cuda", count=2)
     assert fake.rng is not None
     one = torch.device("cuda", 1)
-    assert torch.equal(acc.device_rng_state(one), fake.rng[1]) and fake.rng_reads == [one]
+    state = acc.device_rng_state(one)
+    assert state is not None and torch.equal(state, fake.rng[1]) and fake.rng_reads == [one]
     assert acc.set_device_rng_state(torch.full((8,), 9, dtype=torch.uint8), one)
     assert fake.rng[1][0] == 9 and fake.rng[0][0] == 0
     assert acc.seed_device(7, one) and fake.rng[1][0] == 7 and fake.rng[0][0] == 0 and fake.current == 0

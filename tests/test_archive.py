@@ -124,7 +124,7 @@ def test_rewrite_keeps_records_byte_for_byte_and_torchs_layout(tmp_path: Path, m
 
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
     # config.patch, not monkeypatch.setattr: undoing the latter leaves the option hidden for later tests
-    with config.patch({"load.calculate_storage_offsets": True}):
+    with config.patch({"load.calculate_storage_offsets": True}):  # type: ignore[attr-defined]  # not in the stubs
         loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
         assert torch.equal(loaded["base"], torch.load(tmp_path / "a.pt", weights_only=True)["base"])
         torch.load(tmp_path / "b.pt", weights_only=True, map_location="meta")
@@ -145,7 +145,7 @@ def test_zip64_layout_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             {"a": torch.zeros(5), "big": big, "b": torch.zeros(7), "p": torch.nn.Parameter(torch.zeros(3))},
             tmp_path / "a.pt",
         )
-    copy = _archive_write._copy_range
+    copy = _archive_write._copy_range  # type: ignore[attr-defined]  # an alias kept for tests to patch
 
     def sparse_copy(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
         if count < 1 << 30:
@@ -159,7 +159,7 @@ def test_zip64_layout_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     from torch.utils.serialization import config
 
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
-    with config.patch({"load.calculate_storage_offsets": True}):
+    with config.patch({"load.calculate_storage_offsets": True}):  # type: ignore[attr-defined]  # not in the stubs
         loaded = torch.load(tmp_path / "b.pt", weights_only=True, mmap=True)
     assert list(loaded) == ["module.a", "module.big", "module.b", "module.p"]
     assert loaded["module.big"].shape == (int(4.3e9),) and loaded["module.b"].shape == (7,)

@@ -32,7 +32,7 @@ def test_async_save_of_device_tensors_holds_the_values_at_the_call(
     opt_at_call = {i: {k: v.to("cpu", copy=True) for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
     n_device = len(at_call) + sum(t.device == device for t in iter_tensors(opt.state_dict()["state"]))
     asked: list[tuple[str, bool]] = []
-    real = async_save.pinned_staging
+    real = async_save.pinned_staging  # type: ignore[attr-defined]  # the name async_save imported (patched below)
 
     def recording(device_type: str) -> bool:
         answer = real(device_type)

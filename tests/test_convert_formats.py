@@ -165,7 +165,7 @@ def test_pt_to_dcp_loads_with_dcp_load_and_set_state_dict(tmp_path):
     fresh = TinyNet(seed=1)
     fresh_opt = torch.optim.Adam(fresh.named_parameters(), lr=0.01)
     msd, fosd = get_state_dict(fresh, fresh_opt)
-    state = {"model": msd, "optim": fosd}
+    state: dict[str, Any] = {"model": msd, "optim": fosd}
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
         dcp.load(state, checkpoint_id=str(dst), no_dist=True)
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -220,7 +220,7 @@ def test_pt_to_dcp_never_pairs_unnamed_state_by_position_across_groups(tmp_path)
     assert not (tmp_path / "dcp").exists()
 
 
-def _one_group(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _one_group(seed: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -258,7 +258,7 @@ def test_pt_to_dcp_pairs_one_unnamed_group_by_position_when_shapes_fit(tmp_path)
     state = {"optim.state.1.weight.exp_avg": torch.zeros(2, 4)}
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
         dcp.load(state, checkpoint_id=str(dst), no_dist=True)
-    assert torch.equal(state["optim.state.1.weight.exp_avg"], opt.state[model[1].weight]["exp_avg"])
+    assert torch.equal(state["optim.state.1.weight.exp_avg"], opt.state[model.get_parameter("1.weight")]["exp_avg"])
 
 
 # --- detected layouts, --part, Namespace -----------------------------------------------------------

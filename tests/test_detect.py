@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_part_keys_on_a_toolkit_file(trained, tmp_path):
 def test_lightning_layout(trained):
     """Lightning 2.x .ckpt top-level keys, as its own save code writes them (model keys carry `model.`)."""
     model, opt, sched = trained
-    obj = {
+    obj: dict[str, Any] = {
         "epoch": 2,
         "global_step": 60,
         "pytorch-lightning_version": "2.6.0",

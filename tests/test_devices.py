@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from tests.models import TinyNet
+from tests.models import TinyNet, compile_module
 
 META = torch.device("meta")
 
@@ -61,7 +61,7 @@ def test_state_on_cpu_for_params_elsewhere_is_named_with_the_fix():
 def test_names_are_canonical_under_wrappers():
     inner = TinyNet().to(META)
     opt = _adam_with_state(inner)
-    for wrapped in (nn.DataParallel(inner), torch.compile(inner), torch.compile(nn.DataParallel(inner))):
+    for wrapped in (nn.DataParallel(inner), compile_module(inner), compile_module(nn.DataParallel(inner))):
         report = dr.tools.device_report(wrapped, opt)
         assert "optimizer.state[fc.weight]['exp_avg'] is on cpu, its parameter on meta" in report
 

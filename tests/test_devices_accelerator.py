@@ -103,7 +103,8 @@ def test_the_seed_bug_in_plain_torch_and_how_the_toolkit_prevents_and_names_it(
 def test_fused_and_capturable_step_lives_on_the_device(accelerator: Accel, tmp_path: Path, flag: str) -> None:
     device = accelerator.device(0)
     net = TinyNet().to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2, **{flag: True})
+    flags: dict[str, Any] = {flag: True}
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, **flags)
     train_steps(net, opt, batches_on(BATCHES[:2], device))
     assert state_devices(opt, "step") == {device}  # torch's own placement (FACTS 2)
     path = dr.save_checkpoint(tmp_path / "ckpt.pt", model=net, optimizer=opt)
@@ -112,7 +113,7 @@ def test_fused_and_capturable_step_lives_on_the_device(accelerator: Accel, tmp_p
 
     # resume (the file read on the CPU) puts step back on the device, float32
     net2 = TinyNet(seed=1).to(device)
-    opt2 = torch.optim.Adam(net2.parameters(), lr=1e-2, **{flag: True})
+    opt2 = torch.optim.Adam(net2.parameters(), lr=1e-2, **flags)
     _resume(path, net2, opt2)
     for p in net2.parameters():
         assert opt2.state[p]["step"].device == device and opt2.state[p]["step"].dtype == torch.float32
@@ -122,7 +123,7 @@ def test_fused_and_capturable_step_lives_on_the_device(accelerator: Accel, tmp_p
 
     # optimizer_to after the wrong order: CPU state (step included) goes onto the device
     net3 = TinyNet(seed=2)
-    opt3 = torch.optim.Adam(net3.parameters(), lr=1e-2, **{flag: True})
+    opt3 = torch.optim.Adam(net3.parameters(), lr=1e-2, **flags)
     opt3.load_state_dict(torch.load(path, weights_only=True, map_location="cpu")[Key.OPTIMIZER])
     accelerator.move(net3)
     with pytest.raises(dr.errors.DeviceMismatchError, match=rf"\['step'\] is on cpu, its parameter on {device}"):

@@ -123,10 +123,12 @@ def test_the_pages_are_all_checked_and_linked():
 def test_readme_quick_start_resumes_where_it_stopped(single_cpu_process):
     """The quick start run twice: the second run finds step 30 and does no more work; a longer run continues."""
     after = next(b for b in python_blocks(REPO / "README.md") if b.not_run is None)
-    exec(compile(after.code, "README.md", "exec"), first := {})
+    first: dict[str, Any] = {}
+    exec(compile(after.code, "README.md", "exec"), first)
     assert first["step"] == 30
     code = after.code.replace("step < 30", "step < 40").replace("step == 30", "step == 40")
-    exec(compile(code, "README.md", "exec"), second := {})
+    second: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), second)
     assert second["step"] == 40
     for a, b in zip(first["model"].parameters(), second["model"].parameters()):
         assert not torch.equal(a, b), "the second run did not train on"

@@ -18,12 +18,12 @@ from dist_resume import ResumableDistributedSampler as Sampler
 from dist_resume._exact import rng as _rng
 from dist_resume._exact import sampler as _exact
 from dist_resume.errors import StateMismatchError
-from tests.helpers import fake_accelerator
+from tests.helpers import dataset_of, fake_accelerator
 
 try:  # optional: dist_resume's runtime needs torch only, and CI runs without numpy
     import numpy as np
 except ImportError:
-    np = None
+    np = None  # type: ignore[assignment]  # numpy is optional
 
 
 def _ranks(n: int, world: int, **kw: Any) -> list[Sampler]:
@@ -54,8 +54,8 @@ def test_fresh_epoch_matches_distributed_sampler(n, world, shuffle, drop_last):
         pytest.skip("rejected by design, see test_invalid_arguments")
     for rank in range(world):
         ours = Sampler(n, num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
-        theirs = DistributedSampler(
-            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+        theirs: DistributedSampler[int] = DistributedSampler(
+            dataset_of(range(n)), num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
         )
         for epoch in (0, 1):
             theirs.set_epoch(epoch)
@@ -178,12 +178,14 @@ def test_the_ddp_tutorials_peek_costs_no_batch():
     """PyTorch's multigpu_torchrun.py reads one batch every epoch to learn the batch size, then iterates."""
     data = list(range(64))
     samplers = _ranks(len(data), 2, seed=0)
-    loaders = [DataLoader(data, batch_size=4, sampler=s) for s in samplers]
+    loaders = [DataLoader(dataset_of(data), batch_size=4, sampler=s) for s in samplers]
     for epoch in range(2):
         seen = []
         for loader in loaders:
             batch_size = len(next(iter(loader)))
-            loader.sampler.set_epoch(epoch)
+            sampler = loader.sampler
+            assert isinstance(sampler, Sampler)
+            sampler.set_epoch(epoch)
             steps = 0
             for batch in loader:
                 seen += batch.tolist()
@@ -195,7 +197,7 @@ def test_the_ddp_tutorials_peek_costs_no_batch():
 def test_a_multi_worker_dataloader_drawing_from_the_sampler_is_warned_once(caplog):
     data = list(range(40))
     s = Sampler(data, num_replicas=2, rank=0, seed=0)
-    loader = DataLoader(data, batch_size=2, sampler=s, num_workers=2, prefetch_factor=2)
+    loader = DataLoader(dataset_of(data), batch_size=2, sampler=s, num_workers=2, prefetch_factor=2)
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         it = iter(loader)
         next(it)
@@ -211,7 +213,7 @@ def test_a_multi_worker_dataloader_drawing_from_the_sampler_is_warned_once(caplo
     quiet = Sampler(data, num_replicas=2, rank=0, seed=0)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
-        for _ in DataLoader(data, batch_size=2, sampler=quiet):  # num_workers=0: exact, nothing to say
+        for _ in DataLoader(dataset_of(data), batch_size=2, sampler=quiet):  # num_workers=0: exact, nothing to say
             pass
         quiet.state_dict()
     assert not caplog.records
@@ -220,7 +222,7 @@ def test_a_multi_worker_dataloader_drawing_from_the_sampler_is_warned_once(caplo
 def test_dataloader_with_its_own_generator_positions_and_the_global_rng():
     data = list(range(40))
     s = Sampler(data, num_replicas=2, rank=1, seed=0)
-    loader = DataLoader(data, batch_size=4, sampler=s, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(dataset_of(data), batch_size=4, sampler=s, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     expected = torch.rand(1)
     torch.manual_seed(0)
@@ -278,7 +280,7 @@ def test_defaults_come_from_the_environment(monkeypatch):
     s = Sampler(range(9))
     assert (s.rank, s.num_replicas, s.num_samples, len(s)) == (1, 3, 9, 3)
     with pytest.raises(AttributeError):
-        s._cfg.rank = 0  # frozen config
+        s._cfg.rank = 0  # type: ignore[misc]  # frozen config: the assignment must raise
 
 
 # ---------------------------------------------------------------- RNG
@@ -470,7 +472,7 @@ def test_samplers_that_disagree_are_refused():
 # ---------------------------------------------------------------- save_checkpoint / resume plumbing
 
 
-def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _setup() -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
@@ -507,16 +509,19 @@ def test_save_and_resume_restore_sampler_and_rng(tmp_path):
 def test_a_dataloader_over_the_sampler_is_its_data_position_and_one_without_is_refused(tmp_path):
     model, opt = _setup()
     sampler = Sampler(10, 1, 0, seed=4)
-    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=3, sampler=sampler)
+    loader = torch.utils.data.DataLoader(dataset_of(list(range(10))), batch_size=3, sampler=sampler)
     next(iter(loader))
     path = dist_resume.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=1, dataloader=loader)
     assert torch.load(path, weights_only=True)["sampler"]["consumed"] == 3
     batches = torch.utils.data.DataLoader(
-        list(range(10)), batch_sampler=torch.utils.data.BatchSampler(Sampler(10, 1, 0, seed=4), 3, drop_last=False)
+        dataset_of(list(range(10))),
+        batch_sampler=torch.utils.data.BatchSampler(Sampler(10, 1, 0, seed=4), 3, drop_last=False),
     )
     res = dist_resume.resume(path, model=model, optimizer=opt, dataloader=batches)  # batch_sampler.sampler
-    assert "sampler" in res.restored and batches.batch_sampler.sampler.consumed == 3
-    plain = torch.utils.data.DataLoader(list(range(10)), batch_size=3, shuffle=True)
+    batch_sampler = batches.batch_sampler
+    assert isinstance(batch_sampler, torch.utils.data.BatchSampler) and isinstance(batch_sampler.sampler, Sampler)
+    assert "sampler" in res.restored and batch_sampler.sampler.consumed == 3
+    plain = torch.utils.data.DataLoader(dataset_of(list(range(10))), batch_size=3, shuffle=True)
     with pytest.raises(dist_resume.errors.UsageError, match="whose sampler is RandomSampler") as info:
         dist_resume.resume(path, model=model, dataloader=plain)
     assert "ResumableDistributedSampler" in info.value.hint
@@ -534,7 +539,7 @@ def test_resume_refuses_a_foreign_sampler_state_before_changing_anything(tmp_pat
     assert "rng" not in torch.load(tmp_path / "none.pt", weights_only=True)
     target, opt2 = _setup()
     with torch.no_grad():
-        target[0].weight.add_(1.0)
+        target.get_parameter("0.weight").add_(1.0)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(StateMismatchError, match="seed 4 saved, 5 now"):
         dist_resume.resume(path, model=target, optimizer=opt2, dataloader=Sampler(10, 1, 0, seed=5))

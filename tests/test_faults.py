@@ -151,7 +151,8 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
     size_mb = (folder / checkpoint_name(2)).stat().st_size / 1e6
     assert size_mb > 95
     rng = random.Random(20240605)
-    previous, failures = 2, []
+    previous = 2
+    failures: list[str] = []
     outcomes: Counter[str] = Counter()
     phases: Counter[str] = Counter()
     left_behind = 0
@@ -197,7 +198,8 @@ def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Pa
     folder = tmp_path / "ckpts"
     durations = [d for step in (1, 2) if (d := _run_child(folder, step, None, _save_async_child)) is not None]
     rng = random.Random(20261202)
-    previous, failures = 2, []
+    previous = 2
+    failures: list[str] = []
     outcomes: Counter[str] = Counter()
     phases: Counter[str] = Counter()
     before, after = 0.0, statistics.median(durations[:2]) * 2  # kill times known to land before / after the write

@@ -6,6 +6,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -298,8 +299,13 @@ def test_a_file_checked_once_is_not_read_again(tmp_path: Path, monkeypatch: pyte
 
     mgr = _save_steps(tmp_path, [1, 2, 3], keep_last=3)
     calls: list[Path] = []
-    real = rotation.check_numbered
-    monkeypatch.setattr(rotation, "check_numbered", lambda p, s, verify: calls.append(p) or real(p, s, verify))
+    real = rotation.check_numbered  # type: ignore[attr-defined]  # the name rotation imported (patched there)
+
+    def recording(p: Path, s: Any, verify: Any) -> Any:
+        calls.append(p)
+        return real(p, s, verify)
+
+    monkeypatch.setattr(rotation, "check_numbered", recording)
     mgr.save(4, model=_filled(4))
     assert calls == []  # every older file was written by this process, as it still is
     (tmp_path / checkpoint_name(3)).write_bytes((tmp_path / checkpoint_name(3)).read_bytes())  # rewritten by hand

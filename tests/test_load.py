@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import zipfile
+from typing import Any
 
 import pytest
 import torch
@@ -347,7 +348,8 @@ def test_a_damaged_pickle_or_directory_is_a_corrupt_checkpoint(name):
 
 def test_an_error_in_a_map_location_callable_is_not_called_damage(good_file):
     def broken(storage, location):
-        return {}["no such key"]  # a bug in the caller's code, not damage in the file
+        table: dict[str, Any] = {}
+        return table["no such key"]  # a bug in the caller's code, not damage in the file
 
     with pytest.raises(KeyError, match="no such key"):
         dr.load_checkpoint(good_file, map_location=broken)

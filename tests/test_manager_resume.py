@@ -14,6 +14,7 @@ from torch import nn
 import dist_resume as dr
 from dist_resume._format.atomic import TEMP_NAME
 from dist_resume._source.listing import checkpoint_name
+from tests.helpers import dataset_of
 
 
 def _model(value: float) -> nn.Linear:
@@ -152,7 +153,10 @@ def test_options_reach_resume_per_call_or_registered(tmp_path: Path) -> None:
         (lambda mgr: mgr.resume(options=dr.ResumeOptions(optimizer_hparams="mine")), "'checkpoint', 'current'"),
         (lambda mgr: mgr.resume(options={"strict": False}), "not a dist_resume.ResumeOptions"),
         (lambda mgr: mgr.save(1, modle=_model(0.0)), "unknown keyword.*'modle'.*model, optimizer, scheduler"),
-        (lambda mgr: dr.CheckpointManager(mgr.folder, optimiser=None), "unknown keyword.*'optimiser'"),
+        (
+            lambda mgr: dr.CheckpointManager(mgr.folder, optimiser=None),  # type: ignore[call-arg]  # the typo tested
+            "unknown keyword.*'optimiser'",
+        ),
     ],
     ids=["old-keyword", "unknown-part", "bad-hparams", "options-not-a-value", "save-typo", "register-typo"],
 )
@@ -169,7 +173,7 @@ def test_a_mistyped_option_or_object_fails_on_the_first_run_not_after_the_first_
 def test_register_once_then_save_and_resume_take_only_what_changes(tmp_path: Path) -> None:
     model, opt = _trained(4.0)
     sampler = dr.ResumableDistributedSampler(range(8), num_replicas=1, rank=0, seed=3)
-    loader = torch.utils.data.DataLoader(range(8), batch_size=2, sampler=sampler)
+    loader = torch.utils.data.DataLoader(dataset_of(range(8)), batch_size=2, sampler=sampler)
     with dr.CheckpointManager(tmp_path / "run", model=model, optimizer=opt, dataloader=loader) as mgr:
         assert mgr.resume() is None
         next(iter(loader))
@@ -194,10 +198,10 @@ def test_a_manager_without_a_model_or_with_two_data_positions_says_what_to_pass(
     with pytest.raises(dr.errors.UsageError, match="has no model"):
         mgr.save(1)
     mine = dr.ResumableDistributedSampler(range(8), num_replicas=1, rank=0)
-    other = torch.utils.data.DataLoader(range(8), sampler=dr.ResumableDistributedSampler(range(8), 1, 0))
+    other = torch.utils.data.DataLoader(dataset_of(range(8)), sampler=dr.ResumableDistributedSampler(range(8), 1, 0))
     with pytest.raises(dr.errors.UsageError, match="dataloader= whose sampler is another object"):
         dr.CheckpointManager(tmp_path / "run", sampler=mine, dataloader=other)
-    same = torch.utils.data.DataLoader(range(8), sampler=mine)
+    same = torch.utils.data.DataLoader(dataset_of(range(8)), sampler=mine)
     both = dr.CheckpointManager(tmp_path / "run", model=_model(1.0), sampler=mine, dataloader=same)
     assert both.save(1).exists()  # the loader's sampler is that sampler: one data position
     both.close()

@@ -8,6 +8,7 @@ test_devices_accelerator.py.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -144,9 +145,8 @@ def test_capturable_group_puts_step_on_the_device():
 
 def test_optimizer_to_mixed_groups_and_params_without_state():
     model = TwinNet()
-    opt = torch.optim.AdamW(
-        [{"params": model.a.parameters()}, {"params": model.b.parameters(), "lr": 0.5}], fused=False
-    )
+    groups: list[dict[str, Any]] = [{"params": model.a.parameters()}, {"params": model.b.parameters(), "lr": 0.5}]
+    opt = torch.optim.AdamW(groups, fused=False)
     model.a.weight.grad = torch.ones_like(model.a.weight)  # only one parameter gets state
     opt.step()
     assert len(opt.state) == 1
@@ -375,7 +375,8 @@ def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
     from dist_resume._foreign import dcp
     from dist_resume._state import optim_keys
 
-    assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state
+    # the name as dcp imported it: not re-exported, which is the point
+    assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state  # type: ignore[attr-defined]
     mixed = {"state": {0: {}, "1": {}}, "param_groups": [{"params": [0, 1]}]}
     assert optim_keys.normalize_optimizer_state(mixed) is mixed  # not every key a digit string: left alone
     assert optim_keys.unfit_state_keys(mixed) == []  # '1' could be read as 1 ...

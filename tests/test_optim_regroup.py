@@ -327,7 +327,8 @@ def test_nothing_fits_by_name_is_refused_even_without_strict() -> None:
             self.y = nn.Linear(3, 3)
 
     target = Other()
-    live = torch.optim.Adam([{"params": [target.x.weight]}, {"params": [target.x.bias, *target.y.parameters()]}])
+    groups: list[dict[str, Any]] = [{"params": [target.x.weight]}, {"params": [target.x.bias, *target.y.parameters()]}]
+    live = torch.optim.Adam(groups)
     with pytest.raises(dr.errors.OptimizerStateMismatchError, match="no parameter"):
         prepare_optimizer_state(opt.state_dict(), live, target, strict=False)
 

@@ -51,7 +51,7 @@ CASES: dict[str, tuple[Build, str]] = {
     "ASGD": (lambda m: torch.optim.ASGD(m.parameters()), "ax"),
     "Rprop": (lambda m: torch.optim.Rprop(m.parameters()), "step_size"),
     "Adadelta": (lambda m: torch.optim.Adadelta(m.parameters()), "acc_delta"),
-    "SparseAdam": (lambda m: torch.optim.SparseAdam(list(m.emb.parameters())), "exp_avg"),
+    "SparseAdam": (lambda m: torch.optim.SparseAdam(list(m.get_submodule("emb").parameters())), "exp_avg"),
     "LBFGS": (lambda m: torch.optim.LBFGS(m.parameters(), history_size=3, max_iter=3), "prev_flat_grad"),
 }
 
@@ -220,7 +220,7 @@ def test_subclasses_and_custom_classes() -> None:
             return super().step(closure)
 
     for cls, refused in ((Renamed, True), (OwnStep, False)):
-        opt = cls(model.parameters())
+        opt: torch.optim.Optimizer = cls(model.parameters())
         _train(model, opt)
         sd = opt.state_dict()
         del sd["state"][0]["exp_avg"]

@@ -20,7 +20,7 @@ import dist_resume as dr
 from dist_resume._checkpoint import async_save as _async
 from dist_resume._core.tree import iter_tensors
 from dist_resume._layout.layout import Key
-from tests.models import TinyNet, assert_same, make_batches, single_rank_group, train_steps
+from tests.models import TinyNet, assert_same, compile_module, make_batches, single_rank_group, train_steps
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
 
@@ -29,12 +29,13 @@ KEYS = 12_000
 
 def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     """Address ranges of this process mapped from ``path``."""
+    ranges = []
     with open("/proc/self/maps") as f:
-        return [
-            tuple(int(x, 16) for x in line.split()[0].split("-"))
-            for line in f  # type: ignore[misc]
-            if line.rstrip().endswith(str(path))
-        ]
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
 
 
 def _extents(tensors: Iterator[torch.Tensor]) -> list[tuple[int, int]]:
@@ -129,7 +130,7 @@ def test_prefix_adaptation_hands_back_the_input_tensors_at_12k_keys(tmp_path):
         ddp = DDP(net)
         wrapped = ddp.state_dict()
         ddp_keys, plain_keys = list(wrapped), list(plain)
-        compiled = torch.compile(net)  # an OptimizedModule: "_orig_mod." keys, nothing compiled yet
+        compiled = compile_module(net)  # an OptimizedModule: "_orig_mod." keys, nothing compiled yet
         _assert_no_copy(dr.adapt_state_dict(plain, ddp), plain, lambda k: k[len("module.") :], ddp_keys)
         _assert_no_copy(dr.adapt_state_dict(wrapped, net), wrapped, lambda k: "module." + k, plain_keys)
         _assert_no_copy(
@@ -146,7 +147,7 @@ def test_prefix_adaptation_hands_back_the_input_tensors_at_12k_keys(tmp_path):
 def gated_async_save(monkeypatch):
     """Hold every background write until the test opens the gate; record each snapshot taken."""
     gate, snapshots = threading.Event(), []
-    real_snapshot, real_write = _async._snapshot, _async.atomic_write
+    real_snapshot, real_write = _async._snapshot, _async.atomic_write  # type: ignore[attr-defined]  # patched below
 
     def snapshot(obj: Any) -> Any:
         copied, queued = real_snapshot(obj)

@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
-from tests.models import WRAPPERS, TinyNet, single_rank_group, wrap
+from tests.helpers import metadata_of
+from tests.models import WRAPPERS, TinyNet, compile_module, single_rank_group, wrap
 
 # ---------------------------------------------------------------- strip_prefix / add_prefix
 
@@ -37,8 +38,8 @@ def test_strip_prefix_of_a_real_wrapped_state_dict_is_the_plain_one_zero_copy():
         assert value is wrapped_sd["module." + key]
         assert value.data_ptr() == plain_sd[key].data_ptr()  # the same storage: nothing was copied
     # _metadata re-keyed consistently, BatchNorm's version 2 kept under its new name
-    assert dict(out._metadata) == dict(plain_sd._metadata)
-    assert out._metadata["bn"]["version"] == 2
+    assert dict(metadata_of(out)) == dict(metadata_of(plain_sd))
+    assert metadata_of(out)["bn"]["version"] == 2
     # and it really loads
     fresh = TinyNet(seed=1)
     fresh.load_state_dict(out, strict=True)
@@ -52,8 +53,8 @@ def test_add_prefix_of_a_plain_state_dict_is_the_wrapped_one_zero_copy():
     out = dr.add_prefix(plain_sd)
     assert list(out) == list(wrapped_sd)
     assert all(out[k] is plain_sd[k[len("module.") :]] for k in out)
-    assert dict(out._metadata) == dict(wrapped_sd._metadata)
-    assert out._metadata["module.bn"]["version"] == 2
+    assert dict(metadata_of(out)) == dict(metadata_of(wrapped_sd))
+    assert metadata_of(out)["module.bn"]["version"] == 2
     dp = nn.DataParallel(TinyNet(seed=1))
     dp.load_state_dict(out, strict=True)
     assert torch.equal(dp.module.head.bias, net.head.bias)
@@ -63,8 +64,8 @@ def test_add_then_strip_compile_prefix_round_trips_with_metadata():
     sd = TinyNet().state_dict()
     back = dr.strip_prefix(dr.add_prefix(sd, "_orig_mod."), "_orig_mod.")
     assert list(back) == list(sd)
-    assert dict(back._metadata) == dict(sd._metadata)
-    assert list(dr.add_prefix(sd, "_orig_mod.")) == list(torch.compile(TinyNet()).state_dict())
+    assert dict(metadata_of(back)) == dict(metadata_of(sd))
+    assert list(dr.add_prefix(sd, "_orig_mod.")) == list(compile_module(TinyNet()).state_dict())
 
 
 def test_strip_prefix_works_on_plain_dicts_without_metadata():
@@ -118,7 +119,7 @@ def test_unwrap_model_under_dataparallel_and_compile_nesting():
     assert dr.unwrap_model(net) is net
     for kind in WRAPPERS:
         assert dr.unwrap_model(wrap(net, kind)) is net, kind
-    deep = torch.compile(nn.DataParallel(torch.compile(nn.DataParallel(net))))
+    deep = compile_module(nn.DataParallel(compile_module(nn.DataParallel(net))))
     assert dr.unwrap_model(deep) is net
 
 
@@ -127,10 +128,10 @@ def test_unwrap_model_and_adapt_under_real_ddp(tmp_path):
     with single_rank_group(tmp_path):
         ddp = DDP(TinyNet(seed=1))
         inner = ddp.module
-        cases = {
+        cases: dict[str, tuple[nn.Module, str]] = {
             "ddp": (ddp, "module."),
-            "ddp_compile": (DDP(torch.compile(TinyNet(seed=2))), "module._orig_mod."),
-            "compile_ddp": (torch.compile(ddp), "_orig_mod.module."),
+            "ddp_compile": (DDP(compile_module(TinyNet(seed=2))), "module._orig_mod."),
+            "compile_ddp": (compile_module(ddp), "_orig_mod.module."),
             "dp_ddp": (nn.DataParallel(ddp), "module.module."),
         }
         assert dr.unwrap_model(ddp) is inner
@@ -155,6 +156,7 @@ def test_unwrap_model_and_adapt_under_real_ddp(tmp_path):
 @pytest.mark.parametrize("src_kind, dst_kind", list(itertools.product(WRAPPERS, repeat=2)))
 def test_adapt_state_dict_every_wrapping_both_directions(src_kind, dst_kind):
     src_net, dst_net = TinyNet(seed=0), TinyNet(seed=1)
+    assert src_net.bn.running_mean is not None and src_net.bn.num_batches_tracked is not None
     src_net.bn.running_mean.add_(1.5)
     src_net.bn.num_batches_tracked.fill_(7)
     src, dst = wrap(src_net, src_kind), wrap(dst_net, dst_kind)
@@ -169,13 +171,13 @@ def test_adapt_state_dict_every_wrapping_both_directions(src_kind, dst_kind):
     for key, value in adapted.items():  # zero-copy: the checkpoint's own tensors
         assert value is saved[WRAPPERS[src_kind][1] + key[len(prefix) :]]
     # metadata follows the keys: BatchNorm's version survives under the target's name
-    assert adapted._metadata[prefix + "bn"]["version"] == 2
-    assert set(adapted._metadata) <= set(target_sd._metadata)
+    assert metadata_of(adapted)[prefix + "bn"]["version"] == 2
+    assert set(metadata_of(adapted)) <= set(metadata_of(target_sd))
 
     dst.load_state_dict(adapted, strict=True)
     for key, value in src_net.state_dict().items():
         assert torch.equal(dst_net.state_dict()[key], value), key
-    assert dst_net.bn.num_batches_tracked.item() == 7
+    assert dst_net.bn.num_batches_tracked is not None and dst_net.bn.num_batches_tracked.item() == 7
 
 
 def test_adapt_state_dict_handles_a_model_with_a_child_named_module():
@@ -192,7 +194,9 @@ def test_adapt_state_dict_handles_a_model_with_a_child_named_module():
         adapted = dr.adapt_state_dict(saved, dst)
         assert list(adapted) == list(dst.state_dict()), (src_kind, dst_kind)
         dst.load_state_dict(adapted, strict=True)
-        assert torch.equal(dr.unwrap_model(dst).module.weight, plain.module.weight)
+        inner = dr.unwrap_model(dst)
+        assert isinstance(inner, Holder)
+        assert torch.equal(inner.module.weight, plain.module.weight)
 
 
 def test_adapt_state_dict_reports_missing_unexpected_and_shapes_with_counts():
@@ -228,15 +232,16 @@ def test_adapt_state_dict_strict_false_drops_unexpected_allows_missing():
     saved = dr.add_prefix(TinyNet().state_dict())
     del saved["module.head.weight"]
     saved["module.old_layer.weight"] = torch.zeros(3)
-    model = torch.compile(TinyNet(seed=1))
+    net = TinyNet(seed=1)
+    model = compile_module(net)  # its parameters are net's
     adapted = dr.adapt_state_dict(saved, model, strict=False)
     assert "_orig_mod.head.weight" not in adapted
     assert not any("old_layer" in k for k in adapted)
     assert len(adapted) == len(model.state_dict()) - 1
-    before = model.head.weight.detach().clone()
+    before = net.head.weight.detach().clone()
     model.load_state_dict(adapted, strict=False)
-    assert torch.equal(model.head.weight, before)
-    assert torch.equal(model.fc.weight, saved["module.fc.weight"])
+    assert torch.equal(net.head.weight, before)
+    assert torch.equal(net.fc.weight, saved["module.fc.weight"])
 
 
 def test_adapt_state_dict_shape_mismatch_raises_even_when_not_strict():
@@ -267,7 +272,7 @@ def test_adapt_state_dict_with_a_compiled_submodule():
             super().__init__()
             torch.manual_seed(int(compiled))
             block = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-            self.block = torch.compile(block) if compiled else block
+            self.block = compile_module(block) if compiled else block
             self.head = nn.Linear(2, 1)
 
     for src_compiled, dst_compiled, dst_wrap in itertools.product([False, True], [False, True], ["plain", "dp"]):
@@ -277,7 +282,7 @@ def test_adapt_state_dict_with_a_compiled_submodule():
         dst.load_state_dict(adapted, strict=True)
         inner = dr.unwrap_model(dst)
         assert torch.equal(
-            inner.block[0].weight if not dst_compiled else inner.block._orig_mod[0].weight,
-            src.block[0].weight if not src_compiled else src.block._orig_mod[0].weight,
+            inner.get_parameter("block.0.weight" if not dst_compiled else "block._orig_mod.0.weight"),
+            src.get_parameter("block.0.weight" if not src_compiled else "block._orig_mod.0.weight"),
         )
     assert dr.canonical_key("block._orig_mod.0.weight") == "block.0.weight"

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import inspect
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -59,13 +60,14 @@ def test_resume_options_is_one_frozen_keyword_only_value_validated_when_built():
     with pytest.raises(TypeError):
         dr.ResumeOptions(False)  # type: ignore[misc]  # keyword-only
     assert not hasattr(opts, "__dict__")  # slotted
-    for bad, match in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"strict": "no"}, "strict must be True or False"),
         ({"rng": 1}, "rng must be True or False"),
         ({"key_prefix": "model"}, "key_prefix must be a dot-separated key prefix ending in '.'"),
         ({"part_keys": {"modle": "net"}}, "part_keys names unknown part"),
         ({"map_location": "cpu", "broadcast_from_rank0": True}, "nothing to map"),
-    ]:
+    ]
+    for bad, match in cases:
         with pytest.raises(dr.errors.UsageError, match=match):
             dr.ResumeOptions(**bad)
     with pytest.raises(dr.errors.UsageError, match="unknown parts"):

@@ -23,6 +23,7 @@ from dist_resume.errors import StateMismatchError
 pytest.importorskip("torchdata.stateful_dataloader")
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests.helpers import dataset_of
 from tests.stateful_loader_worker import BATCH, KINDS, SEED, TRAINED, N
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def _loader(num_workers: int = 0, **kw: Any) -> Any:
     sampler = ResumableDistributedSampler(data, num_replicas=2, rank=0, seed=0)
     if num_workers:
         kw |= {"num_workers": num_workers, "prefetch_factor": 2}
-    return StatefulDataLoader(data, batch_size=2, sampler=sampler, **kw)
+    return StatefulDataLoader(dataset_of(data), batch_size=2, sampler=sampler, **kw)
 
 
 def test_a_saved_state_is_validated_before_anything_changes() -> None:
@@ -130,7 +131,7 @@ def test_num_workers_changed_restores_the_sampler_and_a_plain_loader_takes_the_p
     plan = sl.check_loader_state(single, entries)
     assert plan.mode is sl.RestoreMode.SAMPLER
     sl.restore_loader(plan)
-    plain = DataLoader(list(range(24)), batch_size=2, sampler=ResumableDistributedSampler(24, 2, 0, seed=0))
+    plain = DataLoader(dataset_of(list(range(24))), batch_size=2, sampler=ResumableDistributedSampler(24, 2, 0, seed=0))
     sl.restore_loader(sl.check_loader_state(plain, entries))  # a plain DataLoader holding the sampler: exact too
     expected = list(ResumableDistributedSampler(24, 2, 0, seed=0))
     assert [i for b in trained for i in b] == expected[:4]
@@ -141,11 +142,11 @@ def test_num_workers_changed_restores_the_sampler_and_a_plain_loader_takes_the_p
 def test_the_plain_dataloader_with_workers_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
     data = list(range(40))
     sampler = ResumableDistributedSampler(data, num_replicas=2, rank=0)
-    loader = DataLoader(data, batch_size=2, sampler=sampler, num_workers=2)
+    loader = DataLoader(dataset_of(data), batch_size=2, sampler=sampler, num_workers=2)
     assert sl.is_stateful_loader(_loader()) and not sl.is_stateful_loader(loader)
     text = sl.prefetch_warning(loader)
     assert text is not None and "2 worker(s) and prefetch_factor=2" in text
-    assert sl.prefetch_warning(DataLoader(data, sampler=sampler)) is None  # num_workers=0: exact
+    assert sl.prefetch_warning(DataLoader(dataset_of(data), sampler=sampler)) is None  # num_workers=0: exact
     assert sl.prefetch_warning(_loader(num_workers=2)) is None  # a StatefulDataLoader: exact
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         sl.warn_prefetch_once(loader)

@@ -8,13 +8,13 @@ outside the checkpoint folder is the link's target, and it keeps its content.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._format import atomic
 from dist_resume._manager.lock import LOCK_NAME
 from dist_resume._source.listing import checkpoint_name
 
@@ -74,7 +74,7 @@ def test_a_symlink_at_the_temporary_name_is_never_opened(
     folder: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokens = iter(["0123456789abcdef", "fedcba9876543210"])
-    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(tokens))
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(tokens))  # the module atomic draws its names from
     dest = folder / "model.pt"
     (folder / ".model.pt.0123456789abcdef.tmp").symlink_to(outside)  # the first name it will draw
     dr.save_checkpoint(dest, model=_model(), step=1)

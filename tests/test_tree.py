@@ -7,6 +7,7 @@ from collections import OrderedDict
 import torch
 
 from dist_resume._core.tree import MAX_NESTING, iter_tensors, map_tensors, named_tensors, structure_problem
+from tests.helpers import metadata_of
 
 
 def test_named_tensors_paths_follow_the_containers():
@@ -30,7 +31,7 @@ def test_map_tensors_shares_unchanged_containers_only_when_asked():
     same = map_tensors(sd, lambda t: t, share_unchanged=True)
     assert same is sd
     copied = map_tensors(sd, lambda t: t)
-    assert copied is not sd and type(copied) is OrderedDict and copied._metadata == sd._metadata
+    assert copied is not sd and type(copied) is OrderedDict and metadata_of(copied) == metadata_of(sd)
     doubled = map_tensors(sd, lambda t: t + 1, share_unchanged=True)
     assert doubled is not sd and doubled["hist"][0].item() == 1 and type(doubled["hist"]) is list
 

@@ -101,7 +101,7 @@ def _resume_single(ctx: Ctx, file: str, broadcast: bool) -> dict[str, Any]:
         options=dr.ResumeOptions(broadcast_from_rank0=broadcast),
     )
     dr.check_devices(ddp, opt)
-    found = {"step": result.step, "restored": list(result.restored), "devices": _devices(ddp, opt)}
+    found: dict[str, Any] = {"step": result.step, "restored": list(result.restored), "devices": _devices(ddp, opt)}
     ctx.save("single_to_ddp_broadcast" if broadcast else "single_to_ddp", flat_state(ddp, opt))
     found["lr"] = opt.param_groups[0]["lr"]
     found["losses"] = train(ddp, opt, sched, steps=2, seed=1000 + ctx.info.rank, device=ctx.device)
@@ -192,7 +192,7 @@ def elastic(ctx: Ctx) -> dict[str, Any]:
     ddp, opt, sampler = _exact_run(ctx, seed=99)  # a restarted job: other weights and streams until resumed
     result = dr.resume(ckpt, model=ddp, optimizer=opt, dataloader=sampler)  # rng=True is the default
     dr.check_devices(ddp, opt)
-    found = {"step": result.step, "restored": list(result.restored), "devices": _devices(ddp, opt)}
+    found: dict[str, Any] = {"step": result.step, "restored": list(result.restored), "devices": _devices(ddp, opt)}
     assert result.step is not None
     found["losses"] = _steps(ctx, ddp, opt, sampler, result.step + 1, STEPS, lambda step: None)
     ctx.save("resumed", flat_state(ddp, opt))

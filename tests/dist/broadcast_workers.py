@@ -49,6 +49,7 @@ def resume_from_rank0(rank: int, world_size: int, folder: str, expected_path: st
 
 def one_rank_cannot_validate(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """Rank 1 has another architecture: every rank must raise, and rank 0 must not have applied anything."""
+    model: nn.Module
     model, opt, _ = make(seed=9)
     if rank == 1:
         model = nn.Sequential(nn.Linear(6, 5))

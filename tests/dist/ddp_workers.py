@@ -24,7 +24,7 @@ class Net(nn.Module):
         return self.head(torch.relu(self.bn(self.fc(x))))
 
 
-def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+def make(seed: int = 0) -> tuple[Net, torch.optim.Optimizer, Any]:
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

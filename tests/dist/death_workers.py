@@ -67,12 +67,12 @@ def _report(base: str, rank: int, fn: Callable[[], Any], check: Callable[[], dic
 
 def _small_buckets() -> None:
     """Every rank: stream the broadcast checkpoint in buckets of BUCKET_BYTES."""
-    original = sources.broadcast_loaded
+    original = sources.broadcast_loaded  # type: ignore[attr-defined]  # the name _source.read imported
 
     def small(load: Any, **kwargs: Any) -> Any:
         return original(load, **{**kwargs, "bucket_bytes": BUCKET_BYTES})
 
-    sources.broadcast_loaded = small  # type: ignore[assignment]
+    sources.broadcast_loaded = small  # type: ignore[assignment,attr-defined]
 
 
 def _die_at_bucket(n: int) -> None:
@@ -122,7 +122,7 @@ def broadcast_rank_dies(rank: int, world_size: int, base: str, ckpt: str, victim
 def consensus_rank_dies(rank: int, world_size: int, base: str, folder: str, victim: int) -> None:
     """resume(folder): ``victim`` dies right before the gather in which the ranks compare what they see."""
     if rank == victim:
-        consensus.all_gather_objects = lambda obj: _die()  # type: ignore[assignment,misc]
+        consensus.all_gather_objects = lambda obj: _die()  # type: ignore[assignment,misc,attr-defined]
     model, opt = make(seed=rank + 10)
     _report(
         base,

@@ -20,6 +20,7 @@ from dist_resume._state.optim import prepare_optimizer_state
 from dist_resume._state.sharded import load_full_model_state, model_destinations
 from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
 from tests.dist.fsdp_workers import meta_stand_ins
+from tests.helpers import local_shard
 
 
 class _AnonPeak:
@@ -69,7 +70,7 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
     mesh = init_device_mesh("cpu", (world_size,))
     ckpt = Path(folder) / "big.pt"
 
-    def build(seed: int) -> nn.Module:
+    def build(seed: int) -> nn.Sequential:
         torch.manual_seed(seed)
         return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
 
@@ -89,7 +90,7 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
     model(torch.ones(1, width)).sum().backward()
     opt.step()  # the state exists: a resume after a rollback, or state built eagerly
     opt.zero_grad(set_to_none=True)
-    shard = sum(p.to_local().nbytes for p in model.parameters()) * 3
+    shard = sum(local_shard(p).nbytes for p in model.parameters()) * 3
     saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)
     dist.barrier()
     with _AnonPeak() as copied:
@@ -107,7 +108,7 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
         held = saved["model"]["0.weight"].clone()
     del held
     loaded_ok = all(
-        torch.equal(p.to_local(), saved["model"][n][shard_spec(p).slices()]) for n, p in model.named_parameters()
+        torch.equal(local_shard(p), saved["model"][n][shard_spec(p).slices()]) for n, p in model.named_parameters()
     )
     return {
         "copy_growth": copied.growth,

@@ -15,7 +15,7 @@ from dist_resume._dist.comm import all_gather_objects, broadcast_object, run_on_
 
 def _owned_by_gloo(tensors: list[torch.Tensor]) -> int:
     """How many of the tensors a collective was given are still owned by more than their Python object."""
-    return sum(t._use_count() > 1 for t in tensors)
+    return sum(t._use_count() > 1 for t in tensors)  # type: ignore[attr-defined]  # private: not in torch's stubs
 
 
 def plain_collectives(rank: int, world_size: int, rounds: int) -> int:
@@ -53,7 +53,11 @@ def _recording(given: list[torch.Tensor]) -> Iterator[None]:
 
 def library_collectives(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
     """dist_resume's collectives: the moment each returns, gloo must own none of the tensors it used."""
-    payload = {"w": torch.arange(300, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16), "step": 3}
+    payload: dict[str, Any] = {
+        "w": torch.arange(300, dtype=torch.float32),
+        "b": torch.ones(7, dtype=torch.bfloat16),
+        "step": 3,
+    }
     calls: dict[str, Callable[[], Any]] = {
         "broadcast_object": lambda: broadcast_object({"step": 5} if rank == 0 else None),
         "all_gather_objects": lambda: all_gather_objects(rank),

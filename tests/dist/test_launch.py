@@ -222,7 +222,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     _assert_bitwise_equal(tmp_path / "e.pt", tmp_path / "ref.pt")
     records = _records(tmp_path / "e_losses")
     for rank in (0, 1):
-        attempts = collections.defaultdict(dict)
+        attempts: collections.defaultdict[int, dict[int, float]] = collections.defaultdict(dict)
         for r in records[rank]:
             attempts[r["attempt"]][r["step"]] = r["loss"]
         assert sorted(attempts) == [0, 1], f"rank {rank} did not run twice"

@@ -13,13 +13,14 @@ import pytest
 import dist_resume as dr
 from dist_resume._source.listing import checkpoint_name
 from tests.dist import manager_workers as W
+from tests.dist.consensus_workers import filled
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
 
 
 def _save(path: Path, value: float, step: int) -> None:
-    model = W.filled(value)
+    model = filled(value)
     dr.save_checkpoint(path, model=model, optimizer=W.optimizer(model), step=step)
 
 

@@ -13,7 +13,7 @@ from dist_resume._dist.comm import run_on_rank0
 from dist_resume._source.consensus import resolve_checkpoint
 
 
-def small_model() -> nn.Module:
+def small_model() -> nn.Sequential:
     """The model rank 0 and the checkpoint have; rank 1 adds a layer to it."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 3))

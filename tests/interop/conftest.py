@@ -65,7 +65,7 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Saved:
         num_attention_heads=2,
         intermediate_size=16,
         max_position_embeddings=16,
-        num_labels=2,
+        num_labels=2,  # type: ignore[call-arg]  # a PreTrainedConfig keyword; BertConfig's typed signature omits it
     )
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
@@ -85,6 +85,7 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)  # type: ignore[arg-type]
     trainer.train()
+    assert trainer.optimizer is not None and trainer.lr_scheduler is not None  # train() made them
     return Saved(
         out / "checkpoint-2",
         {k: v.detach().clone() for k, v in model.state_dict().items()},

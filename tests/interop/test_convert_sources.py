@@ -26,6 +26,7 @@ def test_hf_trainer_folder_converts_to_one_pt(hf_checkpoint: Saved, tmp_path: Pa
     assert result.dst == dst and result.layout is dr.Layout.HF_TRAINER
     obj = _check(hf_checkpoint, dst)
     assert obj["meta"]["step"] == hf_checkpoint.step
+    assert hf_checkpoint.optimizer is not None
     assert_same(obj["optimizer"]["state"], hf_checkpoint.optimizer["state"], "optimizer state")
     # the converted file resumes exactly as the folder does
     model = hf_checkpoint.extra["hf_model"].__class__(hf_checkpoint.extra["hf_model"].config)
@@ -39,4 +40,5 @@ def test_accelerate_folder_converts_the_first_model_and_optimizer(accelerate_sta
     result = dr.tools.convert_checkpoint(accelerate_state.path, dst, format="pt")
     assert result.layout is dr.Layout.ACCELERATE
     obj = _check(accelerate_state, dst)
+    assert accelerate_state.optimizer is not None
     assert_same(obj["optimizer"]["state"], accelerate_state.optimizer["state"], "optimizer state")

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dist_resume._core.errors import CheckpointCorruptError, UnsafeCheckpointError
-from dist_resume._foreign.dcp import normalize_optimizer_state, read_dcp
+from dist_resume._foreign.dcp import read_dcp
 from dist_resume._foreign.folders import FolderKind, detect_folder, read_foreign_folder
+from dist_resume._state.optim_keys import normalize_optimizer_state
 from tests.interop._compare import assert_same, loads_into
 from tests.interop.conftest import Saved, _tiny
 
@@ -50,6 +51,7 @@ def test_dsd_fqn_keyed_optimizer_becomes_positions_with_param_names(dcp_dsd: Sav
     names = ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert parts.optimizer["param_groups"][0]["param_names"] == names
     assert parts.optimizer["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert dcp_dsd.optimizer is not None
     assert_same(parts.optimizer["state"], dcp_dsd.optimizer["state"], "optimizer state")
     loads_into(torch.optim.AdamW(_tiny().parameters(), lr=1e-2), parts.optimizer)
 

@@ -132,7 +132,9 @@ def _loss(model: nn.Module, name: str) -> torch.Tensor:
     if name == "hf":
         return model(torch.randint(0, 32, (2, 6))).logits.sum()  # type: ignore[no-any-return]
     if name == "lightning":
-        return _inner(model).model(torch.randn(3, 4)).sum()  # type: ignore[no-any-return]
+        module = _inner(model).model  # the LightningModule's network
+        assert isinstance(module, nn.Module)
+        return module(torch.randn(3, 4)).sum()
     return model(torch.randn(3, 4)).sum()  # type: ignore[no-any-return]
 
 

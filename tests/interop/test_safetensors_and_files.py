@@ -121,5 +121,6 @@ def test_torchvision_timm_style_file_resumes_with_its_ema(torchvision_timm_file:
     assert res.epoch == 1 and res.extra["args"] == torchvision_timm_file.extra["args"]
     assert_same(inner.state_dict(), torchvision_timm_file.model, "model")
     assert_same(ema.state_dict(), torchvision_timm_file.extra["ema"], "ema")  # n_averaged included
+    assert torchvision_timm_file.optimizer is not None
     assert_same(opt.state_dict()["state"], torchvision_timm_file.optimizer["state"], "optimizer state")
     assert sched.state_dict() == torchvision_timm_file.scheduler
