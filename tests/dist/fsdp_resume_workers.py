@@ -210,7 +210,7 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
         ("ddp_file", root / "ddp2.pt", refs["ddp_reference"], {}),
     ):
         model, opt, sched = _fsdp(mesh, seed=9)
-        report[f"{name}_result"] = _resumed(path, model, opt, sched)
+        report[f"{name}_result"] = _resumed(path, model, opt, sched, **options)
         _train(model, opt, sched, STEPS, STOP)
         report[name] = _diff_on_rank0(model, opt, reference)
     model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
