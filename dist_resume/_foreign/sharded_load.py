@@ -14,11 +14,12 @@ Collective for :func:`load_into_shards` (``dcp.load`` on every rank); local for 
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Final, cast
 
 import torch
 
@@ -26,6 +27,7 @@ from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpoi
 from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
+from .._format.records import check_zip_stream
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .sharded import SHARDED_LAYOUT, checked_manifest, join_payload
 
@@ -94,16 +96,26 @@ def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dic
             except BaseException as err:  # CheckpointException is a BaseException
                 if isinstance(err, (KeyboardInterrupt, SystemExit)):
                     raise
-                raise _unreadable(folder, err) from err
+                cause = _innermost(err)
+                if isinstance(cause, CheckpointError):
+                    raise cause from err
+                raise _unreadable(folder, cause) from err
         for path in object_paths:
             _set(root, path, _get(objects, path))
     return root, keys
 
 
-def _unreadable(folder: Path, err: BaseException) -> CheckpointCorruptError:
+_PARTLY: Final = (
+    " (found while the shards were filled: the model and optimizer may hold part of it; "
+    "resume(..., options=ResumeOptions(verify=True)) checks every file's CRC-32 before anything changes)"
+)
+
+
+def _unreadable(folder: Path, err: BaseException, partly: bool = False) -> CheckpointCorruptError:
     detail = (str(err).splitlines() or [""])[0][:200]
+    held = _PARTLY if partly else ""
     return CheckpointCorruptError(
-        f"cannot read sharded checkpoint {str(folder)!r} ({type(err).__name__}: {detail}); a .distcp file is "
+        f"cannot read sharded checkpoint {str(folder)!r} ({type(err).__name__}: {detail}){held}; a .distcp file is "
         "missing, truncated or damaged: copy the whole folder again, or resume from an earlier checkpoint"
     )
 
@@ -129,6 +141,85 @@ def read_sharded_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple
     return dataclasses.replace(parts, layout=Layout.SHARDED, meta=meta), keys
 
 
+class _Range(io.RawIOBase):
+    """``length`` bytes of ``base`` from ``offset``, as a seekable stream: torch.load reads each record straight into
+    the tensor it builds, so nothing but that tensor is allocated (reading the bytes first would hold them twice)."""
+
+    def __init__(self, base: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._base, self._offset, self._length = base, offset, length
+        self.seek(0)
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET, /) -> int:
+        start = {io.SEEK_SET: self._offset, io.SEEK_CUR: self._base.tell(), io.SEEK_END: self._offset + self._length}
+        return int(self._base.seek(start[whence] + pos, io.SEEK_SET)) - self._offset
+
+    def tell(self) -> int:
+        return int(self._base.tell()) - self._offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = max(0, self._length - self.tell())
+        view = memoryview(buffer).cast("B")[:left]
+        return int(self._base.readinto(view)) if left else 0
+
+
+def _shard_reader(folder: Path, weights_only: bool) -> Any:
+    """DCP's reader (``.metadata`` through the allowlist) reading each saved chunk in place: every entry's zip
+    directory is checked first, then ``torch.load(weights_only=True)`` builds the chunk, which is copied into its
+    destination and let go before the next one is read. At most one saved chunk is held at a time."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    from .dcp import _Reader
+
+    class _ShardReader(_Reader):
+        def read_data(self, plan: Any, planner: Any) -> Future[None]:
+            if any(
+                r.type is not LoadItemType.TENSOR or self.storage_data[r.storage_index].transform_descriptors
+                for r in plan.items
+            ):
+                return super().read_data(plan, planner)  # objects, or compressed entries: torch's own way
+            by_file: dict[str, list[Any]] = {}
+            for req in plan.items:
+                by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            for name, reqs in by_file.items():
+                with open(folder / name, "rb") as stream:
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        self._read_one(stream, name, req, planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _read_one(self, stream: Any, name: str, req: Any, planner: Any) -> None:
+            info = self.storage_data[req.storage_index]
+            view = _Range(stream, info.offset, info.length)
+            what = f"sharded checkpoint {str(folder)!r}: an entry of {name!r}"
+            if info.offset + info.length > (folder / name).stat().st_size:
+                raise CheckpointCorruptError(f"{what} runs past the end of the file; the folder is truncated")
+            check_zip_stream(view, info.length, what)
+            view.seek(0)
+            chunk = torch.load(cast(IO[bytes], view), map_location="cpu", weights_only=True)
+            box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+            target = planner.resolve_tensor(req).detach()
+            piece = chunk[box] if box else chunk
+            if target.shape != piece.shape:
+                raise CheckpointCorruptError(
+                    f"{what} holds a chunk of shape {tuple(chunk.shape)}, not the {tuple(target.shape)} its "
+                    ".metadata promises; the folder is damaged: resume from an earlier checkpoint"
+                )
+            target.copy_(piece)
+            del chunk, piece
+            planner.commit_tensor(req, target)
+
+    return _ShardReader(folder, weights_only)
+
+
 def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, weights_only: bool = True) -> None:
     """Fill each destination of ``targets`` (``{DCP key: DTensor or plain tensor}``) from the folder, in place.
 
@@ -139,13 +230,11 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from .dcp import _Reader
-
     folder = Path(path)
     try:
         dcp_load(
             dict(targets),
-            storage_reader=_Reader(folder, weights_only),
+            storage_reader=_shard_reader(folder, weights_only),
             planner=DefaultLoadPlanner(allow_partial_load=False),
         )
     except CheckpointError:
@@ -153,8 +242,18 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
     except BaseException as err:  # CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        inner = [exc for exc, _ in getattr(err, "failures", {}).values()]
-        own = next((exc for exc in inner if isinstance(exc, CheckpointError)), None)
-        if own is not None:
-            raise own from err
-        raise _unreadable(folder, inner[0] if inner else err) from err
+        cause = _innermost(err)
+        if isinstance(cause, CheckpointCorruptError):
+            raise CheckpointCorruptError(f"{cause}{_PARTLY}") from err
+        if isinstance(cause, CheckpointError):
+            raise cause from err
+        raise _unreadable(folder, cause, partly=True) from err
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which may wrap another one)."""
+    seen = 0
+    while getattr(err, "failures", None) and seen < 8:
+        err = next(iter(err.failures.values()))[0]  # type: ignore[attr-defined]
+        seen += 1
+    return err

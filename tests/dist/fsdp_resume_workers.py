@@ -9,6 +9,7 @@ checkpoints and the references), then 4 ranks (2x2 HSDP), then 1 rank.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
+from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
@@ -193,6 +195,33 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     report["missing_on_rank1"] = _refusal(
         lambda: _resumed(root / ("nothing.pt" if rank == 1 else "single.pt"), model, opt, sched, rng=False), model, opt
     )
+    # a damaged shard: found by verify=True before anything changes, else while the shards fill (every rank raises)
+    if rank == 0:
+        shutil.copytree(root / "run2" / f"ckpt_{STEPS:08d}.dcp", root / "damaged.dcp")
+        with open(root / "damaged.dcp" / "__1_0.distcp", "r+b") as f:
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    report["damaged_verified"] = _refusal(
+        lambda: _resumed(root / "damaged.dcp", model, opt, sched, verify=True), model, opt
+    )
+    report["damaged"] = _refusal(lambda: _resumed(root / "damaged.dcp", model, opt, sched), model, opt)
+    if rank == 0:  # now a tensor's chunk (b.weight's, in rank 1's file): found only while the shards fill
+        shutil.rmtree(root / "damaged.dcp")
+        shutil.copytree(root / "run2" / f"ckpt_{STEPS:08d}.dcp", root / "damaged.dcp")
+        storage = read_dcp_metadata(root / "damaged.dcp").storage_data
+        (info,) = [v for k, v in storage.items() if k.fqn == "model.b.weight" and v.relative_path == "__1_0.distcp"]
+        with open(root / "damaged.dcp" / "__1_0.distcp", "r+b") as f:
+            f.seek(info.offset)  # its local zip header
+            f.write(b"\xff\xff")
+    dist.barrier()
+    try:
+        _resumed(root / "damaged.dcp", model, opt, sched)
+        report["damaged_chunk"] = None
+    except DistResumeError as err:
+        report["damaged_chunk"] = (type(err).__name__, str(err))
     if rank == 0:
         torch.save({"reference": reference, "ddp_reference": ddp_reference}, root / "references.pt")
     return report

@@ -62,6 +62,14 @@ def _check_two(results: list[dict]) -> None:
     ):
         _refused([r[where] for r in results], error, failing)
     assert "b.weight: checkpoint (7, 4), model (7, 3)" in results[0]["bad_on_rank1"]["message"]
+    # a damaged sharded folder: verify=True and damage in DCP's objects refuse before anything changes; damage in a
+    # tensor's chunk is found while the shards fill, and every rank raises the same error saying so
+    _refused([r["damaged_verified"] for r in results], "CheckpointCorruptError", None)
+    _refused([r["damaged"] for r in results], "CheckpointCorruptError", None)
+    chunk = {r["damaged_chunk"] for r in results}
+    assert len(chunk) == 1, chunk
+    ((error, message),) = chunk
+    assert error == "CheckpointCorruptError" and "__1_0.distcp" in message and "may hold part of it" in message
 
 
 def _check_other(results: list[dict], world_size: int) -> None:
