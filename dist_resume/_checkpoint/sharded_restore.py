@@ -11,9 +11,9 @@ are full (or stand-ins of full tensors) and each rank keeps only its boxes. How 
   :data:`SMALL_BYTES` each: RNG states, scheduler, scaler) travel by broadcast, every other tensor stays on rank 0
   (the others plan on meta stand-ins) and rank 0 sends each rank its boxes
   (:func:`~dist_resume._dist.shard_comm.scatter_full_into`), received straight into the shards;
-- ``DCP``: a sharded checkpoint folder (``ckpt_<step>.dcp/``): every rank reads its structure (meta stand-ins) and
-  ``dcp.load`` fills the shards (:func:`~dist_resume._foreign.sharded_load.load_into_shards`), resharding from
-  any world size.
+- ``DCP``: a sharded checkpoint folder (``ckpt_<step>.dcp/``) or any DCP folder: every rank reads its structure
+  (meta stand-ins) and ``dcp.load`` fills the shards (:func:`~dist_resume._foreign.sharded_load.load_into_shards`),
+  resharding from any world size.
 
 All or nothing across ranks: reading and validation run on every rank, then every rank learns every outcome
 (:func:`~dist_resume._dist.broadcast.agree_across_ranks`) and raises the lowest failing rank's typed error before
@@ -39,7 +39,7 @@ from .._core.tree import map_tensors
 from .._dist.broadcast import agree_across_ranks, broadcast_loaded
 from .._dist.shard_comm import scatter_full_into
 from .._exact.rng import param_device, restore_rank_rng
-from .._foreign.sharded_load import load_into_shards, read_sharded_skeleton
+from .._foreign.sharded_load import load_into_shards, read_dcp_skeleton, read_sharded_skeleton
 from .._layout.layout import Layout
 from .._source.integrity import verify_source
 from .._source.read import SourceContents, _parts_from_fields, _parts_to_fields, read_source
@@ -89,6 +89,11 @@ def _read_local(source: Source, options: ResumeOptions) -> tuple[SourceContents,
         if options.verify:
             verify_source(source.path)
         parts, keys = read_sharded_skeleton(source.path, weights_only=options.weights_only)
+        return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys
+    if source.layout is Layout.DCP:
+        if options.verify:
+            verify_source(source.path)
+        parts, keys = read_dcp_skeleton(source.path, weights_only=options.weights_only)
         return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys
     where = "cpu" if options.map_location is None else options.map_location
     read = read_source(

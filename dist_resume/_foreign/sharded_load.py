@@ -1,4 +1,5 @@
-"""A sharded checkpoint folder read into an FSDP2 model's own shards: the structure first, then ``dcp.load``.
+"""A sharded checkpoint folder (or any DCP folder) read into an FSDP2 model's own shards: the structure first, then
+``dcp.load``.
 
 :func:`read_sharded_skeleton` reads what is small (the manifest, ``train_state.pt``, DCP's ``.metadata`` and the
 non-tensor DCP entries such as the optimizer's ``param_groups``) and stands every DCP tensor in by a tensor on the
@@ -28,10 +29,12 @@ from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
 from .._format.records import check_zip_stream
+from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
+from .._state.optim_keys import normalize_optimizer_state
 from .sharded import SHARDED_LAYOUT, checked_manifest, join_payload
 
-__all__ = ["read_sharded_skeleton", "load_into_shards"]
+__all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]
 
 
 def _set(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
@@ -218,6 +221,24 @@ def _shard_reader(folder: Path, weights_only: bool) -> Any:
             planner.commit_tensor(req, target)
 
     return _ShardReader(folder, weights_only)
+
+
+def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
+    """Any DCP folder as :func:`~dist_resume._foreign.dcp.read_dcp` splits it, its tensors meta stand-ins, and
+    ``{id(stand-in): DCP key}`` (:func:`load_into_shards` fills the destinations later). Local."""
+    from .dcp import is_dcp_folder
+    from .dcp_metadata import METADATA
+
+    folder = Path(path)
+    if not is_dcp_folder(folder):
+        raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {METADATA} and *.distcp files)")
+    state, keys = _dcp_skeleton(folder, weights_only)
+    state = check_walkable(state, f"DCP folder {str(folder)!r}")
+    parts = split_checkpoint(state, source=f"DCP folder {str(folder)!r}")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    meta = {**parts.meta, "source_layout": Layout.DCP.value, "files": files, "top_level_keys": sorted(map(str, state))}
+    optimizer = normalize_optimizer_state(parts.optimizer)
+    return dataclasses.replace(parts, layout=Layout.DCP, optimizer=optimizer, meta=meta), keys
 
 
 def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, weights_only: bool = True) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -113,6 +115,12 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
         root / "full2.pt", model=saved, optimizer=saved_opt, scheduler=saved_sched, step=STEPS, full_state=True
     )
     at_save = _locals(saved, saved_opt)
+    at_save_full = _full(saved, saved_opt)
+    # torch's own DCP folder of DSD's sharded state dicts (optimizer keyed by name), as an FSDP2 user writes it
+    dcp.save(
+        {"model": get_model_state_dict(saved), "optim": get_optimizer_state_dict(saved, saved_opt)},
+        checkpoint_id=root / "dcp2",
+    )
 
     # FSDP2@2 -> FSDP2@2: the folder (dcp.load into the shards), its full_state file, broadcast from rank 0
     for name, path, options in (
@@ -125,6 +133,9 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
         report[f"{name}_at_save"] = _differ(_locals(model, opt), at_save)
         _train(model, opt, sched, STEPS, STOP)
         report[name] = _differ(_full(model, opt), reference)
+    model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
+    report["dcp_result"] = dr.resume(root / "dcp2", model=model, optimizer=opt).restored
+    report["dcp_at_save"] = _differ(_full(model, opt), at_save_full)
     # CheckpointManager.resume, into a model wrapped at the root only
     model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
     report["manager_result"] = (
@@ -223,7 +234,8 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     except DistResumeError as err:
         report["damaged_chunk"] = (type(err).__name__, str(err))
     if rank == 0:
-        torch.save({"reference": reference, "ddp_reference": ddp_reference}, root / "references.pt")
+        refs = {"reference": reference, "ddp_reference": ddp_reference, "at_save": at_save_full}
+        torch.save(refs, root / "references.pt")
     return report
 
 
@@ -242,6 +254,10 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
         report[f"{name}_result"] = _resumed(path, model, opt, sched, **options)
         _train(model, opt, sched, STEPS, STOP)
         report[name] = _diff_on_rank0(model, opt, reference)
+    model, opt, sched = _fsdp(mesh, seed=9)  # torch's DCP folder written at 2 ranks: restored exactly
+    report["dcp_result"] = dr.resume(root / "dcp2", model=model, optimizer=opt).restored
+    full = _full(model, opt)  # collective
+    report["dcp_at_save"] = _differ(full, refs["at_save"]) if rank == 0 else []
     model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
     mgr = dr.CheckpointManager(root / "run2", model=model, optimizer=opt, scheduler=sched)
     report["manager_result"] = mgr.resume().step

@@ -50,6 +50,7 @@ def _check_two(results: list[dict]) -> None:
         ):
             assert r[check] == [], (rank, check, r[check])
         assert r["to_ddp_result"] == RESULT and r["compiled_result"] == RESULT
+        assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # torch's own DCP folder
         assert r["manager_result"] == RW.STEPS and r["manager_root_only"] == 0.0, rank
         assert r["single_result"] == (RW.STEPS, ("model", "optimizer", "scheduler"), (6, 6))
         assert r["single_step"] == RW.STEPS  # not DSD's trap (FACTS 33: state ignored, step 1)
@@ -82,6 +83,7 @@ def _check_other(results: list[dict], world_size: int) -> None:
             if name != "manager":
                 assert r[f"{name}_result"] == RESULT, (world_size, rank, name, r[f"{name}_result"])
         assert r["manager_result"] == RW.STEPS
+        assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # resharded, exact
     _refused([r["bad_on_last"] for r in results], "KeyMismatchError", world_size - 1 if world_size > 1 else None)
 
 
