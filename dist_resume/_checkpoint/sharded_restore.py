@@ -42,7 +42,7 @@ from .._exact.rng import param_device, restore_rank_rng
 from .._foreign.sharded_load import load_into_shards, read_dcp_skeleton, read_sharded_skeleton
 from .._layout.layout import Layout
 from .._source.integrity import verify_source
-from .._source.read import SourceContents, _parts_from_fields, _parts_to_fields, read_source
+from .._source.read import SourceContents, parts_from_fields, parts_to_fields, read_source
 from .._source.source import Source
 from .._state.optim import optimizer_to
 from .._state.sharded import check_optimizer_follows, copy_full_into, is_sharded, model_destinations, sharded_parameters
@@ -123,7 +123,7 @@ def _read_broadcast(source: Source, options: ResumeOptions) -> SourceContents:
             read = read_source(
                 source, map_location="cpu", mmap=options.mmap, weights_only=options.weights_only, verify=options.verify
             )
-            view = (read.obj, None if read.parts is None else _parts_to_fields(read.parts))
+            view = (read.obj, None if read.parts is None else parts_to_fields(read.parts))
         except Exception as err:  # every rank raises it, from broadcast_loaded
             failure = err
 
@@ -144,7 +144,7 @@ def _read_broadcast(source: Source, options: ResumeOptions) -> SourceContents:
         return held[stand.index] if rank0 else torch.empty(stand.shape, dtype=stand.dtype, device="meta")
 
     obj, fields = map_tensors(arrived, back, kind=_Held)
-    parts = None if fields is None else _parts_from_fields(fields)
+    parts = None if fields is None else parts_from_fields(fields)
     return SourceContents(source, obj=obj, parts=parts, mmapped=rank0 and options.mmap, collective=True)
 
 

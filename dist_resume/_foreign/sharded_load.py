@@ -64,7 +64,7 @@ def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dic
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from .dcp import _Planner, _Reader
+    from .dcp import DcpPlanner, DcpReader
     from .dcp_metadata import read_dcp_metadata
 
     metadata = read_dcp_metadata(folder, weights_only=weights_only)
@@ -90,8 +90,8 @@ def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dic
             try:
                 dcp_load(
                     objects,
-                    storage_reader=_Reader(folder, weights_only),
-                    planner=_Planner(folder, weights_only),
+                    storage_reader=DcpReader(folder, weights_only),
+                    planner=DcpPlanner(folder, weights_only),
                     no_dist=True,
                 )
             except CheckpointError:
@@ -179,9 +179,9 @@ def _shard_reader(folder: Path, weights_only: bool) -> Any:
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
-    from .dcp import _Reader
+    from .dcp import DcpReader
 
-    class _ShardReader(_Reader):
+    class _ShardReader(DcpReader):
         def read_data(self, plan: Any, planner: Any) -> Future[None]:
             if any(
                 r.type is not LoadItemType.TENSOR or self.storage_data[r.storage_index].transform_descriptors
