@@ -53,6 +53,7 @@ from .plan import RestorePlan
 
 __all__ = ["Fill", "SMALL_BYTES", "ShardedRestore", "is_sharded_restore", "restore_sharded", "apply_sharded"]
 
+_AGREED: Final = "the checkpoint into the FSDP2 model"  # what every rank agrees it can restore
 SMALL_BYTES: Final = 64 * 1024  # under broadcast_from_rank0, tensors up to this size reach every rank whole
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -202,9 +203,9 @@ def restore_sharded(
         plan = plan_local(contents)
         prepared = prepare_sharded(plan, fill, folder=source.path, dcp_keys=keys, weights_only=options.weights_only)
     except Exception as err:
-        agree_across_ranks(err)
+        agree_across_ranks(err, _AGREED)
         raise
-    agree_across_ranks(None)
+    agree_across_ranks(None, _AGREED)
     return contents, plan, apply_sharded(prepared)
 
 
