@@ -194,6 +194,12 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     report["single_step"] = float(got["a.weight/step"]) if rank == 0 else STEPS
     _train(model, opt, sched, STEPS, STOP)
     report["single_continued"] = _diff_on_rank0(model, opt, single_reference)
+    model, opt, sched = _fsdp(mesh, seed=9)  # DSD's trap exactly: integer ids with broadcast_from_rank0 (FACTS 33)
+    report["single_broadcast_result"] = _resumed(
+        root / "single.pt", model, opt, sched, rng=False, broadcast_from_rank0=True
+    )
+    got = _full(model, opt)
+    report["single_broadcast_at_save"] = _differ(got, at_single) if rank == 0 else []
 
     # refusals: same typed error on every rank, nothing changed anywhere
     model, opt, sched = _fsdp(mesh, seed=5)

@@ -54,6 +54,7 @@ def _check_two(results: list[dict]) -> None:
         assert r["manager_result"] == RW.STEPS and r["manager_root_only"] == 0.0, rank
         assert r["single_result"] == (RW.STEPS, ("model", "optimizer", "scheduler"), (6, 6))
         assert r["single_step"] == RW.STEPS  # not DSD's trap (FACTS 33: state ignored, step 1)
+        assert r["single_broadcast_result"] == r["single_result"] and r["single_broadcast_at_save"] == [], rank
         assert r["single_continued"] <= TOLERANCE, r["single_continued"]  # world size 1 -> 2
     for where, error, failing in (
         ("bad_everywhere", "KeyMismatchError", None),
