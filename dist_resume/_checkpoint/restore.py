@@ -24,6 +24,7 @@ from .._state.prefix import model_key_map
 from .objects import LiveObjects
 from .options import ResumeOptions
 from .plan import RestorePlan, plan_restore
+from .sharded_restore import is_sharded_restore, restore_sharded
 
 __all__ = ["ResumeResult", "resume", "checked_options", "restore_from"]
 
@@ -137,9 +138,12 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
     """Read ``source`` (decided already), validate it against ``objects``, apply it; say what was restored.
 
     Local for a source this rank reads; collective for a broadcast one (every rank validates before
-    the data moves, and no rank applies anything unless every rank validated).
+    the data moves, and no rank applies anything unless every rank validated) and for an FSDP2 model
+    (:mod:`.sharded_restore`: every rank validates, then fills its shards).
     """
-    if source.broadcast:
+    if is_sharded_restore(objects):  # FSDP2: read, validate everywhere, fill the shards (sharded_restore.py)
+        contents, plan, restored = restore_sharded(source, objects, options, lambda c: _plan_local(c, objects, options))
+    elif source.broadcast:
         contents, plan = read_broadcast(
             source,
             mmap=options.mmap,
@@ -147,6 +151,7 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
             verify=options.verify,
             prepare=lambda arrived: _plan(arrived, objects, options),
         )
+        restored = plan.apply()
     else:
         contents = read_source(
             source,
@@ -156,7 +161,7 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
             verify=options.verify,
         )
         plan = _plan(contents, objects, options)
-    restored = plan.apply()
+        restored = plan.apply()
     parts = plan.parts
     log_rank0(
         logging.INFO,
@@ -213,10 +218,8 @@ def _key_sources(parts: CheckpointParts) -> str:
 def _plan(contents: SourceContents, objects: LiveObjects, options: ResumeOptions) -> RestorePlan:
     """Validate ``contents`` against the live objects; where it is collective, every rank learns every outcome
     and raises if any rank failed, before anything changes."""
-    source = f"checkpoint {str(contents.path)!r}"
     try:
-        parts = contents.parts if contents.parts is not None else _split(contents.obj, source, objects, options)
-        plan = plan_restore(parts, objects, options, source=source, mmapped=contents.mmapped)
+        plan = _plan_local(contents, objects, options)
     except Exception as err:
         if contents.collective:
             agree_across_ranks(err)
@@ -224,3 +227,10 @@ def _plan(contents: SourceContents, objects: LiveObjects, options: ResumeOptions
     if contents.collective:
         agree_across_ranks(None)
     return plan
+
+
+def _plan_local(contents: SourceContents, objects: LiveObjects, options: ResumeOptions) -> RestorePlan:
+    """Split ``contents`` into parts and validate them against the live objects. Local; changes nothing."""
+    source = f"checkpoint {str(contents.path)!r}"
+    parts = contents.parts if contents.parts is not None else _split(contents.obj, source, objects, options)
+    return plan_restore(parts, objects, options, source=source, mmapped=contents.mmapped)

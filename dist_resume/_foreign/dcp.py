@@ -42,7 +42,7 @@ from .._state.optim_keys import normalize_optimizer_state
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 
-__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device"]
+__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device", "DcpReader", "DcpPlanner"]
 
 
 def is_dcp_folder(path: PathLike) -> bool:
@@ -51,7 +51,7 @@ def is_dcp_folder(path: PathLike) -> bool:
     return (folder / _METADATA).is_file() and any(folder.glob("*.distcp"))
 
 
-class _Reader(FileSystemReader):
+class DcpReader(FileSystemReader):
     """torch's FileSystemReader, reading ``.metadata`` through the allowlist."""
 
     def __init__(self, path: Path, weights_only: bool) -> None:
@@ -80,7 +80,7 @@ class _Reader(FileSystemReader):
         return metadata
 
 
-class _Planner(DefaultLoadPlanner):
+class DcpPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor entries load with ``torch.load(weights_only=True)``."""
 
     def __init__(self, folder: Path, weights_only: bool) -> None:
@@ -155,8 +155,8 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
         try:
             dcp_load(
                 state,
-                storage_reader=_Reader(folder, weights_only),
-                planner=_Planner(folder, weights_only),
+                storage_reader=DcpReader(folder, weights_only),
+                planner=DcpPlanner(folder, weights_only),
                 no_dist=True,
             )
         except CheckpointException as err:  # a BaseException wrapping each rank's exception

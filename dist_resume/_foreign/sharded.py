@@ -52,6 +52,7 @@ __all__ = [
     "split_payload",
     "join_payload",
     "new_manifest",
+    "checked_manifest",
     "load_sharded_payload",
     "read_sharded",
 ]
@@ -158,7 +159,8 @@ def new_manifest(
     )
 
 
-def _checked_manifest(folder: Path) -> Manifest:
+def checked_manifest(folder: Path) -> Manifest:
+    """The folder's manifest, every file it lists there with its size (CRCs are ``verify``'s). Local."""
     manifest, _ = read_manifest(folder)
     problems = manifest_problems(folder, manifest, verify=False)
     if problems:
@@ -179,7 +181,7 @@ def load_sharded_payload(path: PathLike, *, weights_only: bool = True) -> dict[s
     from .dcp import load_dcp_state  # torch.distributed.checkpoint costs ~1 s to import
 
     folder = Path(path)
-    manifest = _checked_manifest(folder)
+    manifest = checked_manifest(folder)
     train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
     if not isinstance(train_state, Mapping) or SHARDED_LAYOUT not in train_state:
         raise NotACheckpointError(f"{str(folder / TRAIN_STATE)!r} is not the train state of a sharded checkpoint")

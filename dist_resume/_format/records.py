@@ -31,6 +31,7 @@ __all__ = [
     "ArchiveFinding",
     "read_records",
     "check_zip_bytes",
+    "check_zip_stream",
     "verify_zip",
 ]
 
@@ -131,11 +132,16 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
 def check_zip_bytes(data: bytes, what: str) -> None:
     """Raise :class:`CheckpointCorruptError` unless ``data`` (an in-memory torch.save archive, e.g. one tensor of a
     DCP ``.distcp`` file) passes the checks :func:`read_records` makes, before torch's C++ reader trusts its sizes."""
+    check_zip_stream(io.BytesIO(data), len(data), what)
+
+
+def check_zip_stream(f: Any, size: int, what: str) -> None:
+    """:func:`check_zip_bytes` of a seekable stream of ``size`` bytes (a view of one entry of a larger file), read in
+    place: only the directory and the local headers are read. The stream's position is left anywhere."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
-            view = io.BytesIO(data)
+        with zipfile.ZipFile(f) as zf:
             for info in zf.infolist():
-                _record(view, info, len(data))
+                _record(f, info, size)
     except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
         raise CheckpointCorruptError(
             f"{what} is damaged ({type(err).__name__}: {str(err)[:200]}); resume from an earlier checkpoint"

@@ -28,7 +28,7 @@ from .._layout.layout import CheckpointParts, Layout
 from .integrity import verify_source
 from .source import Source
 
-__all__ = ["SourceContents", "ReceivingPlan", "read_source", "read_broadcast"]
+__all__ = ["SourceContents", "ReceivingPlan", "read_source", "read_broadcast", "parts_to_fields", "parts_from_fields"]
 
 _MORE: Final = (("more_models", "model"), ("more_optimizers", "optimizer"), ("more_schedulers", "scheduler"))
 
@@ -98,15 +98,15 @@ class ReceivingPlan(Protocol):
 P = TypeVar("P", bound=ReceivingPlan)
 
 
-def _parts_to_fields(parts: CheckpointParts) -> dict[str, Any]:
+def parts_to_fields(parts: CheckpointParts) -> dict[str, Any]:
     """``parts`` as a plain dict (the layout by its value) to send through an object broadcast."""
     fields = {f.name: getattr(parts, f.name) for f in dataclasses.fields(parts)}
     fields["layout"] = parts.layout.value
     return fields
 
 
-def _parts_from_fields(fields: dict[str, Any]) -> CheckpointParts:
-    """The :class:`CheckpointParts` :func:`_parts_to_fields` sent; its tensors are the very objects in ``fields``."""
+def parts_from_fields(fields: dict[str, Any]) -> CheckpointParts:
+    """The :class:`CheckpointParts` :func:`parts_to_fields` sent; its tensors are the very objects in ``fields``."""
     return CheckpointParts(**{**fields, "layout": Layout(fields["layout"])})
 
 
@@ -134,7 +134,7 @@ def read_broadcast(
     if rank0:  # read before the collective, so that it is not a callback from _dist into this layer
         try:
             read = read_source(source, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
-            view = (read.obj, None if read.parts is None else _parts_to_fields(read.parts))
+            view = (read.obj, None if read.parts is None else parts_to_fields(read.parts))
         except Exception as err:  # every rank raises it, from broadcast_loaded
             failure = err
 
@@ -148,7 +148,7 @@ def read_broadcast(
     seen: list[tuple[Any, P]] = []  # (the object prepare saw, its result): broadcast_loaded keeps no result
 
     def as_contents(arrived: tuple[Any, Any]) -> SourceContents:
-        parts = None if arrived[1] is None else _parts_from_fields(arrived[1])
+        parts = None if arrived[1] is None else parts_from_fields(arrived[1])
         return SourceContents(source, obj=arrived[0], parts=parts, mmapped=mmapped, collective=True)
 
     def prepare_view(arrived: tuple[Any, Any]) -> dict[int, torch.Tensor]:

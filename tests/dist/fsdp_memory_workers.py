@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import dist_resume as dr
 from dist_resume._core.shards import shard_spec
 from dist_resume._dist.shard_comm import scatter_full_into
 from dist_resume._state.optim import prepare_optimizer_state
@@ -104,6 +105,19 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
         scatter_full_into(pairs + opt_pairs)
         opt.load_state_dict(opt_sd)
     dist.barrier()
+    # the same through resume: every rank's mapping (a file), rank 0's scatter, dcp.load of a sharded folder
+    folder_ckpt = dr.save_checkpoint(Path(folder) / "big.dcp", model=model, optimizer=opt, step=1)
+    growth = {}
+    for name, path, options in (
+        ("resume_copy_growth", ckpt, dr.ResumeOptions(rng=False)),
+        ("resume_scatter_growth", ckpt, dr.ResumeOptions(rng=False, broadcast_from_rank0=True)),
+        ("resume_folder_growth", folder_ckpt, dr.ResumeOptions(rng=False)),
+    ):
+        dist.barrier()
+        with _AnonPeak() as resumed:
+            dr.resume(path, model=model, optimizer=opt, options=options)
+        growth[name] = resumed.growth
+    dist.barrier()
     with _AnonPeak() as control:  # what materialising one full tensor looks like to the same sampler
         held = saved["model"]["0.weight"].clone()
     del held
@@ -118,4 +132,5 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
         "shard_bytes": shard,
         "tensor_bytes": width * width * 4,
         "loaded_ok": loaded_ok,
+        **growth,
     }

@@ -1,0 +1,282 @@
+"""A sharded checkpoint folder (or any DCP folder) read into an FSDP2 model's own shards: the structure first, then
+``dcp.load``.
+
+:func:`read_sharded_skeleton` reads what is small (the manifest, ``train_state.pt``, DCP's ``.metadata`` and the
+non-tensor DCP entries such as the optimizer's ``param_groups``) and stands every DCP tensor in by a tensor on the
+meta device of its full shape and dtype: the restore plan validates names, shapes and dtypes against that, and
+nothing of the tensor data has been read. :func:`load_into_shards` then lets torch's DCP reader fill the live
+destinations (DTensor shards, plain buffers, fresh optimizer state) in place, at any world size: DCP reads, on
+each rank, only the saved chunks that overlap its boxes. No rank ever holds a full tensor: what it holds for a
+moment is one saved chunk (the saving rank's shard of one tensor), read, copied into its box and let go.
+
+Collective for :func:`load_into_shards` (``dcp.load`` on every rank); local for :func:`read_sharded_skeleton`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, Final, cast
+
+import torch
+
+from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.types import PathLike
+from .._format.load import load_torch_file
+from .._format.manifest import TRAIN_STATE
+from .._format.records import check_zip_stream
+from .._format.sniff import check_walkable
+from .._layout.layout import CheckpointParts, Layout, split_checkpoint
+from .._state.optim_keys import normalize_optimizer_state
+from .sharded import SHARDED_LAYOUT, checked_manifest, join_payload
+
+__all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]
+
+
+def _set(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node: Any = root
+    for key, nxt in itertools.pairwise(path):
+        default: Any = [] if type(nxt) is int else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = default
+        else:
+            node.setdefault(key, default)
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _get(root: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        root = root[key]
+    return root
+
+
+def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dict[int, str]]:
+    """The DCP state's structure with meta tensors, its objects read; ``{id(meta tensor): DCP key}``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from .dcp import DcpPlanner, DcpReader
+    from .dcp_metadata import read_dcp_metadata
+
+    metadata = read_dcp_metadata(folder, weights_only=weights_only)
+    planner_data = metadata.planner_data or {}
+    root: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    keys: dict[int, str] = {}
+    object_paths = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = tuple(planner_data.get(fqn) or (fqn,))
+        if isinstance(md, TensorStorageMetadata):
+            stand_in = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+            keys[id(stand_in)] = fqn
+            _set(root, path, stand_in)
+        elif isinstance(md, BytesStorageMetadata):
+            _set(objects, path, md)
+            object_paths.append(path)
+        else:
+            raise NotACheckpointError(f"DCP entry {fqn!r} of {str(folder)!r} is {type(md).__name__}")
+    if object_paths:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            try:
+                dcp_load(
+                    objects,
+                    storage_reader=DcpReader(folder, weights_only),
+                    planner=DcpPlanner(folder, weights_only),
+                    no_dist=True,
+                )
+            except CheckpointError:
+                raise
+            except BaseException as err:  # CheckpointException is a BaseException
+                if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                    raise
+                cause = _innermost(err)
+                if isinstance(cause, CheckpointError):
+                    raise cause from err
+                raise _unreadable(folder, cause) from err
+        for path in object_paths:
+            _set(root, path, _get(objects, path))
+    return root, keys
+
+
+_PARTLY: Final = (
+    " (found while the shards were filled: the model and optimizer may hold part of it; "
+    "resume(..., options=ResumeOptions(verify=True)) checks every file's CRC-32 before anything changes)"
+)
+
+
+def _unreadable(folder: Path, err: BaseException, partly: bool = False) -> CheckpointCorruptError:
+    detail = (str(err).splitlines() or [""])[0][:200]
+    held = _PARTLY if partly else ""
+    return CheckpointCorruptError(
+        f"cannot read sharded checkpoint {str(folder)!r} ({type(err).__name__}: {detail}){held}; a .distcp file is "
+        "missing, truncated or damaged: copy the whole folder again, or resume from an earlier checkpoint"
+    )
+
+
+def read_sharded_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
+    """A sharded checkpoint folder as :class:`CheckpointParts` whose DCP tensors are meta stand-ins, and
+    ``{id(stand-in): DCP key}`` to load each into its destination later (:func:`load_into_shards`). Local.
+
+    The manifest is checked first (every file there with its size); the train state is read whole (it is small).
+    """
+    folder = Path(path)
+    manifest = checked_manifest(folder)
+    train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
+    if not isinstance(train_state, Mapping) or SHARDED_LAYOUT not in train_state:
+        raise NotACheckpointError(f"{str(folder / TRAIN_STATE)!r} is not the train state of a sharded checkpoint")
+    dcp_state, keys = _dcp_skeleton(folder, weights_only)
+    absent = [c for c in manifest.contents if c not in dcp_state]
+    if absent:
+        raise CheckpointCorruptError(f"sharded checkpoint {str(folder)!r}: its DCP files hold no {absent}")
+    parts = split_checkpoint(join_payload(dcp_state, train_state), source=f"sharded checkpoint {str(folder)!r}")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    meta = {**parts.meta, "source_layout": Layout.SHARDED.value, "files": files}
+    return dataclasses.replace(parts, layout=Layout.SHARDED, meta=meta), keys
+
+
+class _Range(io.RawIOBase):
+    """``length`` bytes of ``base`` from ``offset``, as a seekable stream: torch.load reads each record straight into
+    the tensor it builds, so nothing but that tensor is allocated (reading the bytes first would hold them twice)."""
+
+    def __init__(self, base: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._base, self._offset, self._length = base, offset, length
+        self.seek(0)
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET, /) -> int:
+        start = {io.SEEK_SET: self._offset, io.SEEK_CUR: self._base.tell(), io.SEEK_END: self._offset + self._length}
+        return int(self._base.seek(start[whence] + pos, io.SEEK_SET)) - self._offset
+
+    def tell(self) -> int:
+        return int(self._base.tell()) - self._offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = max(0, self._length - self.tell())
+        view = memoryview(buffer).cast("B")[:left]
+        return int(self._base.readinto(view)) if left else 0
+
+
+def _shard_reader(folder: Path, weights_only: bool) -> Any:
+    """DCP's reader (``.metadata`` through the allowlist) reading each saved chunk in place: every entry's zip
+    directory is checked first, then ``torch.load(weights_only=True)`` builds the chunk, which is copied into its
+    destination and let go before the next one is read. At most one saved chunk is held at a time."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    from .dcp import DcpReader
+
+    class _ShardReader(DcpReader):
+        def read_data(self, plan: Any, planner: Any) -> Future[None]:
+            if any(
+                r.type is not LoadItemType.TENSOR or self.storage_data[r.storage_index].transform_descriptors
+                for r in plan.items
+            ):
+                return super().read_data(plan, planner)  # objects, or compressed entries: torch's own way
+            by_file: dict[str, list[Any]] = {}
+            for req in plan.items:
+                by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            for name, reqs in by_file.items():
+                with open(folder / name, "rb") as stream:
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        self._read_one(stream, name, req, planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _read_one(self, stream: Any, name: str, req: Any, planner: Any) -> None:
+            info = self.storage_data[req.storage_index]
+            view = _Range(stream, info.offset, info.length)
+            what = f"sharded checkpoint {str(folder)!r}: an entry of {name!r}"
+            if info.offset + info.length > (folder / name).stat().st_size:
+                raise CheckpointCorruptError(f"{what} runs past the end of the file; the folder is truncated")
+            check_zip_stream(view, info.length, what)
+            view.seek(0)
+            chunk = torch.load(cast(IO[bytes], view), map_location="cpu", weights_only=True)
+            box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+            target = planner.resolve_tensor(req).detach()
+            piece = chunk[box] if box else chunk
+            if target.shape != piece.shape:
+                raise CheckpointCorruptError(
+                    f"{what} holds a chunk of shape {tuple(chunk.shape)}, not the {tuple(target.shape)} its "
+                    ".metadata promises; the folder is damaged: resume from an earlier checkpoint"
+                )
+            target.copy_(piece)
+            del chunk, piece
+            planner.commit_tensor(req, target)
+
+    return _ShardReader(folder, weights_only)
+
+
+def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
+    """Any DCP folder as :func:`~dist_resume._foreign.dcp.read_dcp` splits it, its tensors meta stand-ins, and
+    ``{id(stand-in): DCP key}`` (:func:`load_into_shards` fills the destinations later). Local."""
+    from .dcp import is_dcp_folder
+    from .dcp_metadata import METADATA
+
+    folder = Path(path)
+    if not is_dcp_folder(folder):
+        raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {METADATA} and *.distcp files)")
+    state, keys = _dcp_skeleton(folder, weights_only)
+    state = check_walkable(state, f"DCP folder {str(folder)!r}")
+    parts = split_checkpoint(state, source=f"DCP folder {str(folder)!r}")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    meta = {**parts.meta, "source_layout": Layout.DCP.value, "files": files, "top_level_keys": sorted(map(str, state))}
+    optimizer = normalize_optimizer_state(parts.optimizer)
+    return dataclasses.replace(parts, layout=Layout.DCP, optimizer=optimizer, meta=meta), keys
+
+
+def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, weights_only: bool = True) -> None:
+    """Fill each destination of ``targets`` (``{DCP key: DTensor or plain tensor}``) from the folder, in place.
+
+    Collective: every rank calls it with the same keys (its own destinations), as ``dcp.load`` needs. DCP reshards:
+    the folder may have been written at any world size and mesh. A failure on any rank raises
+    :class:`CheckpointCorruptError` on every rank (DCP gathers every rank's outcome).
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    folder = Path(path)
+    try:
+        with warnings.catch_warnings():  # one process (convert, tests): DCP says it reads alone; it may
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp_load(
+                dict(targets),
+                storage_reader=_shard_reader(folder, weights_only),
+                planner=DefaultLoadPlanner(allow_partial_load=False),
+            )
+    except CheckpointError:
+        raise
+    except BaseException as err:  # CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = _innermost(err)
+        if isinstance(cause, CheckpointCorruptError):
+            raise CheckpointCorruptError(f"{cause}{_PARTLY}") from err
+        if isinstance(cause, CheckpointError):
+            raise cause from err
+        raise _unreadable(folder, cause, partly=True) from err
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which may wrap another one)."""
+    seen = 0
+    while getattr(err, "failures", None) and seen < 8:
+        err = next(iter(err.failures.values()))[0]  # type: ignore[attr-defined]
+        seen += 1
+    return err

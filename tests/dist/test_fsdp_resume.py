@@ -1,0 +1,101 @@
+"""``resume`` / ``CheckpointManager.resume`` into FSDP2 models (fully_shard on a CPU mesh, gloo), every direction.
+
+One test, three launches sharing one folder: 2 ranks (1-D mesh; writes the checkpoints and the uninterrupted runs'
+full states), 4 ranks (2x2 HSDP), 1 rank. At the same world size the continued run must equal the uninterrupted one
+bit for bit; at another world size within :data:`TOLERANCE` (fp32 sums in another order; measured here: 6.0e-8 for
+2->4 and 1->2, 7.5e-9 for 2->1 and 4->1, on values of order 0.1 to 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import fsdp_resume_workers as RW
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+TOLERANCE = 1e-6
+EVERYTHING = ("model", "optimizer", "scheduler", "rng")
+RESULT = (RW.STEPS, EVERYTHING, (6, 6))  # step, parts restored, parameters whose optimizer state was restored
+
+
+def _refused(outcomes: list[dict], error: str, failing: int | None) -> None:
+    """Every rank raised ``error`` (no raw torch error), the same message (the failing rank's, named), and no rank's
+    model or optimizer changed."""
+    for rank, o in enumerate(outcomes):
+        assert o["error"] == error and o["unchanged"] == [], (rank, o)
+        assert o["rank"] == (None if rank == failing or failing is None else failing), (rank, o)
+    own = outcomes[failing or 0]["message"]  # the failing rank's own words end every rank's message
+    assert all(o["message"].endswith(own) for o in outcomes), [o["message"] for o in outcomes]
+
+
+def _check_two(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        for name in ("fsdp_folder", "fsdp_full_file", "fsdp_broadcast", "from_ddp", "from_ddp_broadcast"):
+            assert r[f"{name}_result"] == RESULT, (rank, name, r[f"{name}_result"])
+        for check in (
+            "fsdp_folder",  # FSDP2@2 -> FSDP2@2 through the sharded folder (dcp.load into the shards)
+            "fsdp_folder_at_save",
+            "fsdp_full_file",  # ... through its full_state=True file
+            "fsdp_full_file_at_save",
+            "fsdp_broadcast",  # ... rank 0 reading the folder, scattering the boxes
+            "fsdp_broadcast_at_save",
+            "to_ddp",  # FSDP2@2 -> DDP@2
+            "from_ddp",  # DDP@2 -> FSDP2@2, equal to DDP's own continuation
+            "from_ddp_broadcast",
+            "ddp_vs_fsdp",
+            "compiled",  # torch.compile of a root-only wrapped model
+            "single_at_save",  # a single-GPU file, integer-id optimizer state: restored exactly
+        ):
+            assert r[check] == [], (rank, check, r[check])
+        assert r["to_ddp_result"] == RESULT and r["compiled_result"] == RESULT
+        assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # torch's own DCP folder
+        assert r["manager_result"] == RW.STEPS and r["manager_root_only"] == 0.0, rank
+        assert r["single_result"] == (RW.STEPS, ("model", "optimizer", "scheduler"), (6, 6))
+        assert r["single_step"] == RW.STEPS  # not DSD's trap (FACTS 33: state ignored, step 1)
+        assert r["single_broadcast_result"] == r["single_result"] and r["single_broadcast_at_save"] == [], rank
+        assert r["single_continued"] <= TOLERANCE, r["single_continued"]  # world size 1 -> 2
+    for where, error, failing in (
+        ("bad_everywhere", "KeyMismatchError", None),
+        ("bad_on_rank1", "KeyMismatchError", 1),
+        ("wrong_optimizer", "OptimizerStateMismatchError", None),
+        ("missing_on_rank1", "CheckpointNotFoundError", 1),
+    ):
+        _refused([r[where] for r in results], error, failing)
+    told = results[0]["bad_on_rank1"]["message"]
+    assert told.startswith("rank(s) [1] could not restore the checkpoint into the FSDP2 model, so nothing was restored")
+    assert "b.weight: checkpoint (7, 4), model (7, 3)" in told
+    # a damaged sharded folder: verify=True and damage in DCP's objects refuse before anything changes; damage in a
+    # tensor's chunk is found while the shards fill, and every rank raises the same error saying so
+    _refused([r["damaged_verified"] for r in results], "CheckpointCorruptError", None)
+    _refused([r["damaged"] for r in results], "CheckpointCorruptError", None)
+    chunk = {r["damaged_chunk"] for r in results}
+    assert len(chunk) == 1, chunk
+    ((error, message),) = chunk
+    assert error == "CheckpointCorruptError" and "__1_0.distcp" in message and "may hold part of it" in message
+
+
+def _check_other(results: list[dict], world_size: int) -> None:
+    names = ("folder", "folder_broadcast", "full_file", "ddp_file", "manager") + (
+        ("from_four",) if world_size == 1 else ()
+    )
+    for rank, r in enumerate(results):
+        for name in names:
+            assert r[name] <= TOLERANCE, (world_size, rank, name, r[name])
+            if name != "manager":
+                assert r[f"{name}_result"] == RESULT, (world_size, rank, name, r[f"{name}_result"])
+        assert r["manager_result"] == RW.STEPS
+        assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # resharded, exact
+    _refused([r["bad_on_last"] for r in results], "KeyMismatchError", world_size - 1 if world_size > 1 else None)
+
+
+def test_fsdp2_resumes_from_every_source_at_2_4_and_1_ranks(tmp_path):
+    folder = str(tmp_path / "shared")
+    (tmp_path / "shared").mkdir()
+    two = run_ranks(RW.fsdp_resumes, 2, tmp_path=tmp_path, args=(folder,), deadline=200, pg_timeout=90)
+    _check_two(two)
+    four = run_ranks(RW.fsdp_resumes, 4, tmp_path=tmp_path, args=(folder,), deadline=200, pg_timeout=90)
+    _check_other(four, 4)
+    one = run_ranks(RW.fsdp_resumes, 1, tmp_path=tmp_path, args=(folder,), deadline=200, pg_timeout=90)
+    _check_other(one, 1)
