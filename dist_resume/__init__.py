@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Final
 from ._core.version import __version__
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the same imports, made eagerly)
-    from . import errors as errors, tools as tools
+    from . import errors as errors
+    from . import tools as tools
     from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
     from ._checkpoint.objects import TrainingObjects
     from ._checkpoint.options import OptimizerHparams, ResumeOptions
@@ -85,9 +86,7 @@ _HOMES: Final = {
     **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
     **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
     "save_checkpoint": "._checkpoint.save",
-    **dict.fromkeys(
-        ("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"
-    ),
+    **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
     "ResumableDistributedSampler": "._exact.sampler",
     "rank_map_location": "._format.load",
