@@ -1,0 +1,94 @@
+"""``dist-resume list`` without torch: the rows of a checkpoint folder whose every checkpoint is sound.
+
+The torch path (:func:`._list.list_folder` with ``fast=False``) reads each checkpoint's metadata with torch's
+``weights_only`` unpickler, which costs the import of torch (seconds) before the first row. Here each
+``ckpt_<step>.pt`` is read with :func:`~dist_resume._format.peek.peek_archive` (the same zip and CRC-32 checks,
+a stub unpickler) and each ``ckpt_<step>.dcp/`` with its manifest and the peeked ``train_state.pt``. This path
+only confirms: the first checkpoint that is damaged, foreign, renamed or in any way doubtful raises
+:class:`PeekUnsure`, and the torch path lists the folder and words what is wrong. So both paths give the same
+report (tests/test_cli_fast.py compares them on a corpus of sound, damaged and foreign folders).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from .._core.errors import CheckpointError
+from .._format.manifest import TRAIN_STATE, manifest_problems, read_manifest
+from .._format.peek import PeekUnsure, peek_archive
+from .._format.records import read_records, verify_zip
+
+__all__ = ["CHECKPOINT_NAME", "FORMAT_NAME", "fast_entries"]
+
+# the names of dist_resume._source.listing and dist_resume._layout.layout (which import torch); the test of this
+# module checks that they are the same values
+CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.(pt|dcp)$")
+FORMAT_NAME: Final = "dist_resume"
+_FORMAT_KEY: Final = "format"
+_META_KEY: Final = "meta"
+_PLAIN: Final = (type(None), bool, int, float, str)
+
+
+def _meta(obj: Any, step: int) -> Mapping[str, Any]:
+    """The metadata of a sound checkpoint of ``step``, or :class:`PeekUnsure`."""
+    meta = obj.get(_META_KEY) if isinstance(obj, Mapping) else None
+    if not isinstance(obj, Mapping) or obj.get(_FORMAT_KEY) != FORMAT_NAME or not isinstance(meta, Mapping):
+        raise PeekUnsure("no dist_resume metadata")
+    if type(meta.get("step")) is not int or meta["step"] != step:
+        raise PeekUnsure(f"step {meta.get('step')!r} in a checkpoint named for step {step}")
+    if not all(isinstance(meta.get(k), _PLAIN) for k in ("epoch", "world_size")):
+        raise PeekUnsure("an epoch or world size that is not a plain value")
+    return meta
+
+
+def _file(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
+    if not path.is_file() or path.is_symlink():
+        raise PeekUnsure(f"{path.name} is not a regular file")
+    read_records(path)
+    if verify and verify_zip(path, strict=False):
+        raise PeekUnsure(f"{path.name} fails its CRC-32 check")
+    return _meta(peek_archive(path).obj, step), path.stat().st_size
+
+
+def _folder(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
+    if not path.is_dir() or path.is_symlink():
+        raise PeekUnsure(f"{path.name} is not a folder")
+    manifest, _ = read_manifest(path)
+    if manifest.step != step or manifest_problems(path, manifest, verify=verify):
+        raise PeekUnsure(f"{path.name} does not match its manifest")
+    return _meta(peek_archive(path / TRAIN_STATE).obj, step), manifest.size
+
+
+def _read(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
+    try:
+        return (_folder if path.suffix == ".dcp" else _file)(path, step, verify)
+    except (CheckpointError, OSError) as err:  # damaged: the torch path says how, in its words
+        raise PeekUnsure(f"{path.name}: {err}") from err
+
+
+def fast_entries(folder: Path, verify: bool, now: float) -> list[dict[str, Any]]:
+    """The rows of ``list`` for a folder of sound checkpoints, oldest first, or :class:`PeekUnsure`. Local.
+
+    Without ``verify``, the newest checkpoint's CRC-32s are checked too (``resume`` checks them newest first:
+    the torch path reports a checkpoint it would skip; here there must be none)."""
+    try:
+        names = os.listdir(folder)
+    except OSError as err:
+        raise PeekUnsure(f"cannot list {folder}") from err
+    found = sorted((int(m.group(1)), folder / name) for name in names if (m := CHECKPOINT_NAME.match(name)))
+    if not found:
+        raise PeekUnsure("no checkpoint named ckpt_<step>.pt or .dcp")
+    rows = []
+    for step, path in found:
+        meta, size = _read(path, step, verify)
+        age = max(0.0, now - path.stat().st_mtime)
+        entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": meta.get("epoch")}
+        entry |= {"world_size": meta.get("world_size"), "bytes": size, "age_seconds": round(age, 1)}
+        rows.append(entry | {"status": "valid", "reason": None})
+    if not verify:
+        _read(*found[-1][::-1], verify=True)
+    return rows
