@@ -22,7 +22,7 @@ import dist_resume as dr
 from dist_resume._format.peek import PeekUnsure, TensorStub, peek_archive
 from dist_resume._layout.layout import FORMAT_NAME, Key
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name, sharded_checkpoint_name
-from dist_resume.cli import _list_fast
+from dist_resume.cli import _fast
 from dist_resume.cli._list import list_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_the_fast_path_gives_the_torch_paths_report_on_every_folder_and_answers_
             fast, slow = list_folder(folder, verify=verify), list_folder(folder, verify=verify, fast=False)
             assert _without_ages(fast) == _without_ages(slow), (name, verify)
             try:
-                _list_fast.fast_entries(folder, verify, 0.0)
+                _fast.fast_entries(folder, verify, 0.0)
                 answered = True
             except PeekUnsure:
                 answered = False
@@ -149,9 +149,9 @@ def test_list_and_import_dist_resume_never_import_torch_for_a_folder_of_sound_ch
 
 
 def test_the_fast_paths_names_are_the_toolkits():
-    assert _list_fast.CHECKPOINT_NAME.pattern == CHECKPOINT_NAME.pattern
-    assert _list_fast.FORMAT_NAME == FORMAT_NAME
-    assert (_list_fast._FORMAT_KEY, _list_fast._META_KEY) == (Key.FORMAT, Key.META)
+    assert _fast.CHECKPOINT_NAME.pattern == CHECKPOINT_NAME.pattern
+    assert _fast.FORMAT_NAME == FORMAT_NAME
+    assert (_fast._FORMAT_KEY, _fast._META_KEY) == (Key.FORMAT, Key.META)
 
 
 def test_peek_reads_what_torch_save_writes_and_is_unsure_of_anything_else(tmp_path):

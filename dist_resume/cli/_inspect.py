@@ -23,8 +23,7 @@ from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
 from ._inspect_render import render_inspect
-from ._inspect_sources import SOURCE_META_KEYS, read_foreign_source
-from ._inspect_tensors import StorageOf, device_tags, summarize_tensors
+from ._inspect_sources import SOURCE_META_KEYS, StorageOf, device_tags, read_foreign_source, summarize_tensors
 
 __all__ = ["describe_checkpoint", "render_inspect", "optimizer_kind"]
 

@@ -6,27 +6,93 @@ torch files and safetensors memory-mapped (pages untouched, so no tensor data is
 through torch's DCP reader (which does read its tensors). The torch files of an HF Trainer or
 Accelerate folder are also read as meta-tensor archives, for their device tags and for the
 optimizer (the accelerator ``step`` warning needs the saved tags); a DCP folder has no device tags. Files only an unsafe unpickler reads are never opened.
+
+How tensors and bytes are counted, whether read as meta tensors or memory-mapped, is here too
+(:func:`summarize_tensors`, :func:`device_tags`): every kind of source is counted the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import torch
 
 from .._core.errors import DistResumeError
+from .._core.tree import iter_tensors
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
-from .._format.archive import ArchiveContents, read_archive
+from .._format.archive import ArchiveContents, StorageInfo, read_archive
 from .._format.sniff import FileKind, file_kind
 from .._layout.layout import CheckpointParts, Layout
 from .._source.integrity import source_files
 from .._source.open import open_checkpoint
-from ._inspect_tensors import StorageOf, chain_storage_of, device_tags, loaded_storage_of
+from ._common import dtype_name
 
-__all__ = ["ForeignSource", "read_foreign_source", "SOURCE_META_KEYS"]
+__all__ = [
+    "ForeignSource",
+    "read_foreign_source",
+    "SOURCE_META_KEYS",
+    "StorageOf",
+    "summarize_tensors",
+    "loaded_storage_of",
+    "chain_storage_of",
+    "device_tags",
+]
+
+StorageOf: TypeAlias = Callable[[torch.Tensor], "StorageInfo | None"]
+"""The saved storage behind a tensor (its bytes counted once however many tensors share it), or None."""
+
+
+def summarize_tensors(obj: Any, storage_of: StorageOf) -> dict[str, Any]:
+    """Tensor count and bytes (each storage counted once), per dtype. Local."""
+    count: Counter[str] = Counter()
+    storages: dict[str, StorageInfo] = {}
+    for t in iter_tensors(obj):
+        count[dtype_name(t.dtype)] += 1
+        info = storage_of(t)
+        if info is not None:
+            storages[info.key] = info
+    nbytes: Counter[str] = Counter()
+    for info in storages.values():
+        nbytes[dtype_name(info.dtype)] += info.nbytes
+    by_dtype = {d: {"count": count[d], "bytes": nbytes[d]} for d in sorted(count | nbytes)}
+    return {"count": sum(count.values()), "bytes": sum(nbytes.values()), "by_dtype": by_dtype}
+
+
+def loaded_storage_of(tensor: torch.Tensor) -> StorageInfo:
+    """A tensor read by a foreign source's reader (memory-mapped, or a meta tensor from a header) as a storage.
+
+    Local. A safetensors file maps one buffer that every tensor views, so a tensor's own span
+    (address and size) stands for its storage: tied weights (one span) count once.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    key = f"meta:{id(tensor)}" if tensor.is_meta else f"{tensor.device}:{tensor.data_ptr()}:{nbytes}"
+    return StorageInfo(key, tensor.dtype, str(tensor.device), tensor.numel(), nbytes, ())
+
+
+def chain_storage_of(*lookups: StorageOf) -> StorageOf:
+    """The first lookup that knows a tensor. Local."""
+
+    def storage_of(tensor: torch.Tensor) -> StorageInfo | None:
+        return next((info for look in lookups if (info := look(tensor)) is not None), None)
+
+    return storage_of
+
+
+def device_tags(*archives: ArchiveContents) -> dict[str, dict[str, int]]:
+    """Storages and bytes per saved device tag (``cpu``, ``cuda:3``) over one or more torch archives. Local."""
+    tags: dict[str, dict[str, int]] = {}
+    for contents in archives:
+        for info in contents.storages.values():
+            entry = tags.setdefault(info.location, {"storages": 0, "bytes": 0})
+            entry["storages"] += 1
+            entry["bytes"] += info.nbytes
+    return tags
+
 
 _OPTIMIZER_FILES: Final = ("optimizer.pt", "optimizer.bin")
 _WHY: Final = {

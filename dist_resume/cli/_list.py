@@ -18,7 +18,7 @@ from .._format.manifest import TRAIN_STATE
 from .._format.peek import PeekUnsure
 from .._manager.lock import LOCK_NAME
 from ._common import SCHEMA_PREFIX, human_bytes
-from ._list_fast import CHECKPOINT_NAME, fast_entries
+from ._fast import CHECKPOINT_NAME, fast_entries
 
 __all__ = ["list_folder", "render_list"]
 
