@@ -1,6 +1,7 @@
-"""``dist-resume list`` without torch: the fast path gives the torch path's report on a corpus of folders (sound,
-damaged, renamed, foreign, sharded), never imports torch for a folder of sound checkpoints, and the stub reader is
-unsure of anything torch.save does not write for a state dict; ``import dist_resume`` imports no torch."""
+"""``dist-resume list`` and ``verify`` without torch: the fast paths give the torch paths' reports on a corpus
+(folders sound, damaged, renamed, foreign, sharded; pairs of files equal, different, prefixed, strided, damaged,
+foreign), never import torch for sound checkpoints of this toolkit, and the stub reader is unsure of anything
+torch.save does not write for a state dict; ``import dist_resume`` imports no torch."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._format.peek import PeekUnsure, TensorStub, peek_archive
-from dist_resume._layout.layout import FORMAT_NAME, Key
+from dist_resume._layout.layout import FORMAT_NAME, Key, describe_keys
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name, sharded_checkpoint_name
+from dist_resume._state.optim_keys import GROUP_BOOKKEEPING
+from dist_resume._state.prefix import canonical_key, prefix_style
 from dist_resume.cli import _fast
 from dist_resume.cli._list import list_folder
+from dist_resume.cli._verify import render_verify, verify_checkpoints
+from dist_resume.errors import DistResumeError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,21 +131,23 @@ def test_the_fast_path_gives_the_torch_paths_report_on_every_folder_and_answers_
     ]
 
 
-def test_list_and_import_dist_resume_never_import_torch_for_a_folder_of_sound_checkpoints(tmp_path):
+def test_list_verify_and_import_dist_resume_never_import_torch_for_sound_checkpoints(tmp_path):
     folder = _sharded(_sound(tmp_path / "ckpts"), 30)
+    a, b = folder / checkpoint_name(10), tmp_path / "copy.pt"
+    b.write_bytes(a.read_bytes())
     code = (
         "import sys, dist_resume\n"
         "assert 'torch' not in sys.modules, 'import dist_resume imported torch'\n"
         "from dist_resume.cli import main\n"
         f"for argv in (['list', {str(folder)!r}], ['list', '--verify', {str(folder)!r}], "
-        f"['list', '--json', {str(folder)!r}]):\n"
+        f"['list', '--json', {str(folder)!r}], ['verify', {str(a)!r}, {str(b)!r}]):\n"
         "    assert main(argv) == 0\n"
         "    assert 'torch' not in sys.modules, argv\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "resume would pick: ckpt_00000030.dcp" in done.stdout
+    assert "resume would pick: ckpt_00000030.dcp" in done.stdout and "equal: " in done.stdout
     # a damaged folder takes the torch path (and says what is wrong in its words)
     _flip_tensor_byte(folder / checkpoint_name(20))
     probe = f"import sys\nfrom dist_resume.cli import main\nmain(['list', '--verify', {str(folder)!r}])\nprint('torch' in sys.modules)"
@@ -152,6 +159,107 @@ def test_the_fast_paths_names_are_the_toolkits():
     assert _fast.CHECKPOINT_NAME.pattern == CHECKPOINT_NAME.pattern
     assert _fast.FORMAT_NAME == FORMAT_NAME
     assert (_fast._FORMAT_KEY, _fast._META_KEY) == (Key.FORMAT, Key.META)
+    assert _fast._GROUP_BOOKKEEPING == GROUP_BOOKKEEPING
+    assert _fast._KEYED_PARTS == (Key.MODEL, Key.OPTIMIZER, Key.SCHEDULER, Key.SCALER, Key.EMA)
+    keys = ["w", "fc.weight", "module.fc.w", "module", "a.module.b", "_orig_mod.w", "a._orig_mod.b", "_orig_mod"]
+    for key in keys + ["module.module.x", "submodule.weight", "a.b.c"]:
+        assert _fast._plain_key(key) == (canonical_key(key) == key and prefix_style([key]) == "none"), key
+    side = {"path": "a.pt", "layout": "dist_resume", "prefix_style": "none", "part_keys": {"model": "model", "x": "y"}}
+    report = {"compared": {"model_tensors": 1, "optimizer_tensors": 0}, "equal": True, "a": side, "b": side}
+    assert render_verify(report).splitlines()[1] == f"  A: dist_resume, prefix none; {describe_keys(side['part_keys'])}"
+
+
+def _trained(seed: int = 0, named: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    params = model.named_parameters() if named else model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _pairs(root: Path) -> dict[str, tuple[Path, Path]]:
+    """Pairs of checkpoints ``verify`` meets, by name; the ones in FAST_PAIRS are answered without torch."""
+    root.mkdir(exist_ok=True)
+
+    def save(name: str, **kw: Any) -> Path:
+        return dr.save_checkpoint(root / name, **kw)
+
+    model, opt = _trained()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    full = {"model": model, "optimizer": opt, "scheduler": sched, "step": 3, "epoch": 1}
+    a, b = save("a.pt", **full), save("b.pt", **full)
+    named_model, named_opt = _trained(named=True)
+    pairs = {"equal": (a, b), "one has more parts": (a, save("model_only.pt", model=model, step=3))}
+    pairs["named params"] = (
+        save("n1.pt", model=named_model, optimizer=named_opt),
+        save("n2.pt", model=named_model, optimizer=named_opt),
+    )
+    pairs["other weights"] = (a, save("other.pt", **(full | {"model": _trained(seed=1)[0]})))
+    pairs["other step"] = (a, save("step4.pt", **(full | {"step": 4})))
+    raw = torch.load(a, weights_only=True)
+
+    def variant(name: str, change: Any) -> Path:
+        obj = torch.load(a, weights_only=True)
+        change(obj)
+        torch.save(obj, root / name)
+        return root / name
+
+    pairs["ddp keys"] = (
+        a,
+        variant("ddp.pt", lambda o: o.update(model=OrderedDict((f"module.{k}", v) for k, v in o["model"].items()))),
+    )
+    pairs["strided view"] = (
+        a,
+        variant("view.pt", lambda o: o["model"].update({"0.weight": o["model"]["0.weight"].t().contiguous().t()})),
+    )
+    nan = variant("nan1.pt", lambda o: o["model"]["0.bias"].fill_(float("nan")))
+    pairs["nan equal bits"] = (nan, variant("nan2.pt", lambda o: o["model"]["0.bias"].fill_(float("nan"))))
+    zero = variant("zero.pt", lambda o: o["model"]["0.bias"].fill_(0.0))
+    pairs["minus zero"] = (zero, variant("mzero.pt", lambda o: o["model"]["0.bias"].fill_(-0.0)))
+    pairs["betas as a list"] = (  # equal to the torch path (a list is a tuple there); the fast path is unsure
+        a,
+        variant(
+            "betas.pt",
+            lambda o: o["optimizer"]["param_groups"][0].update(betas=list(o["optimizer"]["param_groups"][0]["betas"])),
+        ),
+    )
+    pairs["float epoch"] = (a, variant("fepoch.pt", lambda o: o["meta"].update(epoch=1.0)))
+    flipped = root / "flipped.pt"
+    flipped.write_bytes(b.read_bytes())
+    _flip_tensor_byte(flipped)
+    pairs["flipped tensor byte"] = (a, flipped)
+    truncated = root / "truncated.pt"
+    truncated.write_bytes(b.read_bytes()[:2000])
+    pairs["truncated"] = (a, truncated)
+    torch.save(raw["model"], root / "bare.pt")
+    pairs["bare state dict"] = (a, root / "bare.pt")
+    pairs["sharded folder"] = (a, dr.tools.convert_checkpoint(a, root / "a.dcp", format="sharded").dst)
+    pairs["missing"] = (a, root / "nothing.pt")
+    return pairs
+
+
+FAST_PAIRS = {"equal", "one has more parts", "named params", "nan equal bits"}
+
+
+def _outcome(a: Path, b: Path, fast: bool) -> Any:
+    try:
+        return verify_checkpoints(a, b, fast=fast)
+    except DistResumeError as err:
+        return type(err), str(err)
+
+
+def test_verifys_fast_path_gives_the_torch_paths_report_on_every_pair_and_answers_only_equal_files(tmp_path):
+    for name, (a, b) in _pairs(tmp_path).items():
+        for x, y in ((a, b), (b, a)):
+            assert _outcome(x, y, True) == _outcome(x, y, False), name
+            try:
+                _fast.fast_verify(x, y)
+                answered = True
+            except PeekUnsure:
+                answered = False
+            assert answered == (name in FAST_PAIRS), name
 
 
 def test_peek_reads_what_torch_save_writes_and_is_unsure_of_anything_else(tmp_path):
