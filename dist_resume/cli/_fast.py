@@ -26,12 +26,12 @@ from typing import Any, Final
 
 from .._core.errors import CheckpointError
 from .._core.types import PathLike
-from .._format.manifest import TRAIN_STATE, manifest_problems, read_manifest
+from .._format.manifest import SHARD_FILE, TRAIN_STATE, manifest_problems, read_manifest
 from .._format.peek import Peeked, PeekUnsure, TensorStub, peek_archive
 from .._format.records import read_records, verify_zip
 from ._common import SCHEMA_PREFIX
 
-__all__ = ["CHECKPOINT_NAME", "FORMAT_NAME", "fast_entries", "fast_verify"]
+__all__ = ["CHECKPOINT_NAME", "FORMAT_NAME", "fast_entries", "fast_verify", "shards_of"]
 
 # the names of dist_resume._source.listing and dist_resume._layout.layout (which import torch); the test of this
 # module checks that they are the same values
@@ -79,6 +79,17 @@ def _read(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
         raise PeekUnsure(f"{path.name}: {err}") from err
 
 
+def shards_of(path: Path) -> dict[str, Any]:
+    """A sound sharded checkpoint folder's row detail in ``list``: how many shard files, written by how many
+    ranks, on which device mesh (its manifest's words). Local; reads the manifest."""
+    manifest, _ = read_manifest(path)
+    return {
+        "shard_files": sum(1 for f in manifest.files if SHARD_FILE.match(f.name)),
+        "writers": manifest.writers,
+        "mesh_shape": None if manifest.mesh_shape is None else list(manifest.mesh_shape),
+    }
+
+
 def fast_entries(folder: Path, verify: bool, now: float) -> list[dict[str, Any]]:
     """The rows of ``list`` for a folder of sound checkpoints, oldest first, or :class:`PeekUnsure`. Local.
 
@@ -97,7 +108,8 @@ def fast_entries(folder: Path, verify: bool, now: float) -> list[dict[str, Any]]
         age = max(0.0, now - path.stat().st_mtime)
         entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": meta.get("epoch")}
         entry |= {"world_size": meta.get("world_size"), "bytes": size, "age_seconds": round(age, 1)}
-        rows.append(entry | {"status": "valid", "reason": None})
+        shards = shards_of(path) if path.suffix == ".dcp" else None
+        rows.append(entry | {"status": "valid", "reason": None, "shards": shards})
     if not verify:
         _read(*found[-1][::-1], verify=True)
     return rows

@@ -22,13 +22,15 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from .._core.errors import DistResumeError
+from .._core.errors import CheckpointCorruptError, DistResumeError
 from .._core.tree import iter_tensors
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, StorageInfo, read_archive
+from .._format.manifest import MANIFEST, SHARD_FILE, read_manifest
 from .._format.sniff import FileKind, file_kind
 from .._layout.layout import CheckpointParts, Layout
-from .._source.integrity import source_files
+from .._source.integrity import source_files, verify_source
+from .._source.listing import CHECKPOINT_NAME
 from .._source.open import open_checkpoint
 from ._common import dtype_name
 
@@ -41,6 +43,8 @@ __all__ = [
     "loaded_storage_of",
     "chain_storage_of",
     "device_tags",
+    "is_sharded_folder",
+    "check_sharded",
 ]
 
 StorageOf: TypeAlias = Callable[[torch.Tensor], "StorageInfo | None"]
@@ -161,3 +165,51 @@ def _safetensors_parts(path: Path) -> CheckpointParts:
     model = {k: torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device="meta") for k, e in ordered}
     meta = {"safetensors_metadata": metadata} if metadata else {}
     return CheckpointParts(Layout.SAFETENSORS, model, meta=meta, keys={"model": path.name})
+
+
+def is_sharded_folder(path: Path) -> bool:
+    """Whether ``path`` is (or was meant to be) a sharded checkpoint folder: it has a manifest, or it is named
+    ``ckpt_<step>.dcp`` (one without its manifest is a save that never finished). Local."""
+    return path.is_dir() and (
+        (path / MANIFEST).is_file() or (path.suffix == ".dcp" and bool(CHECKPOINT_NAME.match(path.name)))
+    )
+
+
+def check_sharded(path: Path) -> dict[str, Any] | None:
+    """A sharded checkpoint folder checked whole, and what its manifest says; None for any other path. Local.
+
+    Reads every file the manifest lists once (sizes and CRC-32s): a missing manifest, a missing file or one
+    whose size or CRC-32 differs raises :class:`CheckpointError` naming the folder and each such file, before
+    any of it is read as a checkpoint. The result (``inspect``'s ``sharded``): the world size, device mesh and
+    writers the save had, what its DCP state holds, and each writing rank's files with their bytes.
+    """
+    if not is_sharded_folder(path):
+        return None
+    manifest, _ = read_manifest(path)  # a folder without one: its save never finished, said so
+    verify_source(path)  # every listed file there, with its size and CRC-32, or the files named
+    ranks: dict[int, list[Any]] = {}
+    for entry in manifest.files:
+        ranks.setdefault(entry.rank, []).append(entry)
+    shards = sum(1 for f in manifest.files if SHARD_FILE.match(f.name))
+    if not shards:
+        raise CheckpointCorruptError(
+            f"sharded checkpoint {str(path)!r}: its manifest lists no shard file (__<rank>_<n>.distcp); the folder "
+            "was assembled by hand: resume from another checkpoint"
+        )
+    return {
+        "step": manifest.step,
+        "epoch": manifest.epoch,
+        "world_size": manifest.world_size,
+        "mesh_shape": None if manifest.mesh_shape is None else list(manifest.mesh_shape),
+        "mesh_dim_names": None if manifest.mesh_dim_names is None else list(manifest.mesh_dim_names),
+        "writers": manifest.writers,
+        "contents": list(manifest.contents),
+        "save_id": manifest.save_id,
+        "shard_files": shards,
+        "ranks": [
+            {"rank": r, "files": [f.name for f in files], "bytes": sum(f.size for f in files)}
+            for r, files in sorted(ranks.items())
+        ],
+        "complete": True,  # (else raised above)
+        "checked": f"{len(manifest.files)} files, each with the size and CRC-32 its manifest lists",
+    }

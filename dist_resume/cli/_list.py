@@ -18,7 +18,7 @@ from .._format.manifest import TRAIN_STATE
 from .._format.peek import PeekUnsure
 from .._manager.lock import LOCK_NAME
 from ._common import SCHEMA_PREFIX, human_bytes
-from ._fast import CHECKPOINT_NAME, fast_entries
+from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
 
 __all__ = ["list_folder", "render_list"]
 
@@ -41,13 +41,14 @@ def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
     step = int(match.group(1)) if match else None
     size, age = _age(path, now)
     entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": None, "world_size": None}
-    entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None}
+    entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None, "shards": None}
     try:
         info = inspect_checkpoint(path, verify=verify)
         if info.step != step:
             raise CheckpointError(f"named for step {step} but its metadata says step {info.step} (renamed by hand?)")
         meta = read_archive(path / TRAIN_STATE if path.is_dir() else path).obj[Key.META]  # a sharded folder's
         entry["epoch"], entry["world_size"], entry["bytes"] = meta.get("epoch"), meta.get("world_size"), info.size
+        entry["shards"] = shards_of(path) if path.is_dir() else None
     except (CheckpointError, OSError) as err:
         reason = str(err).replace(f"{str(path)!r}", path.name).replace(str(path), path.name)
         entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
@@ -185,6 +186,11 @@ def _subfolders(folder: Path) -> list[Path]:
     return checkpoint_subfolders(folder)
 
 
+def _shards_text(shards: dict[str, Any]) -> str:
+    mesh = "no mesh" if shards["mesh_shape"] is None else "mesh " + " x ".join(map(str, shards["mesh_shape"]))
+    return f"sharded: {shards['shard_files']} shard file(s) by {shards['writers']} rank(s), {mesh}"
+
+
 def _age_text(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
@@ -202,6 +208,8 @@ def render_list(report: dict[str, Any]) -> str:
         table: list[tuple[str, ...]] = [("file", "step", "epoch", "size", "age", "world", "status")]
         for e in rows:
             status = "valid" if e["status"] == "valid" else f"DAMAGED: {e['reason']}"
+            if e.get("shards") and e["status"] == "valid":
+                status += f" ({_shards_text(e['shards'])})"
             cells = (e["name"], e["step"], e["epoch"], human_bytes(e["bytes"]), _age_text(e["age_seconds"]))
             table.append((*(str("-" if c is None else c) for c in cells), str(e["world_size"] or "-"), status))
         widths = [max(len(r[i]) for r in table) for i in range(6)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import UsageError
@@ -51,7 +52,8 @@ def verify_checkpoints(
     Local. Model weights are compared under their canonical keys; the optimizer, epoch, step,
     scheduler and GradScaler where both files have them (a part only one file has is listed in
     ``not_compared``). ``part_keys`` (``verify --part``) names keys for parts in whichever file
-    holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time.
+    holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time. A
+    sharded checkpoint folder (an FSDP2 save) is first checked against its manifest (every file's size and CRC-32).
 
     ``fast`` (default): two equal files of this toolkit are confirmed without torch (:mod:`._fast`); anything
     else (a difference, another layout, any doubt) is compared by the torch path, so the report is the same.
@@ -65,7 +67,10 @@ def verify_checkpoints(
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
     from ._compare import compare_parts
+    from ._inspect_sources import check_sharded
 
+    for side in (a, b):  # a sharded checkpoint folder is checked whole first: damage is said naming the file
+        check_sharded(Path(side))
     if part_keys:
         check_part_keys(part_keys)
     # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
