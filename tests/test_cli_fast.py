@@ -305,3 +305,46 @@ def test_peek_refuses_a_pickle_that_would_run_code_before_running_anything(tmp_p
     with pytest.raises(PeekUnsure):
         peek_archive(path)
     assert not marker.exists()
+
+
+def _op_str(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+_ORDERED_DICT = b"ccollections\nOrderedDict\n)R"
+_TENSOR = (
+    b"ctorch._utils\n_rebuild_tensor_v2\n("
+    + b"(" + _op_str("storage") + b"ctorch\nFloatStorage\n" + _op_str("0") + _op_str("cpu") + b"K\x01tQ"
+    + b"K\x00K\x01\x85K\x01\x85\x89" + _ORDERED_DICT + b"tR"
+)  # fmt: skip
+
+
+def _archive(path: Path, body: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", b"\x80\x02" + body + b".")
+        zf.writestr("archive/data/0", b"\x00" * 4)
+        zf.writestr("archive/version", "3\n")
+    return path
+
+
+def test_peek_lets_no_opcode_change_a_stub_or_shadow_a_dicts_methods(tmp_path):
+    assert peek_archive(_archive(tmp_path / "ok.pt", _TENSOR)).obj == TensorStub(
+        peek_archive(tmp_path / "ok.pt").obj.storage, 0, (1,), (1,), False
+    )
+    metadata = _ORDERED_DICT + b"N}" + _op_str("_metadata") + b"}s\x86b"  # what torch.save writes for a state dict
+    assert peek_archive(_archive(tmp_path / "meta.pt", metadata)).obj._metadata == {}
+    refused = {
+        "state set on a tensor": _TENSOR + b"N}" + _op_str("shape") + _op_str("x") + b"s\x86b",
+        "state set on a storage type": b"ctorch\nFloatStorage\n}b",
+        "a method shadowed": _ORDERED_DICT + b"N}" + _op_str("keys") + b"K\x05s\x86b",
+        "a storage on its own": b"(" + _op_str("storage") + b"ctorch\nFloatStorage\n" + _op_str("0") + _op_str("cpu") + b"K\x01tQ",
+        "a function as a value": b"ctorch._utils\n_rebuild_tensor_v2\n",
+        "a tensor as a key": b"}" + _TENSOR + b"K\x01s",
+    }  # fmt: skip
+    for name, body in refused.items():
+        try:
+            peek_archive(_archive(tmp_path / "x.pt", body))
+        except PeekUnsure:
+            continue
+        pytest.fail(f"peek read a pickle with {name}")

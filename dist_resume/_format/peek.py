@@ -53,6 +53,7 @@ _OPCODES: Final = frozenset(
     "BININT1 BININT2 LONG1 BINFLOAT BINUNICODE".split()
 )
 _MAX_DEPTH: Final = 32  # a state dict nests 3 to 6 deep; deeper is left to torch's reader and its own limit
+_PLAIN: Final = (type(None), bool, int, float, str)
 
 
 class PeekUnsure(Exception):
@@ -107,20 +108,40 @@ class Peeked:
     obj: Any
 
 
-class _StorageType:
-    def __init__(self, name: str) -> None:
-        self.dtype, self.itemsize = STORAGE_DTYPES[name]
+class _Token:
+    """What the unpickler hands to the pickle for a storage type, a storage or a tensor: opaque and unchangeable.
+
+    ``BUILD`` on one calls ``__setstate__``, which refuses; it is replaced by the stub it holds once the whole pickle
+    is read (:func:`_finish`), so no opcode can reach a stub and change it."""
+
+    __slots__ = ("stub",)
+    stub: Any
+
+    def __init__(self, stub: Any) -> None:
+        object.__setattr__(self, "stub", stub)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise PeekUnsure("a pickle that sets attributes of a tensor or storage")
+
+    def __setstate__(self, state: Any) -> None:
+        raise PeekUnsure("a pickle that sets the state of a tensor or storage")
+
+
+def _unwrap(value: Any, kind: type) -> Any:
+    if type(value) is not _Token or not isinstance(value.stub, kind):
+        raise PeekUnsure(f"a {kind.__name__} expected where the pickle has {type(value).__name__}")
+    return value.stub
 
 
 def _ints(value: Any) -> bool:
     return isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value)
 
 
-def _rebuild_tensor_v2(*args: Any) -> TensorStub:
+def _rebuild_tensor_v2(*args: Any) -> _Token:
     if len(args) not in (6, 7) or (len(args) == 7 and args[6] is not None):
         raise PeekUnsure(f"a tensor rebuilt from {len(args)} arguments")
-    storage, offset, shape, stride, requires_grad, hooks = args[:6]
-    if not (isinstance(storage, StorageStub) and type(offset) is int and offset >= 0 and _ints(shape)):
+    storage, offset, shape, stride, requires_grad, hooks = _unwrap(args[0], StorageStub), *args[1:6]
+    if not (type(offset) is int and offset >= 0 and _ints(shape)):
         raise PeekUnsure("a tensor whose storage, offset or shape is not as torch.save writes them")
     if not (_ints(stride) and len(stride) == len(shape) and type(requires_grad) is bool):
         raise PeekUnsure("a tensor whose strides or requires_grad are not as torch.save writes them")
@@ -129,7 +150,7 @@ def _rebuild_tensor_v2(*args: Any) -> TensorStub:
     tensor = TensorStub(storage, offset, shape, stride, requires_grad)
     if tensor.numel and offset + sum((n - 1) * s for n, s in zip(shape, stride)) >= storage.numel:
         raise PeekUnsure("a tensor reaching past the end of its storage")
-    return tensor
+    return _Token(tensor)
 
 
 class _StubUnpickler(pickle.Unpickler):
@@ -141,23 +162,22 @@ class _StubUnpickler(pickle.Unpickler):
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_tensor_v2
         if module == "torch" and name in STORAGE_DTYPES:
-            return _StorageType(name)
+            return _Token(STORAGE_DTYPES[name])
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
         raise PeekUnsure(f"the global {module}.{name}")
 
-    def persistent_load(self, pid: Any) -> StorageStub:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise PeekUnsure(f"the persistent id {pid!r:.80}")
+    def persistent_load(self, pid: Any) -> _Token:
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+            raise PeekUnsure("a persistent id not as torch.save writes it")
         _, kind, key, location, numel = pid
-        if not (isinstance(kind, _StorageType) and type(key) is str and type(location) is str):
-            raise PeekUnsure(f"the persistent id {pid!r:.80}")
-        if type(numel) is not int or numel < 0:
-            raise PeekUnsure(f"the persistent id {pid!r:.80}")
-        stub = StorageStub(key, kind.dtype, kind.itemsize, location, numel)
+        dtype, itemsize = _unwrap(kind, tuple)
+        if type(key) is not str or type(location) is not str or type(numel) is not int or numel < 0:
+            raise PeekUnsure("a persistent id not as torch.save writes it")
+        stub = StorageStub(key, dtype, itemsize, location, numel)
         if self._storages.setdefault(key, stub) != stub:
             raise PeekUnsure(f"the storage {key!r} named twice with different types or sizes")
-        return stub
+        return _Token(stub)
 
 
 def _check_opcodes(data: bytes) -> None:
@@ -169,14 +189,34 @@ def _check_opcodes(data: bytes) -> None:
         raise PeekUnsure(f"data.pkl does not parse ({err})") from err
 
 
-def _check_walkable(obj: Any, depth: int, on_path: set[int]) -> None:
-    if isinstance(obj, dict | list | tuple):
-        if depth > _MAX_DEPTH or id(obj) in on_path:
-            raise PeekUnsure("a structure nested too deep or holding itself")
-        on_path.add(id(obj))
-        for item in obj.values() if isinstance(obj, dict) else obj:
-            _check_walkable(item, depth + 1, on_path)
-        on_path.discard(id(obj))
+def _finish(obj: Any, depth: int, on_path: set[int]) -> Any:
+    """``obj`` with every tensor token replaced by its :class:`TensorStub`, or :class:`PeekUnsure` for anything but
+    dicts, lists, tuples, plain values and tensors (a stray storage, a class or function as a value, a dict keyed by
+    a tensor, attributes set on an OrderedDict other than its ``_metadata``), nesting past 32 levels or a cycle."""
+    if type(obj) is _Token:
+        return _unwrap(obj, TensorStub)
+    if type(obj) in _PLAIN:
+        return obj
+    if type(obj) not in (dict, OrderedDict, list, tuple):
+        raise PeekUnsure(f"a {type(obj).__name__} among the values")
+    if depth > _MAX_DEPTH or id(obj) in on_path:
+        raise PeekUnsure("a structure nested too deep or holding itself")
+    on_path.add(id(obj))
+    if type(obj) is tuple:
+        done: Any = tuple(_finish(item, depth + 1, on_path) for item in obj)
+    elif type(obj) is list:
+        obj[:] = [_finish(item, depth + 1, on_path) for item in obj]
+        done = obj
+    else:
+        if type(obj) is OrderedDict and set(vars(obj)) - {"_metadata"}:
+            raise PeekUnsure("an OrderedDict with attributes other than _metadata")
+        if any(type(k) not in _PLAIN for k in obj):
+            raise PeekUnsure("a dict keyed by something other than plain values")
+        for key in obj:
+            obj[key] = _finish(obj[key], depth + 1, on_path)
+        done = obj
+    on_path.discard(id(obj))
+    return done
 
 
 def peek_archive(path: PathLike) -> Peeked:
@@ -203,5 +243,4 @@ def peek_archive(path: PathLike) -> Peeked:
         raise
     except Exception as err:  # a damaged pickle that genops walked: torch's reader words the refusal
         raise PeekUnsure(f"data.pkl does not unpickle ({type(err).__name__})") from err
-    _check_walkable(obj, 0, set())
-    return Peeked(p, checked.archive_name, checked.records, obj)
+    return Peeked(p, checked.archive_name, checked.records, _finish(obj, 0, set()))
