@@ -138,6 +138,8 @@ def test_list_verify_and_import_dist_resume_never_import_torch_for_sound_checkpo
     code = (
         "import sys, dist_resume\n"
         "assert 'torch' not in sys.modules, 'import dist_resume imported torch'\n"
+        "assert set(dist_resume.__all__) | {'errors', 'tools'} <= set(dir(dist_resume)), dir(dist_resume)\n"
+        "assert 'torch' not in sys.modules, 'dir(dist_resume) imported torch'\n"
         "from dist_resume.cli import main\n"
         f"for argv in (['list', {str(folder)!r}], ['list', '--verify', {str(folder)!r}], "
         f"['list', '--json', {str(folder)!r}], ['verify', {str(a)!r}, {str(b)!r}]):\n"
