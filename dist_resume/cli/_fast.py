@@ -198,6 +198,8 @@ def _toolkit(path: PathLike) -> Peeked:
 
 
 def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
+    if not all(isinstance(g.get("params", []), list) and isinstance(g.get("param_names", []), list) for g in groups):
+        raise PeekUnsure("param groups whose params or param_names are not lists")
     named = all("param_names" in g for g in groups)
     pids = [pid for g in groups for pid in g.get("params", [])]
     if not all(type(pid) in (int, str) for pid in pids):

@@ -15,7 +15,6 @@ from .._core.text import preview
 from .._core.types import PathLike
 from .._format.atomic import TEMP_NAME
 from .._format.manifest import TRAIN_STATE
-from .._format.peek import PeekUnsure
 from .._manager.lock import LOCK_NAME
 from ._common import SCHEMA_PREFIX, human_bytes
 from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
@@ -119,7 +118,7 @@ def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> d
         try:
             checkpoints = fast_entries(folder, verify, now)
             return _report(folder, verify, now, checkpoints, "checkpoint-manager")
-        except PeekUnsure:
+        except Exception:  # PeekUnsure, or anything the fast path did not foresee: the torch path decides
             pass
     return _torch_list(folder, verify, now)
 
