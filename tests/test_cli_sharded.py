@@ -66,6 +66,7 @@ def test_inspect_shows_the_world_size_mesh_shards_and_completeness(tmp_path, cap
     assert "; rank 1: __1_0.distcp (960 B)" in lines["shards"]
     assert lines["complete"] == "complete     yes: 4 files, each with the size and CRC-32 its manifest lists"
     assert "step=20 epoch=2" in lines["meta"]
+    assert lines["tensor"] == "tensor data  read on the CPU (torch's DCP reader)"  # not memory-mapped: read whole
     code, out, _ = _run(capsys, "inspect", "--json", str(folder))
     sharded = json.loads(out)["sharded"]
     assert (sharded["world_size"], sharded["mesh_shape"], sharded["mesh_dim_names"], sharded["writers"]) == (

@@ -144,7 +144,8 @@ def read_foreign_source(path: Path, layout: Layout) -> ForeignSource:
     if optimizer_file is not None and parts.optimizer is not None:
         parts = dataclasses.replace(parts, optimizer=archives[optimizer_file].obj)
         storage_of = chain_storage_of(archives[optimizer_file].storage_of, loaded_storage_of)
-    tensor_data = TENSOR_DATA_DCP if layout is Layout.DCP else TENSOR_DATA_MMAP
+    # a sharded checkpoint folder is read whole through DCP too (its manifest's CRC-32s checked first)
+    tensor_data = TENSOR_DATA_DCP if layout in (Layout.DCP, Layout.SHARDED) else TENSOR_DATA_MMAP
     return ForeignSource(parts, files, not_read, tensor_data, storage_of, device_tags(*archives.values()))
 
 
