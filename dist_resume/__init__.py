@@ -4,32 +4,39 @@ What a training script uses is importable from here; the tools behind the ``dist
 ``dist_resume.tools``, the exceptions in ``dist_resume.errors`` (their base, ``DistResumeError``, here too),
 and the multi-process test launcher in ``dist_resume.testing``. The modules behind them are private. Every
 exported class and function reports its public module, so reprs, tracebacks and pickles name the public path.
+
+The names are loaded on first use (PEP 562): ``import dist_resume`` imports neither torch nor the modules
+behind the names, so ``dist-resume list`` and ``verify`` can answer without torch; ``dist_resume.resume``
+(or ``from dist_resume import resume``) imports what it needs then.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any, Final
 
-from . import errors, tools
-from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
-from ._checkpoint.objects import TrainingObjects
-from ._checkpoint.options import OptimizerHparams, ResumeOptions
-from ._checkpoint.restore import ResumeResult, resume
-from ._checkpoint.save import save_checkpoint
-from ._core.publish import publish
 from ._core.version import __version__
-from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
-from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
-from ._exact.sampler import ResumableDistributedSampler
-from ._format.load import rank_map_location
-from ._layout.layout import Layout
-from ._manager.manager import CheckpointManager
-from ._source.open import load_checkpoint
-from ._state.adapt import adapt_state_dict
-from ._state.devices import check_devices
-from ._state.optim import optimizer_to
-from ._state.prefix import add_prefix, canonical_key, strip_prefix, unwrap_model
-from .errors import DistResumeError
+
+if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the same imports, made eagerly)
+    from . import errors as errors
+    from . import tools as tools
+    from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
+    from ._checkpoint.objects import TrainingObjects
+    from ._checkpoint.options import OptimizerHparams, ResumeOptions
+    from ._checkpoint.restore import ResumeResult, resume
+    from ._checkpoint.save import save_checkpoint
+    from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
+    from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
+    from ._exact.sampler import ResumableDistributedSampler
+    from ._format.load import rank_map_location
+    from ._layout.layout import Layout
+    from ._manager.manager import CheckpointManager
+    from ._source.open import load_checkpoint
+    from ._state.adapt import adapt_state_dict
+    from ._state.devices import check_devices
+    from ._state.optim import optimizer_to
+    from ._state.prefix import add_prefix, canonical_key, strip_prefix, unwrap_model
+    from .errors import DistResumeError
 
 __all__ = [
     "__version__",
@@ -72,28 +79,67 @@ __all__ = [
     "DistResumeError",
 ]
 
-publish(globals(), __all__, __name__)
-del publish
-
-# names that moved in 0.3: they keep working for one release, with a DeprecationWarning naming the new home
-_MOVED = {name: tools for name in tools.__all__} | {
-    name: errors for name in errors.__all__ if name != "DistResumeError"
+# where each exported name lives (the TYPE_CHECKING block above says the same to type checkers)
+_HOMES: Final = {
+    **dict.fromkeys(("AsyncSave", "save_checkpoint_async"), "._checkpoint.async_save"),
+    "TrainingObjects": "._checkpoint.objects",
+    **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
+    **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
+    "save_checkpoint": "._checkpoint.save",
+    **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
+    **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
+    "ResumableDistributedSampler": "._exact.sampler",
+    "rank_map_location": "._format.load",
+    "Layout": "._layout.layout",
+    "CheckpointManager": "._manager.manager",
+    "load_checkpoint": "._source.open",
+    "adapt_state_dict": "._state.adapt",
+    "check_devices": "._state.devices",
+    "optimizer_to": "._state.optim",
+    **dict.fromkeys(("add_prefix", "canonical_key", "strip_prefix", "unwrap_model"), "._state.prefix"),
+    "DistResumeError": ".errors",
 }
+_SUBMODULES: Final = ("errors", "tools", "testing")
+
+
+def _moved_home(name: str) -> str | None:
+    """The module a name of 0.2 moved to in 0.3 (``dist_resume.tools`` or ``dist_resume.errors``), else None."""
+    for module in ("tools", "errors"):
+        names: list[str] = importlib.import_module(f".{module}", __name__).__all__
+        if name in names and name != "DistResumeError":
+            return module
+    return None
+
+
+def _load_names() -> None:
+    """Import every exported name at once and publish it (``__module__ = "dist_resume"``), as an eager import did:
+    the first script to touch one name uses torch anyway, and every repr and pickle names the public path."""
+    from ._core.publish import publish
+
+    loaded = {name: getattr(importlib.import_module(home, __name__), name) for name, home in _HOMES.items()}
+    publish(loaded, loaded, __name__)
+    globals().update(loaded)  # from now on plain attributes
 
 
 def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        _load_names()
+        return globals()[name]
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    moved = _moved_home(name) if not name.startswith("__") else None
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import warnings
 
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # names that moved in 0.3: they keep working for one release, with a DeprecationWarning naming the new home
     warnings.warn(
-        f"dist_resume.{name} moved to {home.__name__}.{name} in dist_resume 0.3; the old name goes in 0.4",
+        f"dist_resume.{name} moved to dist_resume.{moved}.{name} in dist_resume 0.3; the old name goes in 0.4",
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(home, name)
+    return getattr(importlib.import_module(f".{moved}", __name__), name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, "errors", "tools"})

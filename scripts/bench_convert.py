@@ -9,8 +9,9 @@ process and with the page cache warm:
 * ``python -m dist_resume convert SRC DST --to single`` (process wall time, and the conversion's
   own time as the command reports it, without interpreter start-up and imports);
 * the naive ``sd = torch.load(SRC); rename keys; torch.save(sd, DST)``, with and without ``mmap=True``;
-* the import floor: a process that only imports ``dist_resume.cli`` (torch's own libraries are
-  mapped copy-on-write, so importing torch alone costs ~150 MiB of anonymous memory).
+* the import floor: a process that only imports torch and ``dist_resume.cli`` (which alone no longer imports
+  torch; torch's own libraries are mapped copy-on-write, so importing torch alone costs ~150 MiB of anonymous
+  memory).
 
 Peak anonymous memory is the highest ``RssAnon`` the parent sees polling ``/proc/<pid>/status``
 every 2 ms (VmHWM would count the page cache of memory-mapped files too). Prints a table per size
@@ -153,7 +154,7 @@ def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
                 r.pop("stdout")
                 runs[name].append(r)
             else:
-                r = measure([py, "-c", "import dist_resume.cli"])
+                r = measure([py, "-c", "import torch, dist_resume.cli"])
                 r.pop("stdout")
                 runs[name].append(r)
     pickle_bytes = _pickle_bytes(src)
@@ -206,7 +207,7 @@ def bench_formats(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
         "pt->safetensors": (src, [*cli, str(src), str(st), "--format", "safetensors"]),
         "safetensors->pt": (st, [*cli, str(st), str(back), "--format", "pt"]),
         "pt->dcp": (src, [*cli, str(src), str(dcp), "--format", "dcp"]),
-        "import floor": (src, [py, "-c", "import dist_resume.cli"]),
+        "import floor": (src, [py, "-c", "import torch, dist_resume.cli"]),
     }
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in FORMATS}
     for _ in range(repeat):

@@ -72,7 +72,7 @@ def test_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert report["verified"] is False and report["pick"] == checkpoint_name(20)
     assert [c["name"] for c in report["checkpoints"]] == [checkpoint_name(s) for s in (10, 20, 30)]
     first = report["checkpoints"][0]
-    assert set(first) == {"name", "step", "epoch", "world_size", "bytes", "age_seconds", "status", "reason"}
+    assert set(first) == {"name", "step", "epoch", "world_size", "bytes", "age_seconds", "status", "reason", "shards"}
     assert (first["step"], first["epoch"], first["world_size"], first["status"]) == (10, 1, 1, "valid")
     assert first["bytes"] == (folder / checkpoint_name(10)).stat().st_size
     assert report["checkpoints"][2]["status"] == "damaged" and report["checkpoints"][2]["reason"]

@@ -14,8 +14,6 @@ from .._core.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from .._core.torch_errors import refused_global
-from .._core.tree import structure_problem
 from .._core.types import PathLike
 
 __all__ = ["FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
@@ -84,6 +82,8 @@ def check_walkable(obj: _T, subject: str) -> _T:
     """``obj`` as it is, or :class:`NotACheckpointError` when it holds a container that contains itself
     or nests deeper than any state dict: every reader calls this on what it unpickled, so no walker
     (detection, device moves, the CLI's summaries) meets a pickle built to overflow the stack."""
+    from .._core.tree import structure_problem  # torch's: imported where a reader has unpickled something
+
     problem = structure_problem(obj)
     if problem is not None:
         raise NotACheckpointError(
@@ -99,6 +99,8 @@ def unsafe_error(path: Path | str, err: BaseException) -> UnsafeCheckpointError:
     Used by the torch-file loader, the archive reader and DCP's entry reader alike; ``path`` is a
     file or the words naming what was read (``"DCP entry 'extra' of 'ckpt'"``).
     """
+    from .._core.torch_errors import refused_global  # torch's wording: imported where torch refused something
+
     refused = refused_global(err)
     never = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"
     if refused.blocked_module:

@@ -6,8 +6,6 @@ import argparse
 from collections.abc import Sequence
 
 from .._core.errors import EnvironmentMismatchError
-from .._layout.detect import check_part_keys
-from .._layout.kinds import PART_NAMES
 from ._common import ExitCode, ProgressBar, UsageError, human_bytes, print_json, report_error
 
 __all__ = ["cmd_inspect", "cmd_convert", "cmd_verify", "cmd_list", "cmd_env", "part_keys_arg"]
@@ -17,6 +15,9 @@ def part_keys_arg(items: Sequence[str] | None) -> dict[str, str] | None:
     """``--part model=MODEL_STATE`` (repeatable) as ``part_keys``; a malformed item is a usage error."""
     if not items:
         return None
+    from .._layout.detect import check_part_keys  # torch's: only a command given --part needs it
+    from .._layout.kinds import PART_NAMES
+
     out: dict[str, str] = {}
     for item in items:
         part, eq, key = item.partition("=")

@@ -6,9 +6,7 @@ import enum
 import json
 import sys
 import time
-from typing import Any, Final, TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from .._core.errors import (
     CheckpointCorruptError,
@@ -21,6 +19,9 @@ from .._core.errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "report_error",
@@ -56,7 +57,8 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [jsonable(v) for v in value]
-    if isinstance(value, torch.dtype):
+    loaded = sys.modules.get("torch")  # a torch dtype exists only where torch was imported (`list` may run without)
+    if loaded is not None and isinstance(value, loaded.dtype):
         return dtype_name(value)
     return str(value)
 

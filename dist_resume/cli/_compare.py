@@ -1,4 +1,5 @@
-"""How ``dist-resume verify`` compares two values: bitwise tensor equality, ``max |a-b|``, and the words for a difference."""
+"""How ``dist-resume verify`` compares two checkpoints' parts (models under canonical keys, optimizers by parameter,
+the rest where both have it) and two values: bitwise tensor equality, ``max |a-b|``, and the words for a difference."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from typing import Any, Final
 import torch
 
 from .._core.text import preview, shown
+from .._layout.layout import CheckpointParts
+from .._state.optim_keys import GROUP_BOOKKEEPING
+from .._state.prefix import canonical_key
 
-__all__ = ["same_bits", "max_abs_diff", "compare_values", "key_difference"]
+__all__ = ["same_bits", "max_abs_diff", "compare_values", "key_difference", "compare_parts"]
 
 _CHUNK: Final = 64 << 20  # bytes compared at a time: memory-mapped pages come and go, nothing is copied
 
@@ -109,3 +113,126 @@ def compare_values(a: Any, b: Any) -> str | None:
         return None if bool(a == b) else f"A {_describe(a)}, B {_describe(b)}"
     except Exception:  # objects whose == is not a plain bool
         return None if a is b else f"A {_describe(a)}, B {_describe(b)}"
+
+
+class Report:
+    def __init__(self) -> None:
+        self.differences: list[dict[str, str]] = []
+        self.tensors = {"model": 0, "optimizer": 0, "other": 0}
+        self.not_compared: list[str] = []
+        self.bytes = 0
+
+    def diff(self, part: str, key: str, problem: str) -> None:
+        self.differences.append({"part": part, "key": key, "problem": problem})
+
+    def compare(self, part: str, key: str, a: Any, b: Any) -> None:
+        for value in (a,) if isinstance(a, torch.Tensor) else ():
+            self.tensors[part if part in self.tensors else "other"] += 1
+            self.bytes += value.numel() * value.element_size()
+        problem = compare_values(a, b)
+        if problem:
+            self.diff(part, key, problem)
+
+
+def _canonical(model: Mapping[str, Any], which: str, report: Report) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in model.items():
+        c = canonical_key(key)
+        if c in out:
+            report.diff("model", c, f"{which} holds it twice ({origin[c]!r} and {key!r})")
+        out[c], origin[c] = value, key
+    return out
+
+
+def _compare_models(a: Mapping[str, Any], b: Mapping[str, Any], report: Report) -> None:
+    ca, cb = _canonical(a, "A", report), _canonical(b, "B", report)
+    for key in sorted(ca.keys() - cb.keys()):
+        report.diff("model", key, "A has it, B does not")
+    for key in sorted(cb.keys() - ca.keys()):
+        report.diff("model", key, "B has it, A does not")
+    for key in ca:
+        if key in cb:
+            report.compare("model", key, ca[key], cb[key])
+
+
+def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
+    """(label, saved id) for every parameter: its canonical name when every group has names, else ``param N``."""
+    named = all(isinstance(g, Mapping) and "param_names" in g for g in groups)
+    pids = [pid for g in groups for pid in g.get("params", [])]
+    if named:
+        names = [canonical_key(n) for g in groups for n in g["param_names"]]
+        if len(names) == len(pids):
+            return list(zip(names, pids))
+    return [(f"param {n}", pid) for n, pid in enumerate(pids)]
+
+
+def _compare_groups(ga: list[Any], gb: list[Any], report: Report) -> None:
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        hx = {k: v for k, v in x.items() if k not in GROUP_BOOKKEEPING}
+        hy = {k: v for k, v in y.items() if k not in GROUP_BOOKKEEPING}
+        if set(hx) != set(hy):
+            report.diff("optimizer", f"group {i}", key_difference(hx, hy))
+        for key in (k for k in hx if k in hy):
+            report.compare("optimizer", f"group {i} {key}", hx[key], hy[key])
+
+
+def _compare_optimizers(a: Any, b: Any, report: Report) -> None:
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            report.not_compared.append(f"optimizer (only {'B' if a is None else 'A'} has one)")
+        return
+    if not all(isinstance(o, Mapping) and "state" in o and "param_groups" in o for o in (a, b)):
+        report.compare("optimizer", "-", a, b)
+        return
+    ga, gb = list(a["param_groups"]), list(b["param_groups"])
+    if len(ga) != len(gb):
+        report.diff("optimizer", "param_groups", f"A has {len(ga)} groups, B {len(gb)}")
+        return
+    _compare_groups(ga, gb, report)
+    pa, pb = dict(_param_order(ga)), dict(_param_order(gb))
+    if set(pa) != set(pb):  # different names (or one side unnamed): pair by position instead
+        if not any(k.startswith("param ") for k in (*pa, *pb)):
+            for name in sorted(set(pa) - set(pb)):
+                report.diff("optimizer", name, "A's optimizer has this parameter, B's does not")
+            for name in sorted(set(pb) - set(pa)):
+                report.diff("optimizer", name, "B's optimizer has this parameter, A's does not")
+        oa, ob = _param_order(ga), _param_order(gb)
+        named = next((o for o in (oa, ob) if not any(k.startswith("param ") for k, _ in o)), None)
+        unnamed_side = any(k.startswith("param ") for k, _ in (*oa, *ob))
+        # one naming scheme: the names of the side that has them, where the other side pairs by position
+        labels = [k for k, _ in named] if named is not None and unnamed_side and len(oa) == len(ob) else None
+        pa = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(oa)}
+        pb = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(ob)}
+        if len(pa) != len(pb):
+            report.diff("optimizer", "params", f"A has {len(pa)} parameters, B {len(pb)}")
+            return
+    for label, ida in pa.items():
+        sa, sb = a["state"].get(ida), b["state"].get(pb[label])
+        if sa is None or sb is None:
+            if (sa is None) != (sb is None):
+                report.diff("optimizer", label, f"{'A' if sb is None else 'B'} has state for it, the other does not")
+            continue
+        if set(sa) != set(sb):
+            report.diff("optimizer", label, key_difference(sa, sb))
+        for key in sorted((k for k in sa if k in sb), key=str):
+            report.compare("optimizer", f"{label} {key}", sa[key], sb[key])
+
+
+def _compare_rest(pa: CheckpointParts, pb: CheckpointParts, report: Report) -> None:
+    """Epoch, step, scheduler and GradScaler: compared where both files have them, else listed as not compared."""
+    for part in ("epoch", "step", "scheduler", "scaler"):
+        x, y = getattr(pa, part), getattr(pb, part)
+        if x is not None and y is not None:
+            report.compare(part, "-", x, y)
+        elif (x is None) != (y is None):
+            report.not_compared.append(f"{part} (only {'B' if x is None else 'A'} has one)")
+
+
+def compare_parts(pa: CheckpointParts, pb: CheckpointParts) -> Report:
+    """Every difference between two checkpoints' parts, and what was compared. Local."""
+    report = Report()
+    _compare_models(pa.model, pb.model, report)
+    _compare_optimizers(pa.optimizer, pb.optimizer, report)
+    _compare_rest(pa, pb, report)
+    return report

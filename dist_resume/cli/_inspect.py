@@ -23,8 +23,14 @@ from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
 from ._inspect_render import render_inspect
-from ._inspect_sources import SOURCE_META_KEYS, read_foreign_source
-from ._inspect_tensors import StorageOf, device_tags, summarize_tensors
+from ._inspect_sources import (
+    SOURCE_META_KEYS,
+    StorageOf,
+    check_sharded,
+    device_tags,
+    read_foreign_source,
+    summarize_tensors,
+)
 
 __all__ = ["describe_checkpoint", "render_inspect", "optimizer_kind"]
 
@@ -100,6 +106,7 @@ def _report(path: PathLike, files: list[dict[str, Any]], tags: dict[str, dict[st
         "meta": {},
         "extra_keys": [],
         "warnings": warnings,
+        "sharded": None,
     }
 
 
@@ -155,8 +162,10 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
     knows is still described (tensors, device tags), with ``layout`` ``null`` and a warning saying
     why. ``part_keys`` (``inspect --part``) overrides detection for the parts it names; a key the
     file lacks raises :class:`UsageError`, and so does ``part_keys`` for a foreign source (its files
-    name its parts).
+    name its parts). A sharded checkpoint folder (an FSDP2 save) is checked whole first (every file its manifest
+    lists, with its size and CRC-32; a damaged one raises naming the file) and ``sharded`` says how it was written.
     """
+    sharded = check_sharded(Path(path))
     layout = local_source(path).layout
     if layout is not None:
         if part_keys:
@@ -168,7 +177,7 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
         source = read_foreign_source(Path(path), layout)
         report = _report(path, source.files, source.device_tags)
         parts = source.parts
-        report.update(not_read=source.not_read, tensor_data=source.tensor_data)
+        report.update(not_read=source.not_read, tensor_data=source.tensor_data, sharded=sharded)
         report["tensors"] = summarize_tensors((parts.model, parts.optimizer, parts.ema), source.storage_of)
         _fill_parts(report, parts, source.storage_of)
         return report

@@ -22,7 +22,7 @@ from .._state.optim_keys import (
 from .._state.optim_match import FACTORED_KEYS
 from .._state.prefix import canonical_key, prefix_style
 from ._common import dtype_name, jsonable
-from ._inspect_tensors import StorageOf, summarize_tensors
+from ._inspect_sources import StorageOf, summarize_tensors
 
 __all__ = ["describe_optimizer", "optimizer_kind"]
 

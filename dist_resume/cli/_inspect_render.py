@@ -73,11 +73,31 @@ def _source_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _sharded_lines(sharded: Mapping[str, Any]) -> list[str]:
+    """A sharded checkpoint folder: the world size and mesh it was written at, each rank's files, completeness."""
+    shape, dims = sharded["mesh_shape"], sharded["mesh_dim_names"]
+    if shape is None:
+        mesh = "no device mesh (written from full tensors by convert; loads at any world size)"
+    else:
+        named = f" ({', '.join(dims)})" if dims else ""
+        mesh = f"mesh {' x '.join(map(str, shape))}{named}"
+    lines = [
+        f"sharded      written at world size {sharded['world_size']}, {mesh}; {sharded['writers']} writing rank(s), "
+        f"{sharded['shard_files']} shard file(s); holds {', '.join(sharded['contents']) or 'nothing'}"
+    ]
+    ranks = [f"rank {r['rank']}: {', '.join(r['files'])} ({human_bytes(r['bytes'])})" for r in sharded["ranks"]]
+    lines.append(f"shards       {preview(ranks, 8, sep='; ', quote=False)}")
+    lines.append(f"complete     yes: {sharded['checked']}")
+    return lines
+
+
 def render_inspect(report: dict[str, Any]) -> str:
     """The human-readable form of a :func:`~dist_resume.cli._inspect.describe_checkpoint` report. Local."""
     model, opt, meta = report["model"], report["optimizer"], report["meta"]
     lines = _source_lines(report)
     lines.append(f"layout       {report['layout'] or 'not recognised'}")
+    if report.get("sharded"):
+        lines.extend(_sharded_lines(report["sharded"]))
     if report.get("part_keys"):
         lines.append(f"parts        {describe_keys(report['part_keys'])}")
     if report.get("saved_at"):

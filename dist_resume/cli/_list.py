@@ -13,16 +13,11 @@ from typing import Any, Final
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .._core.text import preview
 from .._core.types import PathLike
-from .._foreign.folders import checkpoint_subfolders, detect_folder
-from .._format.archive import read_archive
 from .._format.atomic import TEMP_NAME
 from .._format.manifest import TRAIN_STATE
-from .._layout.layout import Key
 from .._manager.lock import LOCK_NAME
-from .._manager.manager import CheckpointManager
-from .._source.integrity import inspect_checkpoint
-from .._source.listing import CHECKPOINT_NAME, find_latest
 from ._common import SCHEMA_PREFIX, human_bytes
+from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
 
 __all__ = ["list_folder", "render_list"]
 
@@ -37,17 +32,22 @@ def _age(path: Path, now: float) -> tuple[int, float]:
 
 def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
     """One ``ckpt_<step>.pt``: its size, age and metadata, ``valid`` or ``damaged`` with the reason."""
+    from .._format.archive import read_archive
+    from .._layout.layout import Key
+    from .._source.integrity import inspect_checkpoint
+
     match = CHECKPOINT_NAME.match(path.name)
     step = int(match.group(1)) if match else None
     size, age = _age(path, now)
     entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": None, "world_size": None}
-    entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None}
+    entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None, "shards": None}
     try:
         info = inspect_checkpoint(path, verify=verify)
         if info.step != step:
             raise CheckpointError(f"named for step {step} but its metadata says step {info.step} (renamed by hand?)")
         meta = read_archive(path / TRAIN_STATE if path.is_dir() else path).obj[Key.META]  # a sharded folder's
         entry["epoch"], entry["world_size"], entry["bytes"] = meta.get("epoch"), meta.get("world_size"), info.size
+        entry["shards"] = shards_of(path) if path.is_dir() else None
     except (CheckpointError, OSError) as err:
         reason = str(err).replace(f"{str(path)!r}", path.name).replace(str(path), path.name)
         entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
@@ -65,6 +65,8 @@ def _temps(folder: Path, now: float) -> list[dict[str, Any]]:
 
 def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
     """An HF Trainer ``output_dir``: each ``checkpoint-N/`` with its step (trainer_state.json's global_step)."""
+    from .._foreign.folders import detect_folder
+
     found = []
     for sub in folder.iterdir():
         match = _HF_STEP_DIR.match(sub.name)
@@ -89,6 +91,8 @@ def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
 
 def _crc_check_newest(folder: Path, checkpoints: list[dict[str, Any]]) -> None:
     """Mark damaged the newest checkpoints that ``resume`` (which checks every CRC) would skip."""
+    from .._source.listing import find_latest
+
     _, skipped = find_latest(folder, verify=True)
     reasons = {path.name: err for path, err in skipped}
     for entry in checkpoints:
@@ -97,17 +101,30 @@ def _crc_check_newest(folder: Path, checkpoints: list[dict[str, Any]]) -> None:
             entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
 
 
-def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
+def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> dict[str, Any]:
     """The report of ``dist-resume list``. Local; reads each checkpoint's zip directory and pickle (and with
-    ``verify`` every record's CRC-32), never loads tensor data."""
+    ``verify`` every record's CRC-32), never loads tensor data.
+
+    ``fast`` (default) answers without importing torch when every entry is a sound checkpoint of this toolkit
+    (:mod:`._list_fast`); any other folder, or any doubt, is listed by the torch path, so the report is the same.
+    """
     folder = Path(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"folder {str(folder)!r} does not exist")
     if not folder.is_dir():
         raise UsageError(f"{str(folder)!r} is a file, not a folder", f"run `dist-resume inspect {folder}` on a file")
     now = time.time()
-    checkpoints = [_checkpoint(p, verify, now) for p in CheckpointManager(folder).checkpoints()]
-    others = sorted(
+    if fast:
+        try:
+            checkpoints = fast_entries(folder, verify, now)
+            return _report(folder, verify, now, checkpoints, "checkpoint-manager")
+        except Exception:  # PeekUnsure, or anything the fast path did not foresee: the torch path decides
+            pass
+    return _torch_list(folder, verify, now)
+
+
+def _others(folder: Path) -> list[str]:
+    return sorted(
         p.name
         for p in folder.iterdir()
         if p.name != LOCK_NAME
@@ -115,6 +132,14 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
         and not CHECKPOINT_NAME.match(p.name)
         and not _HF_STEP_DIR.match(p.name)
     )
+
+
+def _torch_list(folder: Path, verify: bool, now: float) -> dict[str, Any]:
+    from .._foreign.folders import detect_folder
+    from .._source.listing import numbered_checkpoints
+
+    checkpoints = [_checkpoint(p, verify, now) for _, p in numbered_checkpoints(folder)]
+    others = _others(folder)
     kind = "checkpoint-manager" if checkpoints else "empty" if not others else "no checkpoints"
     if not checkpoints and (hf := _hf_output(folder, now)):
         kind, checkpoints = "hf-trainer-output", hf
@@ -122,13 +147,18 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
         kind = foreign.value  # one foreign checkpoint: `dist-resume inspect` and resume() read it as a whole
     if kind == "checkpoint-manager" and not verify:
         _crc_check_newest(folder, checkpoints)  # resume checks CRCs newest first: say what it will skip
+    return _report(folder, verify, now, checkpoints, kind)
+
+
+def _report(folder: Path, verify: bool, now: float, checkpoints: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    others = _others(folder)
     valid = [e for e in checkpoints if e["status"] == "valid"]
     pick = valid[-1]["name"] if valid else None
     if pick is not None:
         why = None
     elif checkpoints:
         why = "every checkpoint is damaged: resume raises CheckpointCorruptError"
-    elif subs := checkpoint_subfolders(folder):
+    elif subs := _subfolders(folder):
         why = f"it holds checkpoint folders one level down ({preview((s.name + '/' for s in subs), 4)}): pass one to resume()"
     elif kind in ("empty", "no checkpoints"):
         why = "no checkpoint: CheckpointManager.resume starts fresh (or from init_from)"
@@ -149,6 +179,17 @@ def list_folder(path: PathLike, *, verify: bool = False) -> dict[str, Any]:
     }
 
 
+def _subfolders(folder: Path) -> list[Path]:
+    from .._foreign.folders import checkpoint_subfolders
+
+    return checkpoint_subfolders(folder)
+
+
+def _shards_text(shards: dict[str, Any]) -> str:
+    mesh = "no mesh" if shards["mesh_shape"] is None else "mesh " + " x ".join(map(str, shards["mesh_shape"]))
+    return f"sharded: {shards['shard_files']} shard file(s) by {shards['writers']} rank(s), {mesh}"
+
+
 def _age_text(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
@@ -166,6 +207,8 @@ def render_list(report: dict[str, Any]) -> str:
         table: list[tuple[str, ...]] = [("file", "step", "epoch", "size", "age", "world", "status")]
         for e in rows:
             status = "valid" if e["status"] == "valid" else f"DAMAGED: {e['reason']}"
+            if e.get("shards") and e["status"] == "valid":
+                status += f" ({_shards_text(e['shards'])})"
             cells = (e["name"], e["step"], e["epoch"], human_bytes(e["bytes"]), _age_text(e["age_seconds"]))
             table.append((*(str("-" if c is None else c) for c in cells), str(e["world_size"] or "-"), status))
         widths = [max(len(r[i]) for r in table) for i in range(6)]

@@ -3,140 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .._core.errors import UsageError
 from .._core.text import preview
 from .._core.types import PathLike
-from .._format.sniff import FileKind, check_file, file_kind
-from .._layout.detect import check_part_keys
-from .._layout.layout import CheckpointParts, describe_keys, split_checkpoint
-from .._source.open import open_checkpoint
-from .._source.source import local_source
-from .._state.optim_keys import GROUP_BOOKKEEPING
-from .._state.prefix import canonical_key, prefix_style
 from ._common import SCHEMA_PREFIX
-from ._compare import compare_values, key_difference, max_abs_diff, same_bits
+from ._fast import fast_verify
 
-__all__ = ["verify_checkpoints", "render_verify", "same_bits", "max_abs_diff"]
+if TYPE_CHECKING:
+    from .._layout.layout import CheckpointParts
+
+__all__ = ["verify_checkpoints", "render_verify"]
 
 SCHEMA = f"{SCHEMA_PREFIX}/verify/1"
-
-
-class _Report:
-    def __init__(self) -> None:
-        self.differences: list[dict[str, str]] = []
-        self.tensors = {"model": 0, "optimizer": 0, "other": 0}
-        self.not_compared: list[str] = []
-        self.bytes = 0
-
-    def diff(self, part: str, key: str, problem: str) -> None:
-        self.differences.append({"part": part, "key": key, "problem": problem})
-
-    def compare(self, part: str, key: str, a: Any, b: Any) -> None:
-        for value in (a,) if isinstance(a, torch.Tensor) else ():
-            self.tensors[part if part in self.tensors else "other"] += 1
-            self.bytes += value.numel() * value.element_size()
-        problem = compare_values(a, b)
-        if problem:
-            self.diff(part, key, problem)
-
-
-def _canonical(model: Mapping[str, Any], which: str, report: _Report) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    for key, value in model.items():
-        c = canonical_key(key)
-        if c in out:
-            report.diff("model", c, f"{which} holds it twice ({origin[c]!r} and {key!r})")
-        out[c], origin[c] = value, key
-    return out
-
-
-def _compare_models(a: Mapping[str, Any], b: Mapping[str, Any], report: _Report) -> None:
-    ca, cb = _canonical(a, "A", report), _canonical(b, "B", report)
-    for key in sorted(ca.keys() - cb.keys()):
-        report.diff("model", key, "A has it, B does not")
-    for key in sorted(cb.keys() - ca.keys()):
-        report.diff("model", key, "B has it, A does not")
-    for key in ca:
-        if key in cb:
-            report.compare("model", key, ca[key], cb[key])
-
-
-def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
-    """(label, saved id) for every parameter: its canonical name when every group has names, else ``param N``."""
-    named = all(isinstance(g, Mapping) and "param_names" in g for g in groups)
-    pids = [pid for g in groups for pid in g.get("params", [])]
-    if named:
-        names = [canonical_key(n) for g in groups for n in g["param_names"]]
-        if len(names) == len(pids):
-            return list(zip(names, pids))
-    return [(f"param {n}", pid) for n, pid in enumerate(pids)]
-
-
-def _compare_groups(ga: list[Any], gb: list[Any], report: _Report) -> None:
-    for i, (x, y) in enumerate(zip(ga, gb)):
-        hx = {k: v for k, v in x.items() if k not in GROUP_BOOKKEEPING}
-        hy = {k: v for k, v in y.items() if k not in GROUP_BOOKKEEPING}
-        if set(hx) != set(hy):
-            report.diff("optimizer", f"group {i}", key_difference(hx, hy))
-        for key in (k for k in hx if k in hy):
-            report.compare("optimizer", f"group {i} {key}", hx[key], hy[key])
-
-
-def _compare_optimizers(a: Any, b: Any, report: _Report) -> None:
-    if a is None or b is None:
-        if (a is None) != (b is None):
-            report.not_compared.append(f"optimizer (only {'B' if a is None else 'A'} has one)")
-        return
-    if not all(isinstance(o, Mapping) and "state" in o and "param_groups" in o for o in (a, b)):
-        report.compare("optimizer", "-", a, b)
-        return
-    ga, gb = list(a["param_groups"]), list(b["param_groups"])
-    if len(ga) != len(gb):
-        report.diff("optimizer", "param_groups", f"A has {len(ga)} groups, B {len(gb)}")
-        return
-    _compare_groups(ga, gb, report)
-    pa, pb = dict(_param_order(ga)), dict(_param_order(gb))
-    if set(pa) != set(pb):  # different names (or one side unnamed): pair by position instead
-        if not any(k.startswith("param ") for k in (*pa, *pb)):
-            for name in sorted(set(pa) - set(pb)):
-                report.diff("optimizer", name, "A's optimizer has this parameter, B's does not")
-            for name in sorted(set(pb) - set(pa)):
-                report.diff("optimizer", name, "B's optimizer has this parameter, A's does not")
-        oa, ob = _param_order(ga), _param_order(gb)
-        named = next((o for o in (oa, ob) if not any(k.startswith("param ") for k, _ in o)), None)
-        unnamed_side = any(k.startswith("param ") for k, _ in (*oa, *ob))
-        # one naming scheme: the names of the side that has them, where the other side pairs by position
-        labels = [k for k, _ in named] if named is not None and unnamed_side and len(oa) == len(ob) else None
-        pa = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(oa)}
-        pb = {(labels[n] if labels else f"param {n}"): pid for n, (_, pid) in enumerate(ob)}
-        if len(pa) != len(pb):
-            report.diff("optimizer", "params", f"A has {len(pa)} parameters, B {len(pb)}")
-            return
-    for label, ida in pa.items():
-        sa, sb = a["state"].get(ida), b["state"].get(pb[label])
-        if sa is None or sb is None:
-            if (sa is None) != (sb is None):
-                report.diff("optimizer", label, f"{'A' if sb is None else 'B'} has state for it, the other does not")
-            continue
-        if set(sa) != set(sb):
-            report.diff("optimizer", label, key_difference(sa, sb))
-        for key in sorted((k for k in sa if k in sb), key=str):
-            report.compare("optimizer", f"{label} {key}", sa[key], sb[key])
-
-
-def _compare_rest(pa: CheckpointParts, pb: CheckpointParts, report: _Report) -> None:
-    """Epoch, step, scheduler and GradScaler: compared where both files have them, else listed as not compared."""
-    for part in ("epoch", "step", "scheduler", "scaler"):
-        x, y = getattr(pa, part), getattr(pb, part)
-        if x is not None and y is not None:
-            report.compare(part, "-", x, y)
-        elif (x is None) != (y is None):
-            report.not_compared.append(f"{part} (only {'B' if x is None else 'A'} has one)")
 
 
 def _keys_held(obj: Any, part_keys: Mapping[str, str] | None) -> dict[str, str] | None:
@@ -152,6 +33,8 @@ def _keys_held(obj: Any, part_keys: Mapping[str, str] | None) -> dict[str, str] 
 
 
 def _side(path: PathLike, parts: CheckpointParts) -> dict[str, Any]:
+    from .._state.prefix import prefix_style
+
     return {
         "path": str(path),
         "layout": parts.layout.value,
@@ -160,14 +43,33 @@ def _side(path: PathLike, parts: CheckpointParts) -> dict[str, Any]:
     }
 
 
-def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+def verify_checkpoints(
+    a: PathLike, b: PathLike, *, part_keys: Mapping[str, str] | None = None, fast: bool = True
+) -> dict[str, Any]:
     """The ``verify --json`` report: the parts detected in ``a`` and ``b``, compared modulo prefixes.
 
     Local. Model weights are compared under their canonical keys; the optimizer, epoch, step,
     scheduler and GradScaler where both files have them (a part only one file has is listed in
     ``not_compared``). ``part_keys`` (``verify --part``) names keys for parts in whichever file
-    holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time.
+    holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time. A
+    sharded checkpoint folder (an FSDP2 save) is first checked against its manifest (every file's size and CRC-32).
+
+    ``fast`` (default): two equal files of this toolkit are confirmed without torch (:mod:`._fast`); anything
+    else (a difference, another layout, any doubt) is compared by the torch path, so the report is the same.
     """
+    if fast and not part_keys:
+        try:
+            return fast_verify(a, b)
+        except Exception:  # PeekUnsure (a difference, another layout, a doubt) or the unforeseen: the torch path
+            pass
+    from .._layout.detect import check_part_keys
+    from .._layout.layout import split_checkpoint
+    from .._source.open import open_checkpoint
+    from ._compare import compare_parts
+    from ._inspect_sources import check_sharded
+
+    for side in (a, b):  # a sharded checkpoint folder is checked whole first: damage is said naming the file
+        check_sharded(Path(side))
     if part_keys:
         check_part_keys(part_keys)
     # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
@@ -187,10 +89,7 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
             )
     pa = contents_a.parts or split_checkpoint(obj_a, source=str(a), part_keys=held_a)
     pb = contents_b.parts or split_checkpoint(obj_b, source=str(b), part_keys=held_b)
-    report = _Report()
-    _compare_models(pa.model, pb.model, report)
-    _compare_optimizers(pa.optimizer, pb.optimizer, report)
-    _compare_rest(pa, pb, report)
+    report = compare_parts(pa, pb)
     return {
         "schema": SCHEMA,
         "a": _side(a, pa),
@@ -207,11 +106,15 @@ def verify_checkpoints(a: PathLike, b: PathLike, *, part_keys: Mapping[str, str]
 
 
 def _mmap(path: PathLike) -> bool:
+    from .._format.sniff import FileKind, check_file, file_kind
+    from .._source.source import local_source
+
     return local_source(path).layout is not None or file_kind(check_file(path)) is not FileKind.LEGACY
 
 
 def _where(side: Mapping[str, Any]) -> str:
-    keys = describe_keys(side.get("part_keys") or {})
+    # describe_keys' words (dist_resume._layout.layout, which imports torch; tests/test_cli_fast.py checks they agree)
+    keys = ", ".join(f"{part} <- {key!r}" for part, key in (side.get("part_keys") or {}).items())
     return f"{side['layout']}, prefix {side['prefix_style']}" + (f"; {keys}" if keys else "")
 
 

@@ -46,6 +46,7 @@ def reads(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     the file is read through read(), so rchar sees it.
     """
     out: dict[str, Any] = {}
+    dist_resume.resume  # the public names load on first use (reading their .pyc files): before the counter runs
     for phase, broadcast, mmap in (("broadcast", True, False), ("broadcast_mmap", True, True), ("each", False, False)):
         model, opt = make(seed=10 + rank)
         train(model, opt, steps=1)  # live optimizer state exists: resume must replace it, not add to it
