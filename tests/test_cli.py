@@ -25,7 +25,8 @@ import dist_resume
 from dist_resume._convert.convert import remove_stale_temps
 from dist_resume.cli import main
 from dist_resume.cli._common import ExitCode, ProgressBar
-from tests.helpers import fake_accelerator, save_with_device_tag
+from tests.helpers import fake_accelerator, metadata_of, save_with_device_tag
+from tests.models import compile_module
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -74,7 +75,7 @@ def _same_tensors(a: Any, b: Any) -> bool:
 
 def test_single_to_ddp_to_single_round_trip(tmp_path: Path, run: Run) -> None:
     model, opt = _trained()
-    original = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}
+    original: dict[str, Any] = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}
     torch.save(original, tmp_path / "single.pt")
     assert run("convert", tmp_path / "single.pt", tmp_path / "ddp.pt", "--to", "ddp")[0] == ExitCode.OK
 
@@ -91,7 +92,7 @@ def test_single_to_ddp_to_single_round_trip(tmp_path: Path, run: Run) -> None:
     assert code == ExitCode.OK and "module. -> none" in out
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     assert _same_tensors(back, original)
-    assert back["model"]._metadata == original["model"]._metadata
+    assert metadata_of(back["model"]) == metadata_of(original["model"])
     with zipfile.ZipFile(tmp_path / "single.pt") as a, zipfile.ZipFile(tmp_path / "back.pt") as b:
         data = [n for n in a.namelist() if "/data/" in n]
         assert data and all(a.read(n) == b.read(n) for n in data)  # tensor records byte for byte
@@ -107,16 +108,16 @@ def test_toolkit_checkpoint_converts_and_still_resumes(tmp_path: Path, run: Run)
     assert payload["optimizer"]["param_groups"][0]["param_names"][0] == "module.fc.weight"
     fresh = Net()
     result = dist_resume.resume(tmp_path / "ddp.pt", model=fresh, optimizer=torch.optim.Adam(fresh.parameters()))
-    assert result.step == 5 and torch.equal(fresh.fc.weight, model.fc.weight)
+    assert result.step == 5 and torch.equal(fresh.fc.weight, model.get_parameter("fc.weight"))
 
 
 WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "plain": lambda m: m,
     "ddp": nn.DataParallel,
-    "compiled": torch.compile,
+    "compiled": compile_module,
     "ddp_of_ddp": lambda m: nn.DataParallel(nn.DataParallel(m)),
-    "compile_of_ddp": lambda m: torch.compile(nn.DataParallel(m)),
-    "ddp_of_compiled": lambda m: nn.DataParallel(torch.compile(m)),
+    "compile_of_ddp": lambda m: compile_module(nn.DataParallel(m)),
+    "ddp_of_compiled": lambda m: nn.DataParallel(compile_module(m)),
 }
 
 
@@ -131,7 +132,8 @@ def test_every_wrapping_converts(tmp_path: Path, run: Run, wrapper: str, to: str
     target.load_state_dict(out["model_state_dict"])
     assert list(out["model_state_dict"]) == list(target.state_dict())
     assert out["optimizer_state_dict"]["param_groups"][0]["param_names"] == [n for n, _ in target.named_parameters()]
-    assert torch.equal(dist_resume.unwrap_model(target).fc.weight, dist_resume.unwrap_model(model).fc.weight)
+    live = dist_resume.unwrap_model(model).get_parameter("fc.weight")
+    assert torch.equal(dist_resume.unwrap_model(target).get_parameter("fc.weight"), live)
 
 
 def _layouts(model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> dict[str, tuple[dict[str, Any] | Any, str, str]]:
@@ -334,9 +336,12 @@ def test_bad_inputs_exit_2_with_one_line_and_a_hint(
         bad.write_text("hello\n")
     elif kind == "unsafe":
         _evil(bad, marker)
-    args: list[Any] = {"inspect": [bad], "convert": [bad, tmp_path / "out.pt", "--to", "ddp"], "verify": [bad, bad]}[
-        command
-    ]
+    commands: dict[str, list[Any]] = {
+        "inspect": [bad],
+        "convert": [bad, tmp_path / "out.pt", "--to", "ddp"],
+        "verify": [bad, bad],
+    }
+    args = commands[command]
     code, out, err = run(command, *args)
     lines = err.splitlines()
     assert code == ExitCode.INPUT and out == ""

@@ -166,9 +166,10 @@ def test_the_fast_paths_names_are_the_toolkits():
     keys = ["w", "fc.weight", "module.fc.w", "module", "a.module.b", "_orig_mod.w", "a._orig_mod.b", "_orig_mod"]
     for key in keys + ["module.module.x", "submodule.weight", "a.b.c"]:
         assert _fast._plain_key(key) == (canonical_key(key) == key and prefix_style([key]) == "none"), key
-    side = {"path": "a.pt", "layout": "dist_resume", "prefix_style": "none", "part_keys": {"model": "model", "x": "y"}}
+    part_keys = {"model": "model", "x": "y"}
+    side = {"path": "a.pt", "layout": "dist_resume", "prefix_style": "none", "part_keys": part_keys}
     report = {"compared": {"model_tensors": 1, "optimizer_tensors": 0}, "equal": True, "a": side, "b": side}
-    assert render_verify(report).splitlines()[1] == f"  A: dist_resume, prefix none; {describe_keys(side['part_keys'])}"
+    assert render_verify(report).splitlines()[1] == f"  A: dist_resume, prefix none; {describe_keys(part_keys)}"
 
 
 def _trained(seed: int = 0, named: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -44,9 +44,11 @@ class Net(nn.Module):
 def _adam_after(steps: int) -> tuple[Net, torch.optim.Adam]:
     torch.manual_seed(0)
     net = Net()
-    opt = torch.optim.Adam(
-        [{"params": net.fc.parameters()}, {"params": net.head.parameters(), "weight_decay": 0.25}], lr=3e-3
-    )
+    groups: list[dict[str, Any]] = [
+        {"params": net.fc.parameters()},
+        {"params": net.head.parameters(), "weight_decay": 0.25},
+    ]
+    opt = torch.optim.Adam(groups, lr=3e-3)
     for _ in range(steps):
         opt.zero_grad()
         net(torch.randn(5, 4)).sum().backward()

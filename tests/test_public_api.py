@@ -22,8 +22,8 @@ from dist_resume._core import errors as _errors
 MODULES = (dist_resume, tools, errors)
 PUBLIC = [(m, getattr(m, n)) for m in MODULES for n in m.__all__ if n != "__version__"]
 OWN = [(m, o) for m, o in PUBLIC if o.__module__ == m.__name__]  # DistResumeError is errors' (dist_resume re-exports)
-FUNCTIONS = [o for _, o in OWN if inspect.isfunction(o)]
-CLASSES = [o for _, o in OWN if inspect.isclass(o)]
+FUNCTIONS: list[typing.Any] = [o for _, o in OWN if inspect.isfunction(o)]
+CLASSES: list[typing.Any] = [o for _, o in OWN if inspect.isclass(o)]
 EXCEPTIONS = [c for c in CLASSES if issubclass(c, BaseException) and not issubclass(c, Warning)]
 # room for what a training script needs next (destroy_distributed is on its way): the face stays small
 NAME_BUDGET = 32
@@ -62,7 +62,7 @@ def test_tools_holds_the_clis_back_ends_and_their_result_types():
         assert name in tools.__all__
     for name in ("ConvertResult", "ArchiveFinding", "CheckpointInfo", "resolve_checkpoint", "KeyForm", "FindingKind"):
         assert name in tools.__all__
-    assert "collective" in tools.resolve_checkpoint.__doc__
+    assert "collective" in (tools.resolve_checkpoint.__doc__ or "")
     for name in ("ResumeResult", "ResumeOptions", "RankInfo", "TrainingObjects", "AsyncSave"):
         assert name in dist_resume.__all__
 
@@ -165,7 +165,7 @@ def test_cli_report_builder_does_not_shadow_the_public_name():
 
 def test_testing_module_is_public_and_documented():
     assert dist_resume.testing.__all__ == ["RankFailure", "run_ranks", "kill_process_group"]
-    assert "Local" in dist_resume.testing.run_ranks.__doc__ and "Example" in dist_resume.testing.__doc__
+    assert "Local" in (dist_resume.testing.run_ranks.__doc__ or "") and "Example" in (dist_resume.testing.__doc__ or "")
 
 
 def _members(obj):
@@ -210,8 +210,11 @@ def _resolves(name: str) -> bool:
             parts = parts[1:]
             break
     else:
-        module = next((m for m in MODULES if parts[0] in m.__all__), None)
-    if module is None or not parts or parts[0] not in module.__all__:
+        found = next((m for m in MODULES if parts[0] in m.__all__), None)
+        if found is None:
+            return False
+        module = found
+    if not parts or parts[0] not in module.__all__:
         return False
     obj = getattr(module, parts[0])
     return all(hasattr(obj, attr) for attr in parts[1:])
