@@ -27,6 +27,7 @@ from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
+from tests.models import compile_module
 
 STEPS, STOP = 3, 6  # interrupted after STEPS, continued to STOP
 
@@ -138,9 +139,9 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     report["dcp_at_save"] = _differ(_full(model, opt), at_save_full)
     # CheckpointManager.resume, into a model wrapped at the root only
     model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
-    report["manager_result"] = (
-        dr.CheckpointManager(root / "run2", model=model, optimizer=opt, scheduler=sched).resume().step
-    )
+    result = dr.CheckpointManager(root / "run2", model=model, optimizer=opt, scheduler=sched).resume()
+    assert result is not None, "CheckpointManager.resume found no checkpoint in run2"
+    report["manager_result"] = result.step
     _train(model, opt, sched, STEPS, STOP)
     report["manager_root_only"] = _diff_on_rank0(model, opt, reference)
     # FSDP2@2 -> DDP@2
@@ -150,7 +151,7 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     report["to_ddp"] = _differ(_full(model, opt), reference)
     # torch.compile of a root-only wrapped model: _orig_mod. keys adapted
     inner, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
-    report["compiled_result"] = _resumed(root / "run2", torch.compile(inner), opt, sched)
+    report["compiled_result"] = _resumed(root / "run2", compile_module(inner), opt, sched)
     report["compiled"] = _differ(_locals(inner, opt), at_save)
 
     # DDP@2 -> FSDP2@2 continues as DDP itself does; by every rank's mapping of the file, and from rank 0
@@ -181,8 +182,8 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
             "step": STEPS,
         }
         torch.save(raw, root / "single.pt")
-        bad = {**raw, "model": {**raw["model"], "b.weight": torch.zeros(7, 4)}}  # one tensor of the wrong shape
-        torch.save(bad, root / "bad.pt")
+        wrong_shape = {**raw, "model": {**raw["model"], "b.weight": torch.zeros(7, 4)}}  # one tensor of the wrong shape
+        torch.save(wrong_shape, root / "bad.pt")
         at_single = _full(single, single_opt)
         _train(single, single_opt, single_sched, STEPS, STOP, alone=True)
         single_reference = _full(single, single_opt)
@@ -266,7 +267,9 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
     report["dcp_at_save"] = _differ(full, refs["at_save"]) if rank == 0 else []
     model, opt, sched = _fsdp(mesh, seed=9, per_layer=False)
     mgr = dr.CheckpointManager(root / "run2", model=model, optimizer=opt, scheduler=sched)
-    report["manager_result"] = mgr.resume().step
+    result = mgr.resume()
+    assert result is not None, "CheckpointManager.resume found no checkpoint in run2"
+    report["manager_result"] = result.step
     if world_size == 4:  # the 2-rank folder saved again from 4 ranks, for the 1-rank run
         mgr4 = dr.CheckpointManager(root / "run4", model=model, optimizer=opt, scheduler=sched)
         mgr4.save(STEPS)

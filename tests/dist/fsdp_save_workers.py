@@ -8,7 +8,7 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from dist_resume._checkpoint import sharded_save
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import CheckpointWriteError, UsageError
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh, _sharded, _train
+from tests.helpers import local_shard
+from tests.models import compile_module
 
 FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -35,8 +37,9 @@ FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """DSD's full state (collective), flattened to ``{name or name/state key: tensor}``; ``{}`` off rank 0. Copies:
     DSD hands out the live tensor where one is whole already (``step``), which training then changes."""
-    model_sd = get_model_state_dict(model, options=FULL_CPU)
-    optim_sd = get_optimizer_state_dict(model, opt, options=FULL_CPU)
+    # full_state_dict: plain tensors only; the optimizer's "state" is keyed by name (DSD types both loosely)
+    model_sd = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=FULL_CPU))
+    optim_sd = cast(dict[str, Any], get_optimizer_state_dict(model, opt, options=FULL_CPU))
     flat = dict(model_sd)
     for name, state in optim_sd.get("state", {}).items():
         flat.update({f"{name}/{k}": v for k, v in state.items()})
@@ -55,7 +58,7 @@ def _from_file(obj: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _dcp_loaded(mesh: Any, path: Path, per_layer: bool = True) -> tuple[Net, torch.optim.Optimizer]:
     """A fresh FSDP2 model and optimizer that ``dcp.load`` filled from ``path`` through DSD's sharded state dicts."""
     model, opt = _sharded(mesh, seed=77, per_layer=per_layer)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])
@@ -85,6 +88,7 @@ def _failure(rank: int, world_size: int, mgr: dr.CheckpointManager, where: str) 
 
     if rank == victim:
         setattr(owner, name, broken)
+    outcome: dict[str, Any]
     try:
         mgr.save(200)
         outcome = {"error": None}
@@ -94,7 +98,11 @@ def _failure(rank: int, world_size: int, mgr: dr.CheckpointManager, where: str) 
         setattr(owner, name, real)
     dist.barrier()
     outcome["entries"] = sorted(os.listdir(mgr.folder))
-    outcome["latest"] = mgr.latest().name if rank == 0 else None  # type: ignore[union-attr]
+    outcome["latest"] = None
+    if rank == 0:
+        latest = mgr.latest()
+        assert latest is not None, "no checkpoint left after the failed save"
+        outcome["latest"] = latest.name
     return outcome
 
 
@@ -128,7 +136,9 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
         report["files"] = sorted(os.listdir(first))
         report["manifest"] = {k: manifest[k] for k in ("format", "step", "world_size", "mesh_shape", "writers")}
         report["manifest_files"] = sorted(f["name"] for f in manifest["files"])
-        report["latest"] = mgr.latest().name  # type: ignore[union-attr]
+        latest = mgr.latest()
+        assert latest is not None, "no checkpoint after mgr.save(100)"
+        report["latest"] = latest.name
         info = dr.tools.inspect_checkpoint(first)
         report["info"] = (info.step, info.layout, info.size == sum(f["size"] for f in manifest["files"]))
         keys = list(read_dcp_metadata(first).state_dict_metadata)
@@ -140,7 +150,7 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
         report["scheduler"] = train_state["scheduler"] == sched.state_dict()
         report["rng_ranks"] = len(train_state["rng"])
         report["rng0_is_rank0s"] = torch.equal(train_state["rng"][0]["torch"], rng_before)
-    rng_saved = [None] * world_size
+    rng_saved: list[bool | None] = [None] * world_size
     dist.all_gather_object(rng_saved, torch.equal(torch.get_rng_state(), rng_before))  # saving draws nothing
     report["rng_untouched"] = all(rng_saved)
     if rank == 0:
@@ -207,7 +217,7 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
     handle = mgr.save_async(200)
     with torch.no_grad():  # at once, while the thread plans: the save must hold the values it was called with
         for p in model.parameters():
-            p.to_local().add_(1.0)
+            local_shard(p).add_(1.0)
     report["async"] = handle.wait().name
     _train(model, opt, steps=1, seed=9)
     report["async_vs_before"] = _differ(_locals(*_dcp_loaded(mesh, root / "run" / "ckpt_00000200.dcp")), before)
@@ -232,7 +242,7 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
     # 9) torch.compile of a root-only wrapped model: canonical keys; it loads into a per-layer wrapped one
     inner, inner_opt = _sharded(mesh, seed=40, per_layer=False)
     _train(inner, inner_opt, steps=1, seed=2)
-    compiled_dest = dr.save_checkpoint(root / "compiled.dcp", model=torch.compile(inner), optimizer=inner_opt, step=1)
+    compiled_dest = dr.save_checkpoint(root / "compiled.dcp", model=compile_module(inner), optimizer=inner_opt, step=1)
     report["compiled"] = _differ(_locals(*_dcp_loaded(mesh, compiled_dest)), _locals(inner, inner_opt))
     if rank == 0:
         keys = list(read_dcp_metadata(compiled_dest).state_dict_metadata)

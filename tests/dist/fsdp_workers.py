@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ from dist_resume._state.sharded import (
 )
 from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
 from dist_resume.errors import CheckpointWriteError, OptimizerStateMismatchError
+from tests.helpers import local_shard
+from tests.models import compile_module
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -42,6 +44,8 @@ FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 class Net(nn.Module):
     """Uneven shards everywhere: 3 and 7 rows over 2 or 4 ranks, and a 1-row weight that leaves ranks empty."""
+
+    scale: torch.Tensor  # a registered buffer (nn.Module types attribute access as Tensor | Module)
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,7 +86,7 @@ def _failed_saves(rank: int, folder: Path, state: dict[str, Any]) -> list[str]:
     """Saves that fail on rank 0 (no such folder; the disk full in the middle of the data): every rank raises
     rank 0's error, none is left blocked in a send, no temporary file stays, and the group still works."""
     errors = []
-    real = stream_write.write_all
+    real = stream_write.write_all  # type: ignore[attr-defined]  # the name stream_write imported (patched there)
     calls = 0
 
     def full_disk(fd: int, data: Any, offset: int) -> None:
@@ -93,13 +97,13 @@ def _failed_saves(rank: int, folder: Path, state: dict[str, Any]) -> list[str]:
         real(fd, data, offset)
 
     for target, patch in ((folder / "missing" / "x.pt", False), (folder / "x.pt", True)):
-        stream_write.write_all = full_disk if patch and rank == 0 else real  # type: ignore[assignment]
+        stream_write.write_all = full_disk if patch and rank == 0 else real  # type: ignore[attr-defined]  # as above
         try:
             save_full_state(target, state, bucket_bytes=16)
         except CheckpointWriteError as err:
             errors.append(str(err))
         finally:
-            stream_write.write_all = real  # type: ignore[assignment]
+            stream_write.write_all = real  # type: ignore[attr-defined]  # as above
     dist.barrier()
     leftovers = sorted(p.name for p in folder.iterdir() if p.name.startswith(".x.pt"))
     return [*errors, f"leftovers {leftovers}"]
@@ -109,7 +113,7 @@ def _locals(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
     """This rank's shards of every parameter and state tensor, as plain tensors."""
     out = {}
     for name, p in model.named_parameters():
-        out[name] = p.to_local().detach().clone()
+        out[name] = local_shard(p).detach().clone()
         for key, value in opt.state.get(p, {}).items():
             out[f"{name}/{key}"] = (value.to_local() if isinstance(value, DTensor) else value).detach().clone()
     for name, b in model.named_buffers():
@@ -159,16 +163,16 @@ def against_dsd(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # the description of every parameter is DTensor's own
     ours, our_opt = _sharded(mesh, seed=10)  # no optimizer state yet: it is built from the file
-    report["is_sharded"] = is_sharded(ours) and is_sharded(torch.compile(ours)) and not is_sharded(Net())
-    specs = sharded_parameters(torch.compile(ours))  # canonical names through torch.compile
+    report["is_sharded"] = is_sharded(ours) and is_sharded(compile_module(ours)) and not is_sharded(Net())
+    specs = sharded_parameters(compile_module(ours))  # canonical names through torch.compile
     report["spec_names"] = list(specs)
-    report["spec_mismatch"] = [
-        n
-        for n, p in ours.named_parameters()
-        if (specs[n].local_shape, specs[n].offset)
-        != tuple(map(tuple, compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)))
-        or tuple(p.to_local().shape) != specs[n].local_shape
-    ]
+    spec_mismatch = []
+    for n, p in ours.named_parameters():
+        assert isinstance(p, DTensor), f"{n}: not a DTensor"  # torch types a sharded module's parameters as Parameter
+        box = tuple(map(tuple, compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)))
+        if (specs[n].local_shape, specs[n].offset) != box or tuple(p.to_local().shape) != specs[n].local_shape:
+            spec_mismatch.append(n)
+    report["spec_mismatch"] = spec_mismatch
     report["placements"] = str(specs["a.weight"].placements)
 
     # (1) every rank copies its boxes out of its own mapping of the file; a fresh optimizer gets its state built
@@ -193,7 +197,7 @@ def against_dsd(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # (4) a compiled, root-only wrapped model: its keys carry _orig_mod., re-keyed as resume re-keys them
     inner, inner_opt = _sharded(mesh, seed=40, per_layer=False)
-    compiled = torch.compile(inner)
+    compiled = compile_module(inner)
     load_full_model_state(compiled, adapt_state_dict(saved["model"], compiled))
 
     mine = _locals(ours, our_opt)
@@ -211,8 +215,9 @@ def against_dsd(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     report["scattered_trained_vs_dsd"] = _differ(_locals(scattered, scat_opt), _locals(theirs, their_opt))
 
     # gathers: ours to rank 0 against DSD's full state dicts
-    full_model = get_model_state_dict(theirs, options=FULL_CPU)
-    full_optim = get_optimizer_state_dict(theirs, their_opt, options=FULL_CPU)
+    # full_state_dict: plain tensors only; the optimizer's "state" is keyed by name (DSD types both loosely)
+    full_model = cast(dict[str, torch.Tensor], get_model_state_dict(theirs, options=FULL_CPU))
+    full_optim = cast(dict[str, Any], get_optimizer_state_dict(theirs, their_opt, options=FULL_CPU))
     gathered = {n: gather_full(t, bucket_bytes=16) for n, t in [*ours.named_parameters(), *ours.named_buffers()]}
     for n, p in ours.named_parameters():
         for key, value in our_opt.state[p].items():
