@@ -20,17 +20,17 @@ from ._core.version import __version__
 if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the same imports, made eagerly)
     from . import errors as errors
     from . import tools as tools
-    from ._checkpoint.async_save import AsyncSave, save_checkpoint_async
     from ._checkpoint.objects import TrainingObjects
     from ._checkpoint.options import OptimizerHparams, ResumeOptions
     from ._checkpoint.restore import ResumeResult, resume
-    from ._checkpoint.save import save_checkpoint
     from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
     from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
     from ._exact.sampler import ResumableDistributedSampler
     from ._format.load import rank_map_location
     from ._layout.layout import Layout
     from ._manager.manager import CheckpointManager
+    from ._save.async_save import AsyncSave, save_checkpoint_async
+    from ._save.save import save_checkpoint
     from ._source.open import load_checkpoint
     from ._state.adapt import adapt_state_dict
     from ._state.devices import check_devices
@@ -81,11 +81,11 @@ __all__ = [
 
 # where each exported name lives (the TYPE_CHECKING block above says the same to type checkers)
 _HOMES: Final = {
-    **dict.fromkeys(("AsyncSave", "save_checkpoint_async"), "._checkpoint.async_save"),
+    **dict.fromkeys(("AsyncSave", "save_checkpoint_async"), "._save.async_save"),
     "TrainingObjects": "._checkpoint.objects",
     **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
     **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
-    "save_checkpoint": "._checkpoint.save",
+    "save_checkpoint": "._save.save",
     **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
     "ResumableDistributedSampler": "._exact.sampler",

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dist_resume._checkpoint.full_state import save_full_state
 from dist_resume._core.shards import local_of, shard_spec
 from dist_resume._core.tree import map_tensors
 from dist_resume._dist.comm import broadcast_object
 from dist_resume._dist.shard_comm import scatter_full_into
 from dist_resume._format.stream_write import distinct_tensors, write_streamed
+from dist_resume._save.full_state import save_full_state
 from dist_resume._state.optim import prepare_optimizer_state
 from dist_resume._state.sharded import load_full_model_state, model_destinations
 from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state

@@ -71,7 +71,7 @@ def test_the_walk_finds_every_planted_use(tmp_path):
         "_state/optim.py": "\nimport torch.cuda  # noqa: E402\n",
         "_format/load.py": "\nfrom torch import cuda as _cuda  # noqa: E402\n",
         "_exact/rng.py": "\nfrom torch.cuda import amp as _amp  # noqa: E402\n",
-        "_checkpoint/save.py": "\n\ndef _on_gpu(t):\n    return t.is_cuda\n",
+        "_save/save.py": "\n\ndef _on_gpu(t):\n    return t.is_cuda\n",
     }
     for module, text in planted.items():
         source = tmp_path / "dist_resume" / module
@@ -81,7 +81,7 @@ def test_the_walk_finds_every_planted_use(tmp_path):
     found = [line.split(":")[0] + ": " + line.split(": ", 1)[1] for line in cuda_uses(tmp_path)]
     assert found == sorted(
         [
-            "dist_resume/_checkpoint/save.py: .is_cuda",
+            "dist_resume/_save/save.py: .is_cuda",
             "dist_resume/_core/tree.py: torch.cuda",
             "dist_resume/_exact/rng.py: from torch.cuda import",
             "dist_resume/_format/load.py: from torch import cuda",

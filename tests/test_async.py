@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_resume
-from dist_resume._checkpoint import async_save as _async
+from dist_resume._save import async_save as _async
 
 
 @pytest.fixture(autouse=True)

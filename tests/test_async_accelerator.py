@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._checkpoint import async_save
 from dist_resume._core.tree import iter_tensors
 from dist_resume._layout.layout import Key
+from dist_resume._save import async_save
 from tests.accelerator import Accel
 from tests.models import TinyNet, assert_same, batches_on, make_batches, train_steps
 

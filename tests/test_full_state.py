@@ -1,4 +1,4 @@
-"""dist_resume._checkpoint.full_state outside torch.distributed: a streaming, atomic torch.save."""
+"""dist_resume._save.full_state outside torch.distributed: a streaming, atomic torch.save."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_resume._checkpoint.full_state import save_full_state
+from dist_resume._save.full_state import save_full_state
 from dist_resume.errors import CheckpointWriteError
 
 

@@ -43,9 +43,9 @@ def _lint_with(tmp_path, module, added):
 
 
 def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
-    result = _lint_with(tmp_path, "_core/tree.py", "\nfrom .._checkpoint import save as _upward  # noqa: E402,F401\n")
+    result = _lint_with(tmp_path, "_core/tree.py", "\nfrom .._save import save as _upward  # noqa: E402,F401\n")
     assert result.returncode != 0
-    assert "BROKEN" in result.stdout and "dist_resume._core.tree -> dist_resume._checkpoint.save" in result.stdout
+    assert "BROKEN" in result.stdout and "dist_resume._core.tree -> dist_resume._save.save" in result.stdout
 
 
 def test_an_import_cycle_inside_a_subpackage_breaks_the_contract(tmp_path):

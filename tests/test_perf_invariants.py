@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
-from dist_resume._checkpoint import async_save as _async
 from dist_resume._core.tree import iter_tensors
 from dist_resume._layout.layout import Key
+from dist_resume._save import async_save as _async
 from tests.models import TinyNet, assert_same, compile_module, make_batches, single_rank_group, train_steps
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")

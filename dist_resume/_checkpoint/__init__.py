@@ -1,1 +1,1 @@
-"""Layer 5: one checkpoint — save, async save, the restore plan and its apply."""
+"""Layer 5: one checkpoint read back: the restore plan, its apply as one transaction, resume()."""

@@ -1,1 +1,1 @@
-"""Layer 6: converting checkpoints between key forms and file formats, with the writers only conversion uses."""
+"""Layer 7: converting checkpoints between key forms and file formats, with the writers only conversion uses."""

@@ -1,7 +1,7 @@
 """dist_resume's sharded checkpoint folder: what goes into torch's DCP files and what into ``train_state.pt``, and
 reading one back as the payload a DDP save would have written.
 
-A dist_resume payload (:func:`~dist_resume._checkpoint.save.build_payload`) splits in two:
+A dist_resume payload (:func:`~dist_resume._save.save.build_payload`) splits in two:
 
 - the **DCP state**, ``{"model": ..., "optimizer": ..., "ema": ...}``, saved with ``torch.distributed.checkpoint``
   (each rank writes its own shards): the model under canonical keys, the optimizer keyed by canonical FQN as DSD's

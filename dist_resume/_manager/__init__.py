@@ -1,1 +1,1 @@
-"""Layer 6: a folder of numbered checkpoints — the manager, its write lock, rotation, how a run starts."""
+"""Layer 7: a folder of numbered checkpoints — the manager, its write lock, rotation, how a run starts."""

@@ -13,16 +13,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .._checkpoint.async_save import AsyncSave, wait_pending, write_in_background
 from .._checkpoint.objects import LiveObjects, TrainingObjects, data_position
 from .._checkpoint.options import ResumeOptions
 from .._checkpoint.restore import ResumeResult, checked_options
-from .._checkpoint.save import prepare_payload, write_checkpoint
-from .._checkpoint.sharded_save import writes_folder
 from .._core.errors import CheckpointWriteError
 from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
+from .._save.async_save import AsyncSave, wait_pending, write_in_background
+from .._save.save import prepare_payload, write_checkpoint
+from .._save.sharded import writes_folder
 from .._source.listing import checkpoint_name, latest_checkpoint, numbered_checkpoints, sharded_checkpoint_name
 from .lock import FolderLock
 from .rotation import remove_leftovers, rotate_out

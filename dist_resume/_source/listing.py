@@ -4,7 +4,7 @@ that is complete and intact.
 A checkpoint in a folder is a file ``ckpt_<step, 8 digits>.pt`` or a sharded checkpoint folder
 ``ckpt_<step, 8 digits>.dcp/`` (what an FSDP2 model saves by default). It counts only once it is complete:
 the name appears only through a rename after the data is fsynced (:func:`~dist_resume._format.atomic.atomic_write`
-for a file, :func:`~dist_resume._checkpoint.sharded_save.save_sharded` for a folder), and it must pass
+for a file, :func:`~dist_resume._save.sharded.save_sharded` for a folder), and it must pass
 :func:`~dist_resume._source.integrity.inspect_checkpoint` (a file: zip structure, the CRC-32 of every record,
 dist_resume metadata whose step matches the name; a folder: its manifest, every file's size and CRC-32, the
 step). Readers need no lock (see :mod:`~dist_resume._manager.lock` for the writer's).

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import dist_resume as dr
-from dist_resume._checkpoint import sharded_save
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
+from dist_resume._save import sharded as sharded_save
 from dist_resume.errors import CheckpointWriteError, UsageError
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh, _sharded, _train
 from tests.helpers import local_shard

@@ -21,9 +21,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the oracle, private to torch
 
-from dist_resume._checkpoint.full_state import save_full_state
 from dist_resume._dist.shard_comm import gather_full, scatter_full_into
 from dist_resume._format import stream_write
+from dist_resume._save.full_state import save_full_state
 from dist_resume._state.adapt import adapt_state_dict
 from dist_resume._state.optim import prepare_optimizer_state
 from dist_resume._state.sharded import (

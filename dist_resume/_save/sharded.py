@@ -16,7 +16,7 @@ A failure on any rank at any step makes every rank raise the same :class:`Checkp
 failing one) and rank 0 removes the temporary folder: nothing is committed, the previous checkpoint stays the
 latest. A process killed mid-save leaves only the temporary folder, which no reader counts and
 ``CheckpointManager`` removes on its next save. :func:`save_full` writes one ordinary torch file instead
-(``full_state=True``): :func:`~dist_resume._checkpoint.full_state.save_full_state`.
+(``full_state=True``): :func:`~dist_resume._save.full_state.save_full_state`.
 """
 
 from __future__ import annotations

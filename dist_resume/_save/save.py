@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checkpoint.ema import canonical_ema_state
+from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
 from .._core.text import article
@@ -28,9 +30,7 @@ from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
-from .ema import canonical_ema_state
-from .objects import LiveObjects
-from .sharded_save import save_full, save_sharded
+from .sharded import save_full, save_sharded
 
 __all__ = ["save_checkpoint", "write_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
 
@@ -146,8 +146,8 @@ def write_checkpoint(
     """Rank 0 builds the payload and writes it atomically; every rank returns its path (or raises rank 0's error).
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
-    by every rank into a sharded checkpoint folder (:func:`~dist_resume._checkpoint.sharded_save.save_sharded`),
-    or with ``full_state`` gathered into one file (:func:`~dist_resume._checkpoint.sharded_save.save_full`).
+    by every rank into a sharded checkpoint folder (:func:`~dist_resume._save.sharded.save_sharded`),
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`).
     """
     if model is not None and is_sharded(model):
         if full_state:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0
 from .._core.tree import map_tensors
@@ -22,9 +23,8 @@ from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
-from .objects import LiveObjects
 from .save import prepare_payload
-from .sharded_save import begin_sharded, finish_sharded, save_full
+from .sharded import begin_sharded, finish_sharded, save_full
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
 
