@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from .._core.errors import UsageError
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.broadcast import agree_across_ranks
+from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
@@ -139,24 +141,29 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
     Local for a source this rank reads; collective for a broadcast one (every rank validates before
     the data moves, and no rank applies anything unless every rank validated).
     """
+    collective = source.broadcast or (source.folder is not None and is_distributed())
     if source.broadcast:
         contents, plan = read_broadcast(
             source,
             mmap=options.mmap,
             weights_only=options.weights_only,
             verify=options.verify,
-            prepare=lambda arrived: _plan(arrived, objects, options),
+            prepare=lambda arrived: _agreed(True, lambda: _plan(arrived, objects, options)),
         )
     else:
-        contents = read_source(
-            source,
-            map_location="cpu" if options.map_location is None else options.map_location,
-            mmap=options.mmap,
-            weights_only=options.weights_only,
-            verify=options.verify,
-        )
-        plan = _plan(contents, objects, options)
-    restored = plan.apply()
+
+        def read_and_plan() -> tuple[SourceContents, RestorePlan]:
+            read = read_source(
+                source,
+                map_location="cpu" if options.map_location is None else options.map_location,
+                mmap=options.mmap,
+                weights_only=options.weights_only,
+                verify=options.verify,
+            )
+            return read, _plan(read, objects, options)
+
+        contents, plan = _agreed(collective, read_and_plan)
+    restored = plan.apply(agree=_agree_applied if collective else None)
     parts = plan.parts
     log_rank0(
         logging.INFO,
@@ -211,16 +218,30 @@ def _key_sources(parts: CheckpointParts) -> str:
 
 
 def _plan(contents: SourceContents, objects: LiveObjects, options: ResumeOptions) -> RestorePlan:
-    """Validate ``contents`` against the live objects; where it is collective, every rank learns every outcome
-    and raises if any rank failed, before anything changes."""
+    """Validate ``contents`` against the live objects (local; changes nothing)."""
     source = f"checkpoint {str(contents.path)!r}"
+    parts = contents.parts if contents.parts is not None else _split(contents.obj, source, objects, options)
+    return plan_restore(parts, objects, options, source=source, mmapped=contents.mmapped)
+
+
+T = TypeVar("T")
+_NOTHING: Final = "could not restore the checkpoint, so nothing was restored on any rank"
+
+
+def _agreed(collective: bool, fn: Callable[[], T]) -> T:
+    """``fn()``; where ``collective``, every rank learns every rank's outcome and raises if any rank failed, before
+    anything changes."""
     try:
-        parts = contents.parts if contents.parts is not None else _split(contents.obj, source, objects, options)
-        plan = plan_restore(parts, objects, options, source=source, mmapped=contents.mmapped)
+        result = fn()
     except Exception as err:
-        if contents.collective:
-            agree_across_ranks(err)
+        if collective:
+            agree_across_ranks(err, what=_NOTHING)
         raise
-    if contents.collective:
-        agree_across_ranks(None)
-    return plan
+    if collective:
+        agree_across_ranks(None, what=_NOTHING)
+    return result
+
+
+def _agree_applied(error: BaseException | None) -> None:
+    """After apply's steps: every rank learns whether every rank applied; all roll back if one did not."""
+    agree_across_ranks(error, what="could not apply the checkpoint, so every rank put back what it had changed")
