@@ -150,12 +150,13 @@ def plan_restore(
     optimizer_state = None
     if optimizer is not None and present(parts.optimizer, "optimizer"):
         saved_class = parts.meta.get("optimizer_class")
-        if saved_class and saved_class != type(optimizer).__name__:
+        if saved_class and str(saved_class) != type(optimizer).__name__:
             raise OptimizerStateMismatchError(
                 f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
-                f"{type(optimizer).__name__}; build {article(saved_class)}, or pass allow_missing=('optimizer',) "
+                f"{type(optimizer).__name__}; build {article(str(saved_class))}, or pass allow_missing=('optimizer',) "
                 "and no optimizer"
             )
+        _check_optimizer_form(parts.optimizer, source)
         saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
         scheduled = scheduler is not None and parts.scheduler is not None
@@ -188,7 +189,7 @@ def plan_restore(
     done = {
         "model": applied["model"][0] > 0,
         "ema": ema_state is not None and applied["ema"][0] > 0,
-        "scaler": has_scaler and not empty_scaler,
+        "scaler": has_scaler and not empty_scaler and _enabled(objects.scaler),  # a disabled one ignores its state
         "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
@@ -231,6 +232,36 @@ _SCHEDULER_OVERRIDES: Final = (
     "the kept lr may not last; to schedule from the new lr, pass no scheduler (allow_missing=('scheduler',)) and "
     "build a fresh one"
 )
+
+
+def _check_optimizer_form(osd: Any, source: str) -> None:
+    """Refuse optimizer state not shaped as ``Optimizer.state_dict()`` makes it, before anything looks inside."""
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    state = osd.get("state") if isinstance(osd, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        found = f"a mapping with keys {sorted(map(str, osd))}" if isinstance(osd, Mapping) else type(osd).__name__
+        problem = f"is {found}, not {{'state': {{...}}, 'param_groups': [...]}}"
+    elif bad := [str(k) for k, v in state.items() if not isinstance(v, Mapping)]:
+        problem = f"has per-parameter entries that are not mappings (parameter ids {bad[:5]})"
+    elif any(
+        not isinstance(g, Mapping) or not isinstance(g.get("params"), list) or not all(_an_id(i) for i in g["params"])
+        for g in groups
+    ):
+        problem = "has parameter groups without a list of parameter ids under 'params'"
+    else:
+        return
+    raise OptimizerStateMismatchError(
+        f"{source}: the optimizer state {problem}; it was not written by Optimizer.state_dict() (or was damaged): "
+        "resume from another checkpoint, or pass allow_missing=('optimizer',) and no optimizer"
+    )
+
+
+def _enabled(scaler: Any) -> bool:
+    return bool(getattr(scaler, "is_enabled", lambda: True)())
+
+
+def _an_id(value: Any) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
 
 
 def _present(
