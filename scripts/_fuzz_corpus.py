@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -445,7 +446,7 @@ def _structural_edit(obj: Any, rng: random.Random) -> str:
     else:
         kind = "retype"
         like = torch.zeros(3) if not isinstance(value, torch.Tensor) else value.tolist()
-        parent[key] = rng.choice((*_ODD_VALUES, like, str(value)[:20]))
+        parent[key] = copy.deepcopy(rng.choice((*_ODD_VALUES, like, str(value)[:20])))  # never the shared ones
     return f"struct-{kind}"
 
 
@@ -453,7 +454,6 @@ def structural(original: bytes, rng: random.Random, cache: dict[bytes, Any]) -> 
     """One structure-aware mutation of a torch file (loaded once per original, kept in ``cache``): a key renamed,
     dropped or retyped inside the pickled object, a state tensor's shape or dtype changed, an entry nested in a
     new container or replaced by one of its own entries; re-saved with torch.save. None for a file it cannot load."""
-    import copy
     import io
 
     if original not in cache:
