@@ -9,6 +9,7 @@ torch streams were set. After each, ``resume`` raised ``RestoreError`` naming th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any
@@ -224,3 +225,28 @@ def test_a_successful_apply_writes_the_optimizer_state_into_its_existing_tensors
     saved = torch.load(ckpt, weights_only=True)
     assert_same(opt.state_dict()["state"], saved["optimizer"]["state"])
     assert objs["dataloader"].state_dict()["consumed"] == 2
+
+
+def test_a_model_copy_is_kept_only_where_something_can_fail_after_it_or_in_its_own_load(ckpt):
+    from dist_resume._checkpoint.apply import _can_raise, steps_of
+
+    hooked = TinyNet(1)
+    hooked.fc.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert [_can_raise(m) for m in (TinyNet(0), torch.optim.swa_utils.AveragedModel(TinyNet(0)), Net(0), hooked)] == [
+        False,
+        False,
+        True,  # Tagged's own set_extra_state
+        True,
+    ]
+    parts = split_checkpoint(load_checkpoint(ckpt, mmap=False), "test")
+    plain = TinyNet(6)
+    plain_parts = dataclasses.replace(parts, model=Net(0).net.state_dict())
+    plan = plan_restore(plain_parts, LiveObjects(plain), dr.ResumeOptions(rng=False))
+    (model_step,) = (s for s in steps_of(plan) if s.name == "model")
+    assert model_step.save() == (None, {})  # one rank, nothing after it: no copy of the model
+    (model_step,) = (s for s in steps_of(plan, collective=True) if s.name == "model")
+    tensors, _ = model_step.save()
+    assert tensors is not None and len(tensors) == len(plain.state_dict())  # the ranks agree after it: a copy
+    before = _module_state(plain)
+    plan.apply()
+    assert not all(torch.equal(before[k], v) for k, v in plain.state_dict().items())

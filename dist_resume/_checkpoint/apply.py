@@ -1,24 +1,22 @@
 """Applying a validated :class:`~dist_resume._checkpoint.plan.RestorePlan` as one transaction.
 
-Apply is a list of named :class:`Step` s, in the order of :data:`STEPS`: what is cheap to put back and most
-likely to fail runs first (the small states, then the optimizer, whose load is torch's own and whose undo
-costs nothing), the model and the EMA last (their undo needs a copy of every tensor they overwrite). Each step
-first ``save`` s what its ``do`` will change; when a step raises, every step already run is undone, in reverse
-order, and :class:`~dist_resume.errors.RestoreError` names the part. Under a collective resume the ranks agree
-after the last step and before the commits: one rank's failure undoes every rank. The commits (copies of
-the optimizer state into its existing tensors) run only then: same shape, dtype and device, nothing to fail.
+Apply is a list of named :class:`Step` s in the order of :data:`STEPS`: cheap to put back first (the small states,
+then the optimizer, whose undo costs nothing), the model and EMA last. Each step ``save`` s what its ``do`` will
+change; when one raises, every step already run is undone in reverse order and
+:class:`~dist_resume.errors.RestoreError` names the part. Under a collective resume the ranks agree after the last
+step: one rank's failure undoes every rank. Only then run the commits (the saved optimizer data copied into its
+existing state tensors: same shape, dtype and device).
 
-What is held while apply runs (freed when it returns): CPU copies of the model's and EMA's tensors that the
-checkpoint overwrites; the optimizer's old ``state`` and ``param_groups`` containers (no tensor data: torch's
-``load_state_dict`` builds new ones, and its data lands in the old tensors only at commit); the small states.
-A broadcast resume that received data straight into live tensors copied them before the data arrived
-(:meth:`RestorePlan.destinations`); the ``received`` step puts them back.
+Held while apply runs: the small states; the optimizer's old ``state``/``param_groups`` containers (no tensor data:
+torch's ``load_state_dict`` builds new ones); CPU copies of the model's (and EMA's) overwritten tensors, only where
+something can fail after them (the EMA, the ranks' agreement) or their own load can (:func:`_can_raise`). A
+broadcast that wrote into live tensors copied them first (:meth:`RestorePlan.destinations`): ``received`` undoes it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -34,7 +32,7 @@ from .._state.optim import optimizer_to
 from .inplace import detach_from_file, live_twins, storage_ptrs
 from .objects import LiveObjects
 
-__all__ = ["STEPS", "Step", "steps_of", "apply_plan", "restore_landed"]
+__all__ = ["STEPS", "Step", "steps_of", "apply_plan"]
 
 STEPS: Final = ("scaler", "scheduler", "sampler", "rng", "optimizer", "model", "ema")
 """The parts apply restores, in the order it restores them (a broadcast resume's ``received`` step goes first)."""
@@ -141,7 +139,8 @@ def _optimizer_step(plan: RestorePlan) -> Step:
             state[sid][key] = twin
         opt.load_state_dict({**saved_sd, "state": state})
         optimizer_to(opt)
-        param_of = dict(_saved_params(opt, saved_sd))
+        saved_ids = (i for group in saved_sd["param_groups"] for i in group["params"])
+        param_of = dict(zip(saved_ids, (p for group in opt.param_groups for p in group["params"])))
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         for sid, key, value, twin in twins:
             entries = opt.state[param_of[sid]]
@@ -166,56 +165,65 @@ def _optimizer_step(plan: RestorePlan) -> Step:
     return Step("optimizer", save, do, undo)
 
 
-def _saved_params(opt: torch.optim.Optimizer, saved_sd: dict[str, Any]) -> Iterator[tuple[Any, torch.Tensor]]:
-    saved_ids = (i for group in saved_sd["param_groups"] for i in group["params"])
-    return zip(saved_ids, (p for group in opt.param_groups for p in group["params"]))
-
-
 def _copy_into(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for dst, src in pending:
             dst.copy_(src)
 
 
-def _module_step(name: str, module: nn.Module, state: dict[str, Any], strict: bool, landed: dict[int, Any]) -> Step:
-    """``module.load_state_dict``; undo copies back a CPU copy of each tensor it overwrites (and extra state)."""
+def _module_step(
+    name: str, module: nn.Module, state: dict[str, Any], strict: bool, plan: RestorePlan, keep: bool
+) -> Step:
+    """``module.load_state_dict``; undo copies back a CPU copy of each tensor it overwrites, kept only when ``keep``
+    (something after it can fail, or its own load can: see :func:`_can_raise`), and its modules' extra state."""
 
-    def save() -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]:
+    def save() -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]] | None, dict[str, Any]]:
         live = module.state_dict(keep_vars=True)
         tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         extras: dict[str, Any] = {}
         for key in state:
             value = live.get(key)
             if isinstance(value, torch.Tensor):
-                if id(value) not in tensors and id(value) not in landed:
+                if keep and id(value) not in tensors and id(value) not in plan.landed:
                     tensors[id(value)] = (value, value.detach().to("cpu", copy=True))
             elif key.endswith(_EXTRA) and key in live:
                 extras[key[: -len(_EXTRA)].rstrip(".")] = copy.deepcopy(value)
-        return tensors, extras
+        return tensors if keep else None, extras
 
     def do() -> None:
         module.load_state_dict(state, strict=strict)
 
-    def undo(saved: tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]) -> None:
+    def undo(saved: tuple[dict[int, tuple[torch.Tensor, torch.Tensor]] | None, dict[str, Any]]) -> None:
         tensors, extras = saved
-        _copy_into([(live.detach(), old) for live, old in tensors.values()])
         for path, extra in extras.items():
             module.get_submodule(path).set_extra_state(extra)
+        if tensors is None:
+            raise RuntimeError(f"no copy of the {name}'s tensors was kept: nothing in its load was expected to raise")
+        _copy_into([(live.detach(), old) for live, old in tensors.values()])
 
     return Step(name, save, do, undo)
 
 
+def _can_raise(module: nn.Module) -> bool:
+    """Whether ``module``'s load can raise once the plan validated its keys, shapes and dtypes: a load hook, or a
+    ``_load_from_state_dict`` / ``set_extra_state`` not torch.nn's own (FSDP2, quantized layers, an override)."""
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        for method in ("_load_from_state_dict", "set_extra_state"):
+            if method in vars(m) or not getattr(type(m), method).__module__.startswith("torch.nn."):
+                return True
+    return False
+
+
 def _received_step(landed: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Step:
-    return Step("received", lambda: None, lambda: None, lambda _: restore_landed(landed))
+    """What a broadcast received straight into live tensors (``{id: (live, copy before)}``), put back by undo."""
+    return Step("received", lambda: None, lambda: None, lambda _: _copy_into(list(landed.values())))
 
 
-def restore_landed(landed: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Put back the data a broadcast received straight into live tensors (``{id: (live, copy before)}``). Local."""
-    _copy_into(list(landed.values()))
-
-
-def steps_of(plan: RestorePlan) -> list[Step]:
-    """The steps that apply ``plan``, in the order of :data:`STEPS` (the parts ``plan.restore`` names). Local."""
+def steps_of(plan: RestorePlan, *, collective: bool = False) -> list[Step]:
+    """The steps that apply ``plan``, in the order of :data:`STEPS` (the parts ``plan.restore`` names); ``collective``:
+    the ranks agree after them (so every step's undo must be possible). Local."""
     live, restore = plan.objects, plan.restore
     steps = [_received_step(plan.landed)] if plan.landed else []
     if "scaler" in restore:
@@ -228,9 +236,11 @@ def steps_of(plan: RestorePlan) -> list[Step]:
         steps.append(_rng_step(plan))
     if live.optimizer is not None and plan.optimizer_state is not None:
         steps.append(_optimizer_step(plan))
-    steps.append(_module_step("model", live.model, plan.model_state, plan.strict, plan.landed))
-    if live.ema is not None and plan.ema_state is not None:
-        steps.append(_module_step("ema", live.ema, plan.ema_state, plan.strict, plan.landed))
+    ema = live.ema if plan.ema_state is not None else None
+    keep_model = collective or ema is not None or _can_raise(live.model)
+    steps.append(_module_step("model", live.model, plan.model_state, plan.strict, plan, keep_model))
+    if ema is not None and plan.ema_state is not None:
+        steps.append(_module_step("ema", ema, plan.ema_state, plan.strict, plan, collective or _can_raise(ema)))
     return steps
 
 
@@ -244,30 +254,27 @@ def apply_plan(plan: RestorePlan, *, agree: Callable[[BaseException | None], Non
     """
     done: list[tuple[Step, Any]] = []
     commits: list[Commit] = []
-    failure: RestoreError | None = None
-    for step in steps_of(plan):
+    failure: tuple[Step, Exception, bool] | None = None  # the step, what it raised, whether in save()
+    for step in steps_of(plan, collective=agree is not None):
         try:
             saved = step.save()
             done.append((step, saved))
             commit = step.do()
         except Exception as err:
-            failure = _failed(plan.source, step, err, saving=not done or done[-1][0] is not step)
+            failure = (step, err, not done or done[-1][0] is not step)
             break
         if commit is not None:
             commits.append(commit)
+    error = None if failure is None else _failed(plan.source, *failure, not_undone=[])
     if agree is not None:
         try:
-            agree(failure)
+            agree(error)  # the other ranks raise this rank's RestoreError, relayed
         except DistResumeError:
             _undo(done, plan.source)
             raise
-    if failure is not None:
+    if failure is not None and error is not None:
         not_undone = _undo(done, plan.source)
-        if not_undone:
-            failure.args = (
-                f"{failure.args[0]}; putting back the {', '.join(not_undone)} failed as well (see the log)",
-            )
-        raise failure from failure.__cause__
+        raise (_failed(plan.source, *failure, not_undone=not_undone) if not_undone else error) from failure[1]
     for commit in commits:
         commit()
     for level, message in plan.notices:
@@ -275,17 +282,18 @@ def apply_plan(plan: RestorePlan, *, agree: Callable[[BaseException | None], Non
     return plan.restore
 
 
-def _failed(source: str, step: Step, err: Exception, *, saving: bool) -> RestoreError:
+def _failed(source: str, step: Step, err: Exception, saving: bool, *, not_undone: list[str]) -> RestoreError:
     what = "saving the state to put back of" if saving else "restoring"
-    error = RestoreError(
-        f"{source}: {what} the {step.name} failed ({type(err).__name__}: {err}); every object is as it was before "
-        f"the resume (the parts already restored were put back). The checkpoint passed validation, so the cause is "
-        f"in the {step.name}'s own load (a hook, a device or sharding error, or state the validation does not "
-        "cover): the chained exception says which",
+    if not_undone:
+        state = f"putting back the {', '.join(not_undone)} failed too (logged): it may hold part of the checkpoint"
+    else:
+        state = "every object is as it was before the resume (the parts already restored were put back)"
+    return RestoreError(
+        f"{source}: {what} the {step.name} failed ({type(err).__name__}: {err}); {state}. The checkpoint passed "
+        f"validation, so the cause is in the {step.name}'s own load (a hook, a device or sharding error, or state "
+        "the validation does not cover): the chained exception says which",
         part=step.name,
     )
-    error.__cause__ = err
-    return error
 
 
 def _undo(done: list[tuple[Step, Any]], source: str) -> list[str]:

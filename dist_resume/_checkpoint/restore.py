@@ -91,8 +91,21 @@ def resume(
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its accelerator. Keys, shapes, dtypes, optimizer groups, parameter
-    names and state shapes are validated before anything changes; on any error model, optimizer,
-    scheduler, scaler and EMA are as before. Afterwards optimizer state sits on its parameters' devices.
+    names and state shapes are validated before anything changes. Applying is all or nothing too: if a
+    part's own load fails (a hook, a device or sharding error), every part already restored is put back
+    (model, optimizer, scheduler, scaler, data position, RNG streams, EMA, modules' extra state) and
+    :class:`~dist_resume.errors.RestoreError` names the part, chained to the cause. A CPU copy of the
+    model's (and EMA's) tensors it overwrites is held while it applies only where something can fail after
+    them (the EMA, the ranks' agreement) or their own load can (load hooks, a ``_load_from_state_dict`` or
+    ``set_extra_state`` other than torch.nn's); a plain model resumed by one rank is copied into with no
+    copy kept. Afterwards optimizer state sits on its parameters' devices.
+
+    Across ranks: when the resume is collective (``path`` is a ``CheckpointManager`` folder under
+    torch.distributed, or ``broadcast_from_rank0``), the ranks agree twice, after validating and after
+    applying: a failure on any rank (reading, validating or applying) makes every rank put back what it
+    changed and raise the same error class, relayed with ``rank`` set. A file (or foreign folder) passed
+    by path is read, validated and applied by each rank on its own, with no collective: a failure there
+    is raised on that rank only, and the other ranks' resumes stand.
 
     - ``dataloader``: a ``DataLoader`` whose sampler (or ``batch_sampler.sampler``) is a
       :class:`ResumableDistributedSampler`, or that sampler itself (a loop that iterates it): the epoch
@@ -138,8 +151,9 @@ def checked_options(options: Any) -> ResumeOptions:
 def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
     """Read ``source`` (decided already), validate it against ``objects``, apply it; say what was restored.
 
-    Local for a source this rank reads; collective for a broadcast one (every rank validates before
-    the data moves, and no rank applies anything unless every rank validated).
+    Local for a file this rank reads; collective for a broadcast source or a folder resolved across
+    ranks (every rank validates before anything changes, and after applying every rank learns whether
+    every rank applied; if one did not, every rank puts back what it changed and raises).
     """
     collective = source.broadcast or (source.folder is not None and is_distributed())
     if source.broadcast:
