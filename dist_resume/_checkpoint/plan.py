@@ -13,7 +13,7 @@ import torch
 
 from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.rank import global_rank
-from .._core.text import article
+from .._core.text import article, shown
 from .._core.tree import map_tensors
 from .._exact.sampler import check_sampler_state
 from .._layout.layout import CheckpointParts
@@ -156,7 +156,7 @@ def plan_restore(
                 f"{type(optimizer).__name__}; build {article(str(saved_class))}, or pass allow_missing=('optimizer',) "
                 "and no optimizer"
             )
-        _check_optimizer_form(parts.optimizer, source)
+        _check_optimizer_form(parts.optimizer, optimizer, source)
         saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
         scheduled = scheduler is not None and parts.scheduler is not None
@@ -189,7 +189,7 @@ def plan_restore(
     done = {
         "model": applied["model"][0] > 0,
         "ema": ema_state is not None and applied["ema"][0] > 0,
-        "scaler": has_scaler and not empty_scaler and _enabled(objects.scaler),  # a disabled one ignores its state
+        "scaler": has_scaler and not empty_scaler and objects.scaler.is_enabled(),  # a disabled one ignores any state
         "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
@@ -234,8 +234,9 @@ _SCHEDULER_OVERRIDES: Final = (
 )
 
 
-def _check_optimizer_form(osd: Any, source: str) -> None:
-    """Refuse optimizer state not shaped as ``Optimizer.state_dict()`` makes it, before anything looks inside."""
+def _check_optimizer_form(osd: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Refuse optimizer state not shaped as ``Optimizer.state_dict()`` makes it (hyperparameters the live groups hold
+    as numbers must be numbers there too), before anything looks inside."""
     groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
     state = osd.get("state") if isinstance(osd, Mapping) else None
     if not isinstance(state, Mapping) or not isinstance(groups, list):
@@ -248,6 +249,13 @@ def _check_optimizer_form(osd: Any, source: str) -> None:
         for g in groups
     ):
         problem = "has parameter groups without a list of parameter ids under 'params'"
+    elif odd := [
+        f"group {i} {k}={shown(g[k])}"
+        for i, (g, live) in enumerate(zip(groups, optimizer.param_groups))
+        for k, v in live.items()
+        if _number(v) and k in g and not _number(g[k])
+    ]:
+        problem = f"has hyperparameters that are not numbers ({', '.join(odd[:3])})"
     else:
         return
     raise OptimizerStateMismatchError(
@@ -256,8 +264,10 @@ def _check_optimizer_form(osd: Any, source: str) -> None:
     )
 
 
-def _enabled(scaler: Any) -> bool:
-    return bool(getattr(scaler, "is_enabled", lambda: True)())
+def _number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _an_id(value: Any) -> bool:
