@@ -15,6 +15,7 @@
     │   ├── KeyMismatchError             .missing .unexpected .mismatched
     │   └── OptimizerStateMismatchError
     ├── DeviceMismatchError              .findings (also RuntimeError)
+    ├── RestoreError                     .part (also RuntimeError)
     └── UsageError                       .hint (also ValueError)
 
     TorchSecurityWarning                 (a UserWarning: the installed torch predates a security fix)
@@ -43,6 +44,7 @@ from ._core.errors import (
     KeyMismatchError,
     NotACheckpointError,
     OptimizerStateMismatchError,
+    RestoreError,
     StateMismatchError,
     UnsafeCheckpointError,
     UsageError,
@@ -64,6 +66,7 @@ __all__ = [
     "KeyMismatchError",
     "OptimizerStateMismatchError",
     "DeviceMismatchError",
+    "RestoreError",
     "UsageError",
     "TorchSecurityWarning",
 ]

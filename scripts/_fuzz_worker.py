@@ -34,6 +34,7 @@ PT_PATHS = (  # a torch file to the other formats
 INIT_FROM = "manager resume init_from"
 FOLDER_PATHS = ("resume folder", "latest_checkpoint", "cli list", "manager resume")
 FOREIGN_FOLDER_PATHS = ("cli list",)
+RESTORE_PATHS = ("resume", "resume folder", "manager resume", INIT_FROM)  # checked for half-restores
 
 
 def paths_for(corpus: str, source: Path) -> tuple[str, ...]:
@@ -110,6 +111,57 @@ def _failed_allocation(err: BaseException) -> bool:
     return False
 
 
+_CHANGED: list[str] = []  # what a failed resume of the current case left changed (a half-restore)
+
+
+def _fingerprint(objs: dict[str, Any]) -> dict[str, Any]:
+    """Copies of everything a resume may change: each object's state dict, the RNG streams."""
+    import copy
+    import random
+
+    import numpy as np
+    import torch
+
+    out: dict[str, Any] = {name: copy.deepcopy(obj.state_dict()) for name, obj in objs.items()}
+    out["optimizer tensors"] = (
+        [id(t) for s in objs["optimizer"].state.values() for t in s.values()] if "optimizer" in objs else []
+    )
+    out["rng"] = (torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True)[1].copy())
+    return out
+
+
+def _differs(a: Any, b: Any) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, np.ndarray):
+        return not (isinstance(b, np.ndarray) and np.array_equal(a, b))
+    if isinstance(a, dict):
+        return not isinstance(b, dict) or a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return not isinstance(b, (list, tuple)) or len(a) != len(b) or any(map(_differs, a, b))
+    return bool(a != b)
+
+
+def _all_or_nothing(objs: dict[str, Any], resume: Any) -> None:
+    """``resume()``; when it raises, note in ``_CHANGED`` every part that is not as it was before."""
+    before = _fingerprint(objs)
+    try:
+        resume()
+    except BaseException:
+        after = _fingerprint(objs)
+        _CHANGED.extend(k for k in before if _differs(before[k], after[k]))
+        raise
+
+
 def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus: str) -> dict[str, Any]:
     import torch
 
@@ -130,7 +182,8 @@ def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus
     elif path_kind == "inspect_checkpoint":
         dr.tools.inspect_checkpoint(target)
     elif path_kind in ("resume", "resume folder"):
-        dr.resume(target, **objects(), options=dr.ResumeOptions(map_location="cpu"))
+        objs = objects()
+        _all_or_nothing(objs, lambda: dr.resume(target, **objs, options=dr.ResumeOptions(map_location="cpu")))
     elif path_kind == "latest_checkpoint":
         dr.tools.latest_checkpoint(target)
     elif path_kind == "convert_checkpoint":
@@ -141,11 +194,15 @@ def run_case(path_kind: str, target: Path, original: Path, scratch: Path, corpus
         dr.tools.convert_checkpoint(target, scratch / "out_dcp", dr.tools.KeyForm.SINGLE, format="dcp", force=True)
     elif path_kind == "manager resume":
         with dr.CheckpointManager(target) as mgr:
-            mgr.resume(**objects(), options=dr.ResumeOptions(map_location="cpu"))
+            objs = objects()
+            _all_or_nothing(objs, lambda: mgr.resume(**objs, options=dr.ResumeOptions(map_location="cpu")))
     elif path_kind == INIT_FROM:
         with dr.CheckpointManager(scratch / "run") as mgr:
             wanted = {k: v for k, v in objects().items() if k in ("model", "optimizer")}
-            if mgr.resume(init_from=target, **wanted, options=dr.ResumeOptions(map_location="cpu")) is None:
+            options = dr.ResumeOptions(map_location="cpu")
+            resumed: list[Any] = []
+            _all_or_nothing(wanted, lambda: resumed.append(mgr.resume(init_from=target, **wanted, options=options)))
+            if resumed[0] is None:
                 raise RuntimeError("CheckpointManager.resume(init_from=...) started fresh")
     elif path_kind == "verify_archive":
         dr.tools.verify_archive(target)
@@ -196,6 +253,7 @@ def worker_main(conn: Connection) -> None:
         except EOFError:
             return
         scratch = Path(job["scratch"])
+        _CHANGED.clear()
         start_rss = _rss_kib()
         before_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
@@ -218,6 +276,9 @@ def worker_main(conn: Connection) -> None:
                 "ours": ours,
                 "traceback": "".join(traceback.format_exception(err)[-6:])[-2000:],
             }
+        if _CHANGED and result["outcome"] in ("refused", "escape"):
+            kind = result.get("type", "")
+            result = {**result, "outcome": "half-restore", "message": f"{kind} left changed: {', '.join(_CHANGED)}"}
         after_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         result["peak_kib"] = max(0, after_peak - start_rss) if after_peak > before_peak else 0
         result["raised_peak_kib"] = after_peak - before_peak

@@ -9,8 +9,11 @@ through one read path (the library's and the CLI's) in a long-lived worker proce
 ``success``, ``refused`` (a DistResumeError subclass; for the CLI exit status 2/3), ``escape``
 (any other exception; for the CLI the internal-error exit status 4), ``crash`` (the worker died
 by a signal), ``hang`` (over the per-case time limit: the worker is killed and replaced) and
-``memory`` (peak anonymous memory over 2x the file + 256 MiB, or an allocation failure). Each
-distinct escape, crash or hang (by path, type, raising function and message shape) gets a
+``memory`` (peak anonymous memory over 2x the file + 256 MiB, or an allocation failure) and
+``half-restore`` (a resume that raised but left a live object, or the RNG streams, unlike before it).
+On the paths that restore (``RESTORE_PATHS``), a share of the torch files' mutations is structure-aware (a key renamed, dropped or retyped inside
+the pickled object, a tensor's shape or dtype changed, an entry nested or flattened; re-saved with
+torch.save), the rest flips, cuts and splices bytes. Each distinct escape, crash, hang or half-restore (by path, type, raising function and message shape) gets a
 minimised reproducer in ``DIR/repro/`` with a JSON note (seed, case id, traceback). Exit status
 1 when any escape, crash, hang or memory case was found.
 """
@@ -37,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _fuzz_corpus import build_corpus, members, mutate_file
-from _fuzz_worker import paths_for, worker_main
+from _fuzz_worker import RESTORE_PATHS, paths_for, worker_main
 
-BAD = ("escape", "crash", "hang", "memory")
+BAD = ("escape", "crash", "hang", "memory", "half-restore")
 MEMORY_SLACK_KIB = 256 << 10
 _CTX = mp.get_context("forkserver")
 
@@ -186,6 +189,7 @@ def make_cases(corpus: dict[str, Path], n: int, seed: int) -> list[Case]:
     }  # fmt: skip
     every = [f for fs in files.values() for f in fs]
     data = {f: f.read_bytes() for f in every}
+    loaded: dict[bytes, Any] = {}  # each torch file's object, for the structure-aware mutations
     cases = []
     for i in range(n):
         rng = random.Random(f"{seed}:{i}")
@@ -193,11 +197,12 @@ def make_cases(corpus: dict[str, Path], n: int, seed: int) -> list[Case]:
         source = rng.choice(files[name])
         member = source.name if corpus[name].is_dir() else ""
         other = data[rng.choice(every)]
+        path = rng.choice(paths_for(name, corpus[name]))
+        structural = loaded if path in RESTORE_PATHS else None  # structure-aware edits where a resume applies
         if member and name != "manager" and rng.random() < 0.08:
             mutation, mutated, deleted = "delete", b"", True
         else:
-            (mutation, mutated), deleted = mutate_file(data[source], source, other, rng), False
-        path = rng.choice(paths_for(name, corpus[name]))
+            (mutation, mutated), deleted = mutate_file(data[source], source, other, rng, structural), False
         cases.append(Case(i, name, mutation, path, mutated, corpus[name], member, deleted))
     return cases
 
@@ -309,7 +314,7 @@ def check_corpus(jobs: int, timeout: float) -> int:
     work = Path(tempfile.mkdtemp(prefix="fuzz_check_"))
     try:
         corpus = build_corpus(work / "corpus")
-        cases = []
+        cases: list[Case] = []
         for name, source in sorted(corpus.items()):
             member = members(source)[0] if source.is_dir() else ""
             data = (source / member if member else source).read_bytes()
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(
         f"\n{len(results)} cases (seed {args.seed}) in {ran:.1f}s with {args.jobs} workers "
-        f"({pool.started} started); distinct escapes/crashes/hangs/memory: {len(notes)}; report in {out}"
+        f"({pool.started} started); distinct escapes/crashes/hangs/memory/half-restores: {len(notes)}; report in {out}"
     )
     for note in notes:
         print(

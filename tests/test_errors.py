@@ -32,6 +32,7 @@ _CASES: list[tuple[type[dr.DistResumeError], tuple[Any, ...], dict[str, Any]]] =
     ),
     (dr.errors.OptimizerStateMismatchError, ("groups",), {}),
     (dr.errors.DeviceMismatchError, ("devices",), {"findings": ["optimizer state on cpu, param on cuda:0"]}),
+    (dr.errors.RestoreError, ("the optimizer failed",), {"part": "optimizer"}),
     (dr.errors.UsageError, ("SRC == DST", "pick another DST"), {}),
 ]
 

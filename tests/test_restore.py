@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -32,6 +33,7 @@ def _setup(seed=0, *, kind="plain", sched="step", scaler_enabled=True, named=Tru
     model = wrap(net, kind)
     params = model.named_parameters() if named else model.parameters()
     opt = opt_cls(params, lr=1e-2)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     if sched == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     elif sched == "onecycle":
@@ -307,10 +309,35 @@ def test_disabled_scaler_state_into_an_enabled_scaler(tmp_path):
         path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, options=dr.ResumeOptions(strict=False)
     )
     assert "scaler" in res.skipped and scaler2.state_dict() == frozen
-    # and into a disabled scaler it is simply restored
+    # a disabled scaler ignores any state: nothing of it is restored, and the log does not say it was
     net3, model3, opt3, sched3, scaler3 = _setup(seed=2, scaler_enabled=False)
     res = dr.resume(path, model=model3, optimizer=opt3, scheduler=sched3, scaler=scaler3)
-    assert "scaler" in res.restored
+    assert "scaler" in res.skipped and "scaler" not in res.restored
+
+
+def test_an_ordinary_resume_logs_one_line_of_what_was_restored(tmp_path, caplog):
+    """What a user's loop sees on a plain resume: one INFO line; no hyperparameter notice for the lr the
+    restored scheduler brings back, no scaler named when it is disabled, nothing at WARNING."""
+
+    def run():
+        model = TinyNet(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        sampler = dr.ResumableDistributedSampler(list(range(8)), num_replicas=1, rank=0)
+        return {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "dataloader": sampler}
+
+    first = run()
+    train_steps(first["model"], first["optimizer"], make_batches(2), scheduler=first["scheduler"])
+    path = dr.save_checkpoint(tmp_path / "c.pt", step=2, **first)
+    caplog.set_level(logging.DEBUG, logger="dist_resume")
+    caplog.clear()
+    result = dr.resume(path, **run())
+    lines = [r for r in caplog.records if r.name == "dist_resume" and r.levelno >= logging.INFO]
+    assert [r.levelname for r in lines] == ["INFO"], [r.getMessage() for r in lines]
+    assert lines[0].getMessage().endswith("restored model, optimizer, scheduler, sampler, rng)")
+    assert result.skipped == ("scaler",)
+    assert any("lr: checkpoint" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
 
 
 # ---------------------------------------------------------------- all or nothing

@@ -76,14 +76,17 @@ def choose_hparams(
     if changes:
         whose = "the checkpoint's values replace" if hparams is OptimizerHparams.CHECKPOINT else "keeping"
         why = " (an LR scheduler sets it; the scheduler is restored too)"
-        notices.extend(
-            (
-                logging.INFO,
-                f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}"
-                + (why if scheduled and c.split()[2] in ("lr:", "initial_lr:") else ""),
+        for c in changes:
+            by_scheduler = scheduled and c.split()[2] in ("lr:", "initial_lr:")
+            # the default on an ordinary resume: the scheduler's lr coming back is no news (DEBUG)
+            level = logging.DEBUG if by_scheduler and hparams is OptimizerHparams.CHECKPOINT else logging.INFO
+            notices.append(
+                (
+                    level,
+                    f"optimizer_hparams={hparams.value!r}: {whose} this optimizer's: {c}"
+                    + (why if by_scheduler else ""),
+                )
             )
-            for c in changes
-        )
     if hparams is OptimizerHparams.CURRENT:
         groups = []
         for live, saved in zip(optimizer.param_groups, opt_sd["param_groups"]):

@@ -5,27 +5,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
 from .._core.errors import OptimizerStateMismatchError, StateMismatchError
-from .._core.log import log_rank0
 from .._core.rank import global_rank
-from .._core.text import article
+from .._core.text import article, shown
 from .._core.tree import map_tensors
-from .._exact.rng import param_device, restore_rank_rng
 from .._exact.sampler import check_sampler_state
 from .._layout.layout import CheckpointParts
-from .._state.optim import optimizer_to, param_names, prepare_optimizer_state
+from .._state.optim import param_names, prepare_optimizer_state
 from .._state.optim_state import check_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
+from .apply import Step, apply_plan, steps_of
 from .ema import adapt_ema_state
 from .hparams import choose_hparams, lr_differs, optimizer_applied, strip_name_prefix
-from .inplace import detach_from_file, fits, into_live_state, live_twins, storage_ptrs
+from .inplace import fits, live_twins
 from .model_fit import plan_model
 from .objects import LiveObjects
 from .options import OptimizerHparams, ResumeOptions
@@ -42,7 +41,8 @@ class RestorePlan:
     parameters, its group hyperparameters already chosen by ``optimizer_hparams`` (None when the optimizer is
     not restored). ``restore`` and ``skipped`` name the parts, in the order :func:`resume` reports them;
     ``applied`` says how much of each part apply will restore (see :class:`ResumeResult`); ``notices`` are
-    the ``(level, message)`` lines apply logs once it succeeded.
+    the ``(level, message)`` lines apply logs once it succeeded; ``landed`` the live tensors a broadcast
+    received data into, each with a CPU copy of what it held before (see :meth:`destinations`).
     """
 
     parts: CheckpointParts
@@ -60,50 +60,28 @@ class RestorePlan:
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)
     notices: tuple[tuple[int, str], ...] = ()
 
-    def apply(self) -> tuple[str, ...]:
-        """Change the live objects; return the names of the parts restored (``self.restore``).
+    landed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
-        Local. What can still fail goes first: GradScaler, scheduler, then the model and the EMA; if one of
-        those loads raises, scaler and scheduler are rolled back (model and EMA were validated the same
-        way, so the EMA load cannot fail for a reason the model load did not). The optimizer goes last,
-        copied into its live state tensors where they exist (so no rollback copy of its state is ever held);
-        state still aliasing a memory-mapped file is cloned; state is then moved onto its parameters' devices.
+    def steps(self) -> list[Step]:
+        """The named steps :meth:`apply` runs, in order (see :data:`~dist_resume._checkpoint.apply.STEPS`). Local."""
+        return steps_of(self)
+
+    def apply(self, *, agree: Callable[[BaseException | None], None] | None = None) -> tuple[str, ...]:
+        """Change the live objects, all or nothing; return the names of the parts restored (``self.restore``).
+
+        Local (collective with ``agree``, see :func:`~dist_resume._checkpoint.apply.apply_plan`). On any failure
+        every part already changed is put back and :class:`~dist_resume.errors.RestoreError` names the part.
+        Optimizer state ends on its parameters' devices, in its existing tensors where they fit; state still
+        aliasing a memory-mapped file is cloned. Then the plan's notices are logged.
         """
-        live = self.objects
-        scaler = live.scaler if "scaler" in self.restore else None
-        scheduler = live.scheduler if "scheduler" in self.restore else None
-        before_scaler = scaler.state_dict() if scaler is not None else None
-        before_scheduler = scheduler.state_dict() if scheduler is not None else None
-        try:
-            if scaler is not None:
-                scaler.load_state_dict(self.parts.scaler)
-            if scheduler is not None:
-                scheduler.load_state_dict(self.parts.scheduler)
-            live.model.load_state_dict(self.model_state, strict=self.strict)
-            if live.ema is not None and self.ema_state is not None:
-                live.ema.load_state_dict(self.ema_state, strict=self.strict)
-        except Exception:
-            if scaler is not None:
-                scaler.load_state_dict(before_scaler)
-            if scheduler is not None:
-                scheduler.load_state_dict(before_scheduler)
-            raise
-        if live.optimizer is not None and self.optimizer_state is not None:
-            live.optimizer.load_state_dict(into_live_state(live.optimizer, self.optimizer_state))
-            if self.mmapped:
-                detach_from_file(live.optimizer, storage_ptrs(self.parts.optimizer))
-            optimizer_to(live.optimizer)
-        if "sampler" in self.restore:
-            live.data.load_state_dict(self.parts.sampler)
-        if "rng" in self.restore:
-            restore_rank_rng(self.parts.rng, step=self.parts.step, device=param_device(live.model), source=self.source)
-        for level, message in self.notices:
-            log_rank0(level, "%s", message)
-        return self.restore
+        return apply_plan(self, agree=agree)
 
     def destinations(self) -> dict[int, torch.Tensor]:
         """``{id(checkpoint tensor): live tensor}`` for each model and EMA entry and existing optimizer state
-        tensor that the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local."""
+        tensor that the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local.
+
+        Each destination's current data is copied to the CPU first (``landed``), so that apply can put it back
+        if any part (on any rank) fails after the data arrived."""
         out: dict[int, torch.Tensor] = {}
         for module, state in ((self.objects.model, self.model_state), (self.objects.ema, self.ema_state)):
             if module is None or state is None:
@@ -116,6 +94,8 @@ class RestorePlan:
             for _, _, value, dst in live_twins(self.objects.optimizer, self.optimizer_state):
                 if dst.is_contiguous():
                     out[id(value)] = dst
+        for dst in out.values():
+            self.landed.setdefault(id(dst), (dst, dst.detach().to("cpu", copy=True)))
         return out
 
     def rebind(self, arrived: Mapping[int, torch.Tensor]) -> RestorePlan:
@@ -170,12 +150,13 @@ def plan_restore(
     optimizer_state = None
     if optimizer is not None and present(parts.optimizer, "optimizer"):
         saved_class = parts.meta.get("optimizer_class")
-        if saved_class and saved_class != type(optimizer).__name__:
+        if saved_class and str(saved_class) != type(optimizer).__name__:
             raise OptimizerStateMismatchError(
                 f"{source}: the optimizer state was saved from {saved_class}, this optimizer is "
-                f"{type(optimizer).__name__}; build {article(saved_class)}, or pass allow_missing=('optimizer',) "
+                f"{type(optimizer).__name__}; build {article(str(saved_class))}, or pass allow_missing=('optimizer',) "
                 "and no optimizer"
             )
+        _check_optimizer_form(parts.optimizer, optimizer, source)
         saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
         optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
         scheduled = scheduler is not None and parts.scheduler is not None
@@ -208,7 +189,7 @@ def plan_restore(
     done = {
         "model": applied["model"][0] > 0,
         "ema": ema_state is not None and applied["ema"][0] > 0,
-        "scaler": has_scaler and not empty_scaler,
+        "scaler": has_scaler and not empty_scaler and objects.scaler.is_enabled(),  # a disabled one ignores any state
         "optimizer": optimizer_state is not None and optimizer_applied(optimizer_state, applied["optimizer"]),
         "scheduler": has_scheduler,
         "sampler": has_sampler,
@@ -251,6 +232,46 @@ _SCHEDULER_OVERRIDES: Final = (
     "the kept lr may not last; to schedule from the new lr, pass no scheduler (allow_missing=('scheduler',)) and "
     "build a fresh one"
 )
+
+
+def _check_optimizer_form(osd: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Refuse optimizer state not shaped as ``Optimizer.state_dict()`` makes it (hyperparameters the live groups hold
+    as numbers must be numbers there too), before anything looks inside."""
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    state = osd.get("state") if isinstance(osd, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        found = f"a mapping with keys {sorted(map(str, osd))}" if isinstance(osd, Mapping) else type(osd).__name__
+        problem = f"is {found}, not {{'state': {{...}}, 'param_groups': [...]}}"
+    elif bad := [str(k) for k, v in state.items() if not isinstance(v, Mapping)]:
+        problem = f"has per-parameter entries that are not mappings (parameter ids {bad[:5]})"
+    elif any(
+        not isinstance(g, Mapping) or not isinstance(g.get("params"), list) or not all(_an_id(i) for i in g["params"])
+        for g in groups
+    ):
+        problem = "has parameter groups without a list of parameter ids under 'params'"
+    elif odd := [
+        f"group {i} {k}={shown(g[k])}"
+        for i, (g, live) in enumerate(zip(groups, optimizer.param_groups))
+        for k, v in live.items()
+        if _number(v) and k in g and not _number(g[k])
+    ]:
+        problem = f"has hyperparameters that are not numbers ({', '.join(odd[:3])})"
+    else:
+        return
+    raise OptimizerStateMismatchError(
+        f"{source}: the optimizer state {problem}; it was not written by Optimizer.state_dict() (or was damaged): "
+        "resume from another checkpoint, or pass allow_missing=('optimizer',) and no optimizer"
+    )
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _an_id(value: Any) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
 
 
 def _present(

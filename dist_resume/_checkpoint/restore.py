@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from .._core.errors import UsageError
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.broadcast import agree_across_ranks
+from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
@@ -90,8 +92,21 @@ def resume(
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its accelerator. Keys, shapes, dtypes, optimizer groups, parameter
-    names and state shapes are validated before anything changes; on any error model, optimizer,
-    scheduler, scaler and EMA are as before. Afterwards optimizer state sits on its parameters' devices.
+    names and state shapes are validated before anything changes. Applying is all or nothing too: if a
+    part's own load fails (a hook, a device or sharding error), every part already restored is put back
+    (model, optimizer, scheduler, scaler, data position, RNG streams, EMA, modules' extra state) and
+    :class:`~dist_resume.errors.RestoreError` names the part, chained to the cause. A CPU copy of the
+    model's (and EMA's) tensors it overwrites is held while it applies only where something can fail after
+    them (the EMA, the ranks' agreement) or their own load can (load hooks, a ``_load_from_state_dict`` or
+    ``set_extra_state`` other than torch.nn's); a plain model resumed by one rank is copied into with no
+    copy kept. Afterwards optimizer state sits on its parameters' devices.
+
+    Across ranks: when the resume is collective (``path`` is a ``CheckpointManager`` folder under
+    torch.distributed, or ``broadcast_from_rank0``), the ranks agree twice, after validating and after
+    applying: a failure on any rank (reading, validating or applying) makes every rank put back what it
+    changed and raise the same error class, relayed with ``rank`` set. A file (or foreign folder) passed
+    by path is read, validated and applied by each rank on its own, with no collective: a failure there
+    is raised on that rank only, and the other ranks' resumes stand.
 
     - ``dataloader``: a ``DataLoader`` whose sampler (or ``batch_sampler.sampler``) is a
       :class:`ResumableDistributedSampler`, or that sampler itself (a loop that iterates it): the epoch
@@ -137,31 +152,15 @@ def checked_options(options: Any) -> ResumeOptions:
 def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
     """Read ``source`` (decided already), validate it against ``objects``, apply it; say what was restored.
 
-    Local for a source this rank reads; collective for a broadcast one (every rank validates before
-    the data moves, and no rank applies anything unless every rank validated) and for an FSDP2 model
-    (:mod:`.sharded_restore`: every rank validates, then fills its shards).
+    Local for a file this rank reads; collective for a broadcast source or a folder resolved across
+    ranks (every rank validates before anything changes, and after applying every rank learns whether
+    every rank applied; if one did not, every rank puts back what it changed and raises), and for an
+    FSDP2 model (:mod:`.sharded_restore`: every rank validates, then fills its shards).
     """
     if is_sharded_restore(objects):  # FSDP2: read, validate everywhere, fill the shards (sharded_restore.py)
-        contents, plan, restored = restore_sharded(source, objects, options, lambda c: _plan_local(c, objects, options))
-    elif source.broadcast:
-        contents, plan = read_broadcast(
-            source,
-            mmap=options.mmap,
-            weights_only=options.weights_only,
-            verify=options.verify,
-            prepare=lambda arrived: _plan(arrived, objects, options),
-        )
-        restored = plan.apply()
+        contents, plan, restored = restore_sharded(source, objects, options, lambda c: _plan(c, objects, options))
     else:
-        contents = read_source(
-            source,
-            map_location="cpu" if options.map_location is None else options.map_location,
-            mmap=options.mmap,
-            weights_only=options.weights_only,
-            verify=options.verify,
-        )
-        plan = _plan(contents, objects, options)
-        restored = plan.apply()
+        contents, plan, restored = _restore_whole(source, objects, options)
     parts = plan.parts
     log_rank0(
         logging.INFO,
@@ -187,6 +186,35 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
         dict(plan.applied),
         dict(parts.keys),
     )
+
+
+def _restore_whole(
+    source: Source, objects: LiveObjects, options: ResumeOptions
+) -> tuple[SourceContents, RestorePlan, tuple[str, ...]]:
+    """Read, validate and apply into a plain, DDP or compiled model (everything but FSDP2)."""
+    collective = source.broadcast or (source.folder is not None and is_distributed())
+    if source.broadcast:
+        contents, plan = read_broadcast(
+            source,
+            mmap=options.mmap,
+            weights_only=options.weights_only,
+            verify=options.verify,
+            prepare=lambda arrived: _agreed(True, lambda: _plan(arrived, objects, options)),
+        )
+    else:
+
+        def read_and_plan() -> tuple[SourceContents, RestorePlan]:
+            read = read_source(
+                source,
+                map_location="cpu" if options.map_location is None else options.map_location,
+                mmap=options.mmap,
+                weights_only=options.weights_only,
+                verify=options.verify,
+            )
+            return read, _plan(read, objects, options)
+
+        contents, plan = _agreed(collective, read_and_plan)
+    return contents, plan, plan.apply(agree=_agree_applied if collective else None)
 
 
 def _split(obj: Any, source: str, objects: LiveObjects, options: ResumeOptions) -> CheckpointParts:
@@ -216,21 +244,30 @@ def _key_sources(parts: CheckpointParts) -> str:
 
 
 def _plan(contents: SourceContents, objects: LiveObjects, options: ResumeOptions) -> RestorePlan:
-    """Validate ``contents`` against the live objects; where it is collective, every rank learns every outcome
-    and raises if any rank failed, before anything changes."""
-    try:
-        plan = _plan_local(contents, objects, options)
-    except Exception as err:
-        if contents.collective:
-            agree_across_ranks(err)
-        raise
-    if contents.collective:
-        agree_across_ranks(None)
-    return plan
-
-
-def _plan_local(contents: SourceContents, objects: LiveObjects, options: ResumeOptions) -> RestorePlan:
-    """Split ``contents`` into parts and validate them against the live objects. Local; changes nothing."""
+    """Validate ``contents`` against the live objects (local; changes nothing)."""
     source = f"checkpoint {str(contents.path)!r}"
     parts = contents.parts if contents.parts is not None else _split(contents.obj, source, objects, options)
     return plan_restore(parts, objects, options, source=source, mmapped=contents.mmapped)
+
+
+T = TypeVar("T")
+_NOTHING: Final = "could not restore the checkpoint, so nothing was restored on any rank"
+
+
+def _agreed(collective: bool, fn: Callable[[], T]) -> T:
+    """``fn()``; where ``collective``, every rank learns every rank's outcome and raises if any rank failed, before
+    anything changes."""
+    try:
+        result = fn()
+    except Exception as err:
+        if collective:
+            agree_across_ranks(err, what=_NOTHING)
+        raise
+    if collective:
+        agree_across_ranks(None, what=_NOTHING)
+    return result
+
+
+def _agree_applied(error: BaseException | None) -> None:
+    """After apply's steps: every rank learns whether every rank applied; all roll back if one did not."""
+    agree_across_ranks(error, what="could not apply the checkpoint, so every rank put back what it had changed")

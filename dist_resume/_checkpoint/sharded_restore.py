@@ -53,7 +53,7 @@ from .plan import RestorePlan
 
 __all__ = ["Fill", "SMALL_BYTES", "ShardedRestore", "is_sharded_restore", "restore_sharded", "apply_sharded"]
 
-_AGREED: Final = "the checkpoint into the FSDP2 model"  # what every rank agrees it can restore
+_AGREED: Final = "could not restore the checkpoint into the FSDP2 model, so nothing was restored on any rank"
 SMALL_BYTES: Final = 64 * 1024  # under broadcast_from_rank0, tensors up to this size reach every rank whole
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -203,9 +203,9 @@ def restore_sharded(
         plan = plan_local(contents)
         prepared = prepare_sharded(plan, fill, folder=source.path, dcp_keys=keys, weights_only=options.weights_only)
     except Exception as err:
-        agree_across_ranks(err, _AGREED)
+        agree_across_ranks(err, what=_AGREED)
         raise
-    agree_across_ranks(None, _AGREED)
+    agree_across_ranks(None, what=_AGREED)
     return contents, plan, apply_sharded(prepared)
 
 

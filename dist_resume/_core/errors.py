@@ -23,6 +23,7 @@ __all__ = [
     "OptimizerStateMismatchError",
     "StateMismatchError",
     "DeviceMismatchError",
+    "RestoreError",
     "UsageError",
     "rebuild_error",
 ]
@@ -131,6 +132,18 @@ class DeviceMismatchError(DistResumeError, RuntimeError):
     def __init__(self, message: str, *, findings: list[str] | None = None) -> None:
         super().__init__(message)
         self.findings = findings or []
+
+
+class RestoreError(DistResumeError, RuntimeError):
+    """Applying a validated checkpoint failed part-way (``part`` names the step: ``"optimizer"``, ``"model"``, ...).
+
+    Everything the resume had changed was put back before it was raised (on every rank, when the resume was
+    collective); the original exception is chained as ``__cause__`` on the rank it happened on.
+    """
+
+    def __init__(self, message: str, *, part: str = "") -> None:
+        super().__init__(message)
+        self.part = part
 
 
 class UsageError(DistResumeError, ValueError):

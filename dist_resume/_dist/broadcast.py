@@ -157,13 +157,17 @@ def _collect_slots(skeleton: Any) -> list[_Slot]:
     return sorted(found, key=lambda slot: slot.index)
 
 
-def agree_across_ranks(error: BaseException | None, what: str = "the broadcast checkpoint") -> None:
+def agree_across_ranks(
+    error: BaseException | None,
+    *,
+    what: str = "could not restore the broadcast checkpoint, so nothing was restored on any rank",
+) -> None:
     """Collective: share each rank's validation outcome; raise on every rank if any rank failed.
 
     A rank passing its own ``error`` returns (its caller raises that). Every other rank raises the
     lowest failing rank's error: the same class with its attributes (``missing``, ``hint``, ...) and
-    ``rank`` set, its message naming every rank that failed (``StateMismatchError`` chained to the
-    original for an exception that is no dist_resume error). ``what`` names the checkpoint in that message.
+    ``rank`` set, its message naming every rank that failed and ``what`` (``StateMismatchError`` chained to
+    the original for an exception that is no dist_resume error).
     """
     rank = dist.get_rank()
     mine = Outcome() if error is None else Outcome.failed(rank, error)
@@ -174,7 +178,7 @@ def agree_across_ranks(error: BaseException | None, what: str = "the broadcast c
         if error is not None:
             return  # this rank's own failure says more; its caller raises it
         raise
-    err = first_failure(outcomes, StateMismatchError, f"could not restore {what}, so nothing was restored on any rank")
+    err = first_failure(outcomes, StateMismatchError, what)
     if err is not None and error is None:
         raise err
 

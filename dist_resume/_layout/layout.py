@@ -101,7 +101,13 @@ def _is_lightning(obj: Mapping[str, Any]) -> bool:
 
 
 def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] | None) -> CheckpointParts:
-    meta = dict(obj.get(Key.META) or {})
+    meta = obj.get(Key.META) or {}
+    if not isinstance(meta, Mapping):
+        raise NotACheckpointError(
+            f"{source} is marked as a dist_resume checkpoint but its {Key.META!r} entry is "
+            f"{type(meta).__name__}, not a mapping (the file is damaged or was edited)"
+        )
+    meta = dict(meta)
     if not isinstance(obj.get(Key.MODEL), Mapping):
         raise NotACheckpointError(f"{source} is marked as a dist_resume checkpoint but has no model state")
     parts = CheckpointParts(

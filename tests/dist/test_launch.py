@@ -180,7 +180,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     out = _ok(second)
     assert (
         "resumed from b/ckpt_00000013.pt (dist_resume layout, step 13, epoch 1; "
-        "restored model, scaler, optimizer, scheduler, sampler, rng)"
+        "restored model, optimizer, scheduler, sampler, rng)"  # the GradScaler is disabled on the CPU
     ) in out
     assert out.count("resumed from") == 1, out[-3000:]  # said once, by the library on rank 0
     assert "continuing at step 13, epoch 1, sample 160 of 256" in out
