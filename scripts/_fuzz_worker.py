@@ -13,7 +13,7 @@ import traceback
 import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 PATHS = (
     "load_checkpoint",
@@ -126,7 +126,7 @@ def _fingerprint(objs: dict[str, Any]) -> dict[str, Any]:
     out["optimizer tensors"] = (
         [id(t) for s in objs["optimizer"].state.values() for t in s.values()] if "optimizer" in objs else []
     )
-    out["rng"] = (torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True)[1].copy())
+    out["rng"] = (torch.get_rng_state(), random.getstate(), cast(tuple[Any, ...], np.random.get_state())[1].copy())
     return out
 
 
