@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
+from tests.dist.fsdp_resume_extra import more_sources
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
 from tests.models import compile_module
@@ -243,6 +244,8 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     if rank == 0:
         refs = {"reference": reference, "ddp_reference": ddp_reference, "at_save": at_save_full}
         torch.save(refs, root / "references.pt")
+    dist.barrier()
+    report.update(more_sources(rank, root, lambda seed: _fsdp(mesh, seed)))
     return report
 
 

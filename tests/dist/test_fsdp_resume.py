@@ -74,6 +74,24 @@ def _check_two(results: list[dict]) -> None:
     assert len(chunk) == 1, chunk
     ((error, message),) = chunk
     assert error == "CheckpointCorruptError" and "__1_0.distcp" in message and "may hold part of it" in message
+    _check_more(results)
+
+
+def _check_more(results: list[dict]) -> None:
+    """tests/dist/fsdp_resume_extra.py's checks: init_from, safetensors/HF/Accelerate, EMA, load_checkpoint."""
+    for rank, r in enumerate(results):
+        assert r["init_weights"] == (0, ("model",), []), (rank, r["init_weights"])
+        assert r["init_ddp"][:2] == (0, ("model", "optimizer")) and r["init_ddp"][2] == [], (rank, r["init_ddp"])
+        assert r["safetensors"] == ("safetensors", ("model",), []), (rank, r["safetensors"])
+        assert r["hf"] == ("hf-trainer", ("model", "optimizer", "scheduler"), []), (rank, r["hf"])
+        assert r["accelerate"] == ("accelerate", ("model", "optimizer"), []), (rank, r["accelerate"])
+        for name in ("ema_plain_folder", "ema_plain_full", "ema_sharded_folder", "ema_sharded_full"):
+            restored, diff = r[name]
+            assert "ema" in restored and diff == [], (rank, name, r[name])
+        error, message = r["ema_sharded_plain_model"]
+        assert error == "UsageError" and "AveragedModel of a plain copy" in message, (rank, message)
+    keys, diff = results[0]["load_checkpoint"]
+    assert {"model", "optimizer", "step"} <= set(keys) and diff == [], results[0]["load_checkpoint"]
 
 
 def _check_other(results: list[dict], world_size: int) -> None:

@@ -1,0 +1,147 @@
+"""More sources into FSDP2 models, for tests/dist/fsdp_resume_workers.py's launches (no launch of their own):
+``CheckpointManager.resume(init_from=...)`` of a weights-only file and of a DDP file, a ``.safetensors`` file, HF
+Trainer and Accelerate folders (written the cheap way: ``safetensors.torch.save_file`` of the full state dict, the
+optimizer's ``state_dict()`` as the libraries save it), EMA models, and ``load_checkpoint`` of a sharded folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.optim.swa_utils import AveragedModel
+
+import dist_resume as dr
+from dist_resume.errors import DistResumeError
+from tests.dist.fsdp_save_workers import _full
+from tests.dist.fsdp_workers import Net, _differ, _locals
+
+Make = Callable[[int], tuple[nn.Module, torch.optim.Optimizer, Any]]
+
+
+def _expected(raw: dict[str, Any], optimizer: bool) -> dict[str, torch.Tensor]:
+    """A single-GPU file's model (and optimizer state, integer ids mapped to Net's parameter names) flattened like
+    :func:`_full`."""
+    flat = dict(raw["model"])
+    if optimizer:
+        names = [n for n, _ in Net().named_parameters()]
+        for i, state in raw["optimizer"]["state"].items():
+            flat.update({f"{names[i]}/{k}": v for k, v in state.items()})
+    return flat
+
+
+def _restored(model: nn.Module, opt: torch.optim.Optimizer, expected: dict[str, torch.Tensor]) -> list[str]:
+    """The entries of ``expected`` the FSDP2 model's full state (collective) differs in, on rank 0; [] elsewhere."""
+    full = _full(model, opt)
+    if dist.get_rank() != 0:
+        return []
+    return _differ({k: full[k] for k in expected if k in full}, expected) + sorted(expected.keys() - full.keys())
+
+
+def _write_foreign(root: Path, raw: dict[str, Any]) -> None:
+    """Rank 0: the single-GPU state as a weights-only file, a .safetensors file, HF Trainer and Accelerate folders."""
+    model = {k: v.contiguous() for k, v in raw["model"].items()}
+    torch.save(model, root / "weights.pt")
+    save_file(model, str(root / "weights.safetensors"))
+    hf = root / "hf" / "checkpoint-3"
+    hf.mkdir(parents=True)
+    save_file(model, str(hf / "model.safetensors"))
+    torch.save(raw["optimizer"], hf / "optimizer.pt")
+    torch.save(raw["scheduler"], hf / "scheduler.pt")
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 3, "epoch": 1.0}))
+    acc = root / "accelerate"
+    acc.mkdir()
+    save_file(model, str(acc / "model.safetensors"))
+    torch.save(raw["optimizer"], acc / "optimizer.bin")
+
+
+def more_sources(rank: int, root: Path, make: Make) -> dict[str, Any]:
+    """At 2 ranks, after fsdp_resume_workers._two wrote single.pt, ddp2.pt and run2/."""
+    raw = torch.load(root / "single.pt", weights_only=True)
+    if rank == 0:
+        _write_foreign(root, raw)
+    dist.barrier()
+    report: dict[str, Any] = {}
+    weights, everything = _expected(raw, optimizer=False), _expected(raw, optimizer=True)
+    # the usual fine-tune start: a new manager folder, init_from a weights-only file: only the model, bit for bit
+    model, opt, sched = make(9)
+    res = dr.CheckpointManager(root / "finetune", model=model, optimizer=opt, scheduler=sched).resume(
+        init_from=root / "weights.pt"
+    )
+    assert res is not None, "init_from restored nothing"
+    report["init_weights"] = (res.step, res.restored, _restored(model, opt, weights))
+    model, opt, sched = make(9)  # init_from a DDP file with optimizer state: model and optimizer, bit for bit
+    res = dr.CheckpointManager(root / "finetune_ddp", model=model, optimizer=opt).resume(init_from=root / "ddp2.pt")
+    assert res is not None, "init_from restored nothing"
+    ddp_raw = torch.load(root / "ddp2.pt", weights_only=True)
+    names = [n for g in ddp_raw["optimizer"]["param_groups"] for n in g["param_names"]]
+    ddp_flat = dict(ddp_raw["model"])
+    for i, state in ddp_raw["optimizer"]["state"].items():
+        ddp_flat.update({f"{names[i]}/{k}": v for k, v in state.items()})
+    report["init_ddp"] = (res.step, res.restored, _restored(model, opt, ddp_flat))
+    # a .safetensors file, an HF Trainer checkpoint-N/ and an Accelerate folder
+    for name, path, expected, parts in (
+        ("safetensors", root / "weights.safetensors", weights, {}),
+        ("hf", root / "hf" / "checkpoint-3", everything, {"optimizer", "scheduler"}),
+        ("accelerate", root / "accelerate", everything, {"optimizer"}),
+    ):
+        model, opt, sched = make(9)
+        res = dr.resume(
+            path,
+            model=model,
+            optimizer=opt if "optimizer" in parts else None,
+            scheduler=sched if "scheduler" in parts else None,
+            options=dr.ResumeOptions(rng=False),
+        )
+        report[name] = (res.layout.value, res.restored, _restored(model, opt, expected))
+    report.update(_ema(rank, root, make))
+    if rank == 0:  # load_checkpoint of a sharded folder: local (rank 0 alone), the full state on the CPU
+        loaded = dr.load_checkpoint(root / "run2" / "ckpt_00000003.dcp")
+        at_save = torch.load(root / "references.pt", weights_only=True)["at_save"]
+        model_keys = {k: v for k, v in at_save.items() if "/" not in k}
+        report["load_checkpoint"] = (sorted(loaded), _differ(dict(loaded["model"]), model_keys))
+    return report
+
+
+def _ema(rank: int, root: Path, make: Make) -> dict[str, Any]:
+    """EMA next to an FSDP2 model: an AveragedModel of a plain copy (whole on every rank), and an EMA copy sharded
+    with fully_shard (its own shards); a sharded EMA next to a plain model is refused."""
+    report: dict[str, Any] = {}
+    model, opt, _ = make(0)
+    torch.manual_seed(21)
+    plain_ema = AveragedModel(Net())  # what the user made before fully_shard: AveragedModel(model) deep-copies
+    plain_ema.n_averaged += 4
+    torch.manual_seed(22)
+    sharded_ema = Net()
+    fully_shard(sharded_ema, mesh=next(p for p in model.parameters()).device_mesh)  # type: ignore[attr-defined]
+    for ema, name in ((plain_ema, "ema_plain"), (sharded_ema, "ema_sharded")):
+        folder = dr.save_checkpoint(root / f"{name}.dcp", model=model, optimizer=opt, ema=ema, step=1)
+        full = dr.save_checkpoint(root / f"{name}.pt", model=model, optimizer=opt, ema=ema, step=1, full_state=True)
+        for how, path in (("folder", folder), ("full", full)):
+            fresh, fresh_opt, _ = make(5)
+            if ema is plain_ema:
+                torch.manual_seed(23)
+                into: nn.Module = AveragedModel(Net())
+                res = dr.resume(path, model=fresh, optimizer=fresh_opt, ema=into)
+                diff = _differ(dict(into.state_dict()), dict(plain_ema.state_dict()))
+            else:
+                torch.manual_seed(23)
+                into = Net()
+                fully_shard(into, mesh=next(p for p in fresh.parameters()).device_mesh)  # type: ignore[attr-defined]
+                res = dr.resume(path, model=fresh, optimizer=fresh_opt, ema=into)
+                diff = _differ(
+                    _locals(into, torch.optim.SGD(into.parameters())), _locals(ema, torch.optim.SGD(ema.parameters()))
+                )
+            report[f"{name}_{how}"] = (res.restored, diff)
+    try:
+        dr.resume(root / "ema_sharded.pt", model=Net(), ema=sharded_ema)
+        report["ema_sharded_plain_model"] = None
+    except DistResumeError as err:
+        report["ema_sharded_plain_model"] = (type(err).__name__, str(err))
+    return report
