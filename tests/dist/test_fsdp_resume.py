@@ -105,6 +105,7 @@ def _check_other(results: list[dict], world_size: int) -> None:
                 assert r[f"{name}_result"] == RESULT, (world_size, rank, name, r[f"{name}_result"])
         assert r["manager_result"] == RW.STEPS
         assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # resharded, exact
+        assert world_size != 1 or r["full_at_one"] == [], r["full_at_one"]
     _refused([r["bad_on_last"] for r in results], "KeyMismatchError", world_size - 1 if world_size > 1 else None)
 
 
