@@ -15,12 +15,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dist_resume as dr
+from dist_resume._core.shards import is_dtensor
 from dist_resume.errors import DistResumeError
 from tests.dist.fsdp_save_workers import _full
-from tests.dist.fsdp_workers import Net, _differ, _locals
+from tests.dist.fsdp_workers import Net, _differ
+from tests.helpers import local_shard
 
 Make = Callable[[int], tuple[nn.Module, torch.optim.Optimizer, Any]]
 
@@ -109,17 +111,34 @@ def more_sources(rank: int, root: Path, make: Make) -> dict[str, Any]:
     return report
 
 
+def _own(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state as this rank holds it: its shards of DTensors, plain tensors whole."""
+    return {k: local_shard(v) if is_dtensor(v) else v for k, v in module.state_dict().items()}
+
+
+def _sharded_ema(model: nn.Module, seed: int) -> AveragedModel:
+    """What docs/fsdp2.md recommends: an AveragedModel of a plain copy, its module sharded like the model."""
+    torch.manual_seed(seed)
+    ema = AveragedModel(Net(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    fully_shard(ema.module, mesh=next(iter(model.parameters())).device_mesh)  # type: ignore[attr-defined]
+    return ema
+
+
 def _ema(rank: int, root: Path, make: Make) -> dict[str, Any]:
-    """EMA next to an FSDP2 model: an AveragedModel of a plain copy (whole on every rank), and an EMA copy sharded
-    with fully_shard (its own shards); a sharded EMA next to a plain model is refused."""
+    """EMA next to an FSDP2 model: an AveragedModel of a plain copy whose module is sharded like the model (it
+    updates shard by shard), and one left whole on every rank; a sharded EMA next to a plain model is refused."""
     report: dict[str, Any] = {}
-    model, opt, _ = make(0)
+    model, opt, sched = make(0)
     torch.manual_seed(21)
-    plain_ema = AveragedModel(Net())  # what the user made before fully_shard: AveragedModel(model) deep-copies
+    plain_ema = AveragedModel(Net())
     plain_ema.n_averaged += 4
-    torch.manual_seed(22)
-    sharded_ema = Net()
-    fully_shard(sharded_ema, mesh=next(p for p in model.parameters()).device_mesh)  # type: ignore[attr-defined]
+    sharded_ema = _sharded_ema(model, 22)
+    for step in range(2):
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step)).chunk(dist.get_world_size())[rank]
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        sharded_ema.update_parameters(model)  # DTensor into DTensor, each rank its shards
     for ema, name in ((plain_ema, "ema_plain"), (sharded_ema, "ema_sharded")):
         folder = dr.save_checkpoint(root / f"{name}.dcp", model=model, optimizer=opt, ema=ema, step=1)
         full = dr.save_checkpoint(root / f"{name}.pt", model=model, optimizer=opt, ema=ema, step=1, full_state=True)
@@ -127,18 +146,12 @@ def _ema(rank: int, root: Path, make: Make) -> dict[str, Any]:
             fresh, fresh_opt, _ = make(5)
             if ema is plain_ema:
                 torch.manual_seed(23)
-                into: nn.Module = AveragedModel(Net())
-                res = dr.resume(path, model=fresh, optimizer=fresh_opt, ema=into)
-                diff = _differ(dict(into.state_dict()), dict(plain_ema.state_dict()))
+                into = AveragedModel(Net())
             else:
-                torch.manual_seed(23)
-                into = Net()
-                fully_shard(into, mesh=next(p for p in fresh.parameters()).device_mesh)  # type: ignore[attr-defined]
-                res = dr.resume(path, model=fresh, optimizer=fresh_opt, ema=into)
-                diff = _differ(
-                    _locals(into, torch.optim.SGD(into.parameters())), _locals(ema, torch.optim.SGD(ema.parameters()))
-                )
-            report[f"{name}_{how}"] = (res.restored, diff)
+                into = _sharded_ema(fresh, 23)
+            res = dr.resume(path, model=fresh, optimizer=fresh_opt, ema=into)
+            report[f"{name}_{how}"] = (res.restored, _differ(_own(into), _own(ema)))
+    report["ema_sharded_n_averaged"] = int(sharded_ema.n_averaged)
     try:
         dr.resume(root / "ema_sharded.pt", model=Net(), ema=sharded_ema)
         report["ema_sharded_plain_model"] = None

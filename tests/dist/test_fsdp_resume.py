@@ -88,6 +88,7 @@ def _check_more(results: list[dict]) -> None:
         for name in ("ema_plain_folder", "ema_plain_full", "ema_sharded_folder", "ema_sharded_full"):
             restored, diff = r[name]
             assert "ema" in restored and diff == [], (rank, name, r[name])
+        assert r["ema_sharded_n_averaged"] == 2, rank
         error, message = r["ema_sharded_plain_model"]
         assert error == "UsageError" and "AveragedModel of a plain copy" in message, (rank, message)
     keys, diff = results[0]["load_checkpoint"]
