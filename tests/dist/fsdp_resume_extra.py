@@ -107,7 +107,9 @@ def more_sources(rank: int, root: Path, make: Make) -> dict[str, Any]:
         loaded = dr.load_checkpoint(root / "run2" / "ckpt_00000003.dcp")
         at_save = torch.load(root / "references.pt", weights_only=True)["at_save"]
         model_keys = {k: v for k, v in at_save.items() if "/" not in k}
-        report["load_checkpoint"] = (sorted(loaded), _differ(dict(loaded["model"]), model_keys))
+        Net().load_state_dict(loaded["model"])  # full tensors: a plain model takes them
+        named = "param_names" in loaded["optimizer"]["param_groups"][0]
+        report["load_checkpoint"] = (sorted(loaded), _differ(dict(loaded["model"]), model_keys), named)
     return report
 
 
