@@ -92,6 +92,7 @@ def more_sources(rank: int, root: Path, make: Make) -> dict[str, Any]:
         ("safetensors", root / "weights.safetensors", weights, {}),
         ("hf", root / "hf" / "checkpoint-3", everything, {"optimizer", "scheduler"}),
         ("accelerate", root / "accelerate", everything, {"optimizer"}),
+        ("hf_broadcast", root / "hf" / "checkpoint-3", everything, {"optimizer", "scheduler", "broadcast"}),
     ):
         model, opt, sched = make(9)
         res = dr.resume(
@@ -99,7 +100,7 @@ def more_sources(rank: int, root: Path, make: Make) -> dict[str, Any]:
             model=model,
             optimizer=opt if "optimizer" in parts else None,
             scheduler=sched if "scheduler" in parts else None,
-            options=dr.ResumeOptions(rng=False),
+            options=dr.ResumeOptions(rng=False, broadcast_from_rank0="broadcast" in parts),
         )
         report[name] = (res.layout.value, res.restored, _restored(model, opt, expected))
     report.update(_ema(rank, root, make))
@@ -159,4 +160,20 @@ def _ema(rank: int, root: Path, make: Make) -> dict[str, Any]:
         report["ema_sharded_plain_model"] = None
     except DistResumeError as err:
         report["ema_sharded_plain_model"] = (type(err).__name__, str(err))
+    return report
+
+
+def more_sources_other(root: Path, make: Make) -> dict[str, Any]:
+    """At 4 ranks (2x2 HSDP) and 1: init_from the weights-only file, the HF folder, bit for bit."""
+    raw = torch.load(root / "single.pt", weights_only=True)
+    report: dict[str, Any] = {}
+    model, opt, sched = make(9)
+    res = dr.CheckpointManager(root / f"finetune{dist.get_world_size()}", model=model, optimizer=opt).resume(
+        init_from=root / "weights.pt"
+    )
+    assert res is not None, "init_from restored nothing"
+    report["init_weights"] = (res.step, res.restored, _restored(model, opt, _expected(raw, optimizer=False)))
+    model, opt, sched = make(9)
+    res = dr.resume(root / "hf" / "checkpoint-3", model=model, optimizer=opt, scheduler=sched)
+    report["hf"] = (res.layout.value, res.restored, _restored(model, opt, _expected(raw, optimizer=True)))
     return report

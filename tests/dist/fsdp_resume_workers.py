@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
-from tests.dist.fsdp_resume_extra import more_sources
+from tests.dist.fsdp_resume_extra import more_sources, more_sources_other
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
 from tests.models import compile_module
@@ -294,6 +294,7 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
     _train(model, opt, sched, 0, 1)
     bad = root / ("bad.pt" if rank == world_size - 1 else "single.pt")  # only the last rank would fail
     report["bad_on_last"] = _refusal(lambda: _resumed(bad, model, opt, sched, rng=False), model, opt)
+    report.update(more_sources_other(root, lambda seed: _fsdp(mesh, seed)))
     return report
 
 

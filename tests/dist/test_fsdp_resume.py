@@ -84,6 +84,7 @@ def _check_more(results: list[dict]) -> None:
         assert r["init_ddp"][:2] == (0, ("model", "optimizer")) and r["init_ddp"][2] == [], (rank, r["init_ddp"])
         assert r["safetensors"] == ("safetensors", ("model",), []), (rank, r["safetensors"])
         assert r["hf"] == ("hf-trainer", ("model", "optimizer", "scheduler"), []), (rank, r["hf"])
+        assert r["hf_broadcast"] == r["hf"], (rank, r["hf_broadcast"])  # rank 0 reads, sends the boxes
         assert r["accelerate"] == ("accelerate", ("model", "optimizer"), []), (rank, r["accelerate"])
         for name in ("ema_plain_folder", "ema_plain_full", "ema_sharded_folder", "ema_sharded_full"):
             restored, diff = r[name]
@@ -107,6 +108,8 @@ def _check_other(results: list[dict], world_size: int) -> None:
         assert r["manager_result"] == RW.STEPS
         assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # resharded, exact
         assert world_size != 1 or r["full_at_one"] == [], r["full_at_one"]
+        assert r["init_weights"] == (0, ("model",), []), (world_size, rank, r["init_weights"])
+        assert r["hf"] == ("hf-trainer", ("model", "optimizer", "scheduler"), []), (world_size, rank, r["hf"])
     _refused([r["bad_on_last"] for r in results], "KeyMismatchError", world_size - 1 if world_size > 1 else None)
 
 
