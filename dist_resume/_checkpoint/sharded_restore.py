@@ -33,7 +33,7 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from .._core.errors import StateMismatchError
+from .._core.errors import StateMismatchError, UsageError
 from .._core.log import log_rank0
 from .._core.tree import map_tensors
 from .._dist.broadcast import agree_across_ranks, broadcast_loaded
@@ -81,8 +81,20 @@ class ShardedRestore:
 
 
 def is_sharded_restore(objects: LiveObjects) -> bool:
-    """Whether ``objects.model`` is FSDP2-sharded (then :func:`restore_sharded` restores it). Local."""
-    return is_sharded(objects.model)
+    """Whether ``objects.model`` is FSDP2-sharded (then :func:`restore_sharded` restores it). Local.
+
+    An EMA sharded with ``fully_shard`` restores only next to a sharded model (both fill their shards here); next to
+    a plain or DDP model it raises :class:`UsageError` (the same on every rank) instead of torch's raw error.
+    """
+    if is_sharded(objects.model):
+        return True
+    if objects.ema is not None and is_sharded(objects.ema):
+        raise UsageError(
+            "the EMA model is sharded with fully_shard but the model is not: a sharded EMA resumes only next to an "
+            "FSDP2 model; pass an unsharded EMA (torch.optim.swa_utils.AveragedModel of a plain copy) or shard the "
+            "model too"
+        )
+    return False
 
 
 def _read_local(source: Source, options: ResumeOptions) -> tuple[SourceContents, Fill, dict[int, str]]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .._core.errors import CheckpointWriteError
 from .._core.log import log_rank0, logger
-from .._core.shards import is_dtensor
+from .._core.shards import is_dtensor, local_of
 from .._core.types import PathLike
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import all_gather_objects, collective_step, comm_device, run_on_rank0
@@ -62,8 +62,8 @@ def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_B
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     tensors = distinct_tensors(state)
-    if not is_distributed():
-        return atomic_write(path, lambda f: _stream(f, state, None))
+    if not is_distributed():  # one rank (a DTensor on a 1-rank mesh holds all of its value locally)
+        return atomic_write(path, lambda f: _stream(f, state, _whole_local))
     with collective_step("checking that every rank saves the same state", CheckpointWriteError):
         signatures = all_gather_objects(_signature(tensors))
     if len(set(signatures)) > 1:
@@ -77,6 +77,10 @@ def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_B
         result: Path = run_on_rank0(lambda: None, task=f"write {str(path)!r}")
         return result
     return run_on_rank0(lambda: _write_on_rank0(path, state, tensors, bucket_bytes), task=f"write {str(path)!r}")  # type: ignore[no-any-return]
+
+
+def _whole_local(_: int, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    yield (local_of(tensor) if is_dtensor(tensor) else tensor).detach().cpu().contiguous()
 
 
 def _stream(f: Any, state: Any, pieces: Any) -> None:

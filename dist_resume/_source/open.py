@@ -88,6 +88,10 @@ def load_checkpoint(
     "meta"}`` with only the entries the source has (``meta`` names its layout and files): the form
     ``resume`` reads and ``torch.save`` writes as it is. See docs/sources.md.
 
+    A sharded checkpoint folder (an FSDP2 save, ``ckpt_<step>.dcp/``) comes back as its full state, the payload a
+    DDP file holds (every tensor read whole into this rank's memory); to fill an FSDP2 model's shards use
+    ``resume``. See docs/fsdp2.md.
+
     ``part_keys`` (e.g. ``{"model": "MODEL_STATE"}``, ``"state.net"`` one level down) asks for that
     same parts view of a torch file, its parts recognised as ``resume`` does and named where given;
     the view's ``meta["part_keys"]`` says which key each part came from. A key the file lacks is a

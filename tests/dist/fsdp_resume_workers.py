@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
+from tests.dist.fsdp_resume_extra import more_sources, more_sources_other
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
 from tests.models import compile_module
@@ -243,6 +244,8 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
     if rank == 0:
         refs = {"reference": reference, "ddp_reference": ddp_reference, "at_save": at_save_full}
         torch.save(refs, root / "references.pt")
+    dist.barrier()
+    report.update(more_sources(rank, root, lambda seed: _fsdp(mesh, seed)))
     return report
 
 
@@ -281,10 +284,17 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
         report["from_four_result"] = _resumed(root / "run4", model, opt, sched)
         _train(model, opt, sched, STEPS, STOP)
         report["from_four"] = _max_diff(_full(model, opt), refs["reference"])
+        # full_state=True on a 1-rank mesh: the DTensors' local values are whole (once failed with 'Bad address')
+        full1 = dr.save_checkpoint(root / "full1.pt", model=model, optimizer=opt, full_state=True)
+        written = torch.load(full1, weights_only=True)
+        report["full_at_one"] = _differ(
+            dict(written["model"]), {k: v for k, v in _full(model, opt).items() if "/" not in k}
+        )
     model, opt, sched = _fsdp(mesh, seed=5)
     _train(model, opt, sched, 0, 1)
     bad = root / ("bad.pt" if rank == world_size - 1 else "single.pt")  # only the last rank would fail
     report["bad_on_last"] = _refusal(lambda: _resumed(bad, model, opt, sched, rng=False), model, opt)
+    report.update(more_sources_other(root, lambda seed: _fsdp(mesh, seed)))
     return report
 
 

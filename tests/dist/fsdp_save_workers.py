@@ -4,7 +4,9 @@ DSD's state dicts), or with DSD's full state dict (``full_state_dict=True``)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume._save import sharded as sharded_save
+from dist_resume.cli import main as cli_main
 from dist_resume.errors import CheckpointWriteError, UsageError
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh, _sharded, _train
 from tests.helpers import local_shard
@@ -63,6 +66,14 @@ def _dcp_loaded(mesh: Any, path: Path, per_layer: bool = True) -> tuple[Net, tor
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])
     return model, opt
+
+
+def _cli(*argv: str | Path) -> tuple[int, str, str]:
+    """``dist-resume`` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
 
 
 def _plain(step: int = 0) -> tuple[Net, torch.optim.Optimizer, Any]:
@@ -150,6 +161,9 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
         report["scheduler"] = train_state["scheduler"] == sched.state_dict()
         report["rng_ranks"] = len(train_state["rng"])
         report["rng0_is_rank0s"] = torch.equal(train_state["rng"][0]["torch"], rng_before)
+        report["cli_inspect"] = _cli("inspect", "--json", first)  # the CLI on the folder every rank wrote
+        report["cli_list"] = _cli("list", "--verify", "--json", root / "run")
+        report["cli_verify"] = _cli("verify", first, first)
     rng_saved: list[bool | None] = [None] * world_size
     dist.all_gather_object(rng_saved, torch.equal(torch.get_rng_state(), rng_before))  # saving draws nothing
     report["rng_untouched"] = all(rng_saved)
@@ -235,6 +249,11 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
             f.seek(40)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
+    if rank == 0:  # the CLI names the damaged shard
+        report["cli_damaged"] = (
+            _cli("verify", root / "run" / "ckpt_00000300.dcp", first),
+            _cli("list", "--verify", "--json", root / "run"),
+        )
     chosen = dr.resume(root / "run", model=_plain()[0])
     report["damaged_skipped"] = chosen.path.name
     mgr.close()

@@ -74,6 +74,26 @@ def _check_two(results: list[dict]) -> None:
     assert len(chunk) == 1, chunk
     ((error, message),) = chunk
     assert error == "CheckpointCorruptError" and "__1_0.distcp" in message and "may hold part of it" in message
+    _check_more(results)
+
+
+def _check_more(results: list[dict]) -> None:
+    """tests/dist/fsdp_resume_extra.py's checks: init_from, safetensors/HF/Accelerate, EMA, load_checkpoint."""
+    for rank, r in enumerate(results):
+        assert r["init_weights"] == (0, ("model",), []), (rank, r["init_weights"])
+        assert r["init_ddp"][:2] == (0, ("model", "optimizer")) and r["init_ddp"][2] == [], (rank, r["init_ddp"])
+        assert r["safetensors"] == ("safetensors", ("model",), []), (rank, r["safetensors"])
+        assert r["hf"] == ("hf-trainer", ("model", "optimizer", "scheduler"), []), (rank, r["hf"])
+        assert r["hf_broadcast"] == r["hf"], (rank, r["hf_broadcast"])  # rank 0 reads, sends the boxes
+        assert r["accelerate"] == ("accelerate", ("model", "optimizer"), []), (rank, r["accelerate"])
+        for name in ("ema_plain_folder", "ema_plain_full", "ema_sharded_folder", "ema_sharded_full"):
+            restored, diff = r[name]
+            assert "ema" in restored and diff == [], (rank, name, r[name])
+        assert r["ema_sharded_n_averaged"] == 2, rank
+        error, message = r["ema_sharded_plain_model"]
+        assert error == "UsageError" and "AveragedModel of a plain copy" in message, (rank, message)
+    keys, diff, named = results[0]["load_checkpoint"]  # a sharded folder: its full state, on rank 0 alone
+    assert {"model", "optimizer", "step"} <= set(keys) and diff == [] and named, results[0]["load_checkpoint"]
 
 
 def _check_other(results: list[dict], world_size: int) -> None:
@@ -87,6 +107,9 @@ def _check_other(results: list[dict], world_size: int) -> None:
                 assert r[f"{name}_result"] == RESULT, (world_size, rank, name, r[f"{name}_result"])
         assert r["manager_result"] == RW.STEPS
         assert r["dcp_result"] == ("model", "optimizer") and r["dcp_at_save"] == [], rank  # resharded, exact
+        assert world_size != 1 or r["full_at_one"] == [], r["full_at_one"]
+        assert r["init_weights"] == (0, ("model",), []), (world_size, rank, r["init_weights"])
+        assert r["hf"] == ("hf-trainer", ("model", "optimizer", "scheduler"), []), (world_size, rank, r["hf"])
     _refused([r["bad_on_last"] for r in results], "KeyMismatchError", world_size - 1 if world_size > 1 else None)
 
 

@@ -6,6 +6,8 @@ One test, two launches: 2 ranks (1-D mesh), then 4 ranks (2x2 HSDP) which also l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.dist import fsdp_save_workers as SW
@@ -64,6 +66,7 @@ def _check(results: list[dict], world_size: int) -> None:
         assert r["plain_resume"] == ("ckpt_00000100.dcp", 100, "dist_resume-sharded"), rank
         assert r["full_manager"] == "ckpt_00000100.pt" and r["async"] == "ckpt_00000200.dcp"
         assert r["damaged_skipped"] == "ckpt_00000200.dcp", rank  # 300's last shard has a flipped byte
+    _check_cli(zero, world_size, mesh)
     assert zero["after_rotation"] == [".dist_resume.lock", "ckpt_00000200.dcp", "ckpt_00000300.dcp"]
     victims = {"dcp_write": world_size - 1, "read_back": world_size - 1, "commit": 0}
     causes = {"dcp_write": "the disk is full", "read_back": "Input/output error", "commit": "permission denied"}
@@ -79,6 +82,38 @@ def _check(results: list[dict], world_size: int) -> None:
         ), (where, [o["rank"] for o in outcomes])
         assert zero["failures"][where]["entries"] == [".dist_resume.lock", "ckpt_00000100.dcp"], where
         assert zero["failures"][where]["latest"] == "ckpt_00000100.dcp", where
+
+
+def _check_cli(zero: dict, world_size: int, mesh: list[int]) -> None:
+    """``dist-resume inspect``, ``list`` and ``verify`` on the folder the ranks wrote, and on the damaged one."""
+    code, out, err = zero["cli_inspect"]
+    assert code == 0 and not err, (code, err)
+    sharded = json.loads(out)["sharded"]
+    assert (sharded["world_size"], sharded["mesh_shape"], sharded["writers"], sharded["complete"]) == (
+        world_size,
+        mesh,
+        world_size,
+        True,
+    ), sharded
+    owned = {r["rank"]: r["files"] for r in sharded["ranks"]}
+    assert sorted(owned) == list(range(world_size)), owned
+    assert all(f"__{rank}_0.distcp" in files for rank, files in owned.items()), owned
+    code, out, err = zero["cli_list"]
+    assert code == 0 and not err, (code, err)
+    (row,) = json.loads(out)["checkpoints"]
+    assert row["status"] == "valid" and row["shards"] == {
+        "shard_files": world_size,
+        "writers": world_size,
+        "mesh_shape": mesh,
+    }, row
+    code, out, err = zero["cli_verify"]
+    assert code == 0 and not err and out.startswith("equal: 7 model and 18 optimizer tensors compared"), (out, err)
+    (code, out, err), (list_code, list_out, _) = zero["cli_damaged"]
+    last = f"__{world_size - 1}_0.distcp"
+    assert code == 2 and not out and f"{last}: CRC-32" in err and "ckpt_00000300.dcp" in err, (code, err)
+    rows = {r["name"]: r for r in json.loads(list_out)["checkpoints"]}
+    assert rows["ckpt_00000300.dcp"]["status"] == "damaged" and last in rows["ckpt_00000300.dcp"]["reason"], rows
+    assert rows["ckpt_00000200.dcp"]["status"] == "valid", rows
 
 
 def test_fsdp2_saves_sharded_folders_and_full_files_at_2_then_4_ranks(tmp_path):
