@@ -32,7 +32,7 @@ from .._state.optim import optimizer_to
 from .inplace import detach_from_file, live_twins, storage_ptrs
 from .objects import LiveObjects
 
-__all__ = ["STEPS", "Step", "steps_of", "apply_plan"]
+__all__ = ["STEPS", "Step", "small_steps", "steps_of", "apply_plan", "apply_then_fill"]
 
 STEPS: Final = ("scaler", "scheduler", "sampler", "rng", "optimizer", "model", "ema")
 """The parts apply restores, in the order it restores them (a broadcast resume's ``received`` step goes first)."""
@@ -221,11 +221,9 @@ def _received_step(landed: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Step
     return Step("received", lambda: None, lambda: None, lambda _: _copy_into(list(landed.values())))
 
 
-def steps_of(plan: RestorePlan, *, collective: bool = False) -> list[Step]:
-    """The steps that apply ``plan``, in the order of :data:`STEPS` (the parts ``plan.restore`` names); ``collective``:
-    the ranks agree after them (so every step's undo must be possible). Local."""
-    live, restore = plan.objects, plan.restore
-    steps = [_received_step(plan.landed)] if plan.landed else []
+def small_steps(plan: RestorePlan) -> list[Step]:
+    """The steps of the small states ``plan.restore`` names: GradScaler, scheduler, data position, RNG. Local."""
+    live, restore, steps = plan.objects, plan.restore, []
     if "scaler" in restore:
         steps.append(_small("scaler", live.scaler, plan.parts.scaler))
     if "scheduler" in restore:
@@ -234,6 +232,38 @@ def steps_of(plan: RestorePlan, *, collective: bool = False) -> list[Step]:
         steps.append(_small("sampler", live.data, plan.parts.sampler))
     if "rng" in restore:
         steps.append(_rng_step(plan))
+    return steps
+
+
+def apply_then_fill(plan: RestorePlan, fill: Callable[[], None]) -> tuple[str, ...]:
+    """An FSDP2 model's apply: the small states as steps (a failure undoes them and raises :class:`RestoreError`),
+    then ``fill()`` (model, EMA and optimizer shards written in place, no copy kept: the memory bound); a failure
+    there undoes the small states and raises as it was raised. Collective where ``fill`` is."""
+    done: list[tuple[Step, Any]] = []
+    for step in small_steps(plan):
+        try:
+            saved = step.save()
+            done.append((step, saved))
+            step.do()
+        except Exception as err:
+            saving = not done or done[-1][0] is not step
+            raise _failed(plan.source, step, err, saving, not_undone=_undo(done, plan.source)) from err
+    try:
+        fill()
+    except Exception:
+        _undo(done, plan.source)
+        raise
+    for level, message in plan.notices:
+        log_rank0(level, "%s", message)
+    return plan.restore
+
+
+def steps_of(plan: RestorePlan, *, collective: bool = False) -> list[Step]:
+    """The steps that apply ``plan``, in the order of :data:`STEPS` (the parts ``plan.restore`` names); ``collective``:
+    the ranks agree after them (so every step's undo must be possible). Local."""
+    live = plan.objects
+    steps = [_received_step(plan.landed)] if plan.landed else []
+    steps += small_steps(plan)
     if live.optimizer is not None and plan.optimizer_state is not None:
         steps.append(_optimizer_step(plan))
     ema = live.ema if plan.ema_state is not None else None

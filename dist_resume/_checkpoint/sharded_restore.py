@@ -38,7 +38,6 @@ from .._core.log import log_rank0
 from .._core.tree import map_tensors
 from .._dist.broadcast import agree_across_ranks, broadcast_loaded
 from .._dist.shard_comm import scatter_full_into
-from .._exact.rng import param_device, restore_rank_rng
 from .._foreign.sharded_load import load_into_shards, read_dcp_skeleton, read_sharded_skeleton
 from .._layout.layout import Layout
 from .._source.integrity import verify_source
@@ -47,6 +46,7 @@ from .._source.source import Source
 from .._state.optim import optimizer_to
 from .._state.sharded import check_optimizer_follows, copy_full_into, is_sharded, model_destinations, sharded_parameters
 from .._state.sharded_optim import sharded_optimizer_state
+from .apply import apply_then_fill
 from .objects import LiveObjects
 from .options import ResumeOptions
 from .plan import RestorePlan
@@ -243,41 +243,27 @@ def _extra_states(module: torch.nn.Module, state: Any) -> None:
 def apply_sharded(prepared: ShardedRestore) -> tuple[str, ...]:
     """Change the live objects as :meth:`RestorePlan.apply` does, the model, EMA and optimizer through their shards.
 
-    Collective for ``SCATTER`` and ``DCP`` (every rank fills in the same order), local for ``COPY``. GradScaler and
-    scheduler first, rolled back if the fill raises; then every shard filled in place, the optimizer's state dict
-    (its destinations) loaded, state placed on its parameters' devices; sampler and RNG last.
+    Collective for ``SCATTER`` and ``DCP`` (every rank fills in the same order), local for ``COPY``. The small states
+    first, as apply's steps (GradScaler, scheduler, data position, RNG: a failure puts them back and raises
+    :class:`~dist_resume.errors.RestoreError`); then every shard filled in place, the optimizer's state dict (its
+    destinations) loaded and placed on its parameters' devices. No copy of the shards is kept (the memory bound): a
+    failure while filling (data found damaged only as it is read, an I/O error) puts the small states back and
+    raises, and the model and optimizer may then hold part of the checkpoint, as the error says.
     """
     plan = prepared.plan
     live = plan.objects
-    scaler = live.scaler if "scaler" in plan.restore else None
-    scheduler = live.scheduler if "scheduler" in plan.restore else None
-    before_scaler = scaler.state_dict() if scaler is not None else None
-    before_scheduler = scheduler.state_dict() if scheduler is not None else None
-    try:
-        if scaler is not None:
-            scaler.load_state_dict(plan.parts.scaler)
-        if scheduler is not None:
-            scheduler.load_state_dict(plan.parts.scheduler)
+
+    def fill() -> None:
         _fill(prepared)
-    except Exception:
-        if scaler is not None:
-            scaler.load_state_dict(before_scaler)
-        if scheduler is not None:
-            scheduler.load_state_dict(before_scheduler)
-        raise
-    _extra_states(live.model, plan.model_state)
-    if live.ema is not None and plan.ema_state is not None:
-        _extra_states(live.ema, plan.ema_state)
-    if live.optimizer is not None and prepared.optimizer_state is not None:
-        live.optimizer.load_state_dict(prepared.optimizer_state)
-        optimizer_to(live.optimizer)
-    if "sampler" in plan.restore:
-        live.data.load_state_dict(plan.parts.sampler)
-    if "rng" in plan.restore:
-        restore_rank_rng(plan.parts.rng, step=plan.parts.step, device=param_device(live.model), source=plan.source)
-    for level, message in plan.notices:
-        log_rank0(level, "%s", message)
+        _extra_states(live.model, plan.model_state)
+        if live.ema is not None and plan.ema_state is not None:
+            _extra_states(live.ema, plan.ema_state)
+        if live.optimizer is not None and prepared.optimizer_state is not None:
+            live.optimizer.load_state_dict(prepared.optimizer_state)
+            optimizer_to(live.optimizer)
+
+    restored = apply_then_fill(plan, fill)
     log_rank0(
         logging.DEBUG, "%s: FSDP2 shards filled (%s, %d tensors)", plan.source, prepared.fill.name, len(prepared.pairs)
     )
-    return plan.restore
+    return restored

@@ -177,3 +177,56 @@ def more_sources_other(root: Path, make: Make) -> dict[str, Any]:
     res = dr.resume(root / "hf" / "checkpoint-3", model=model, optimizer=opt, scheduler=sched)
     report["hf"] = (res.layout.value, res.restored, _restored(model, opt, _expected(raw, optimizer=True)))
     return report
+
+
+def apply_faults(root: Path, make: Make) -> dict[str, Any]:
+    """A fault at each small step of an FSDP2 apply (scheduler, RNG) and inside the fill (the optimizer's load):
+    ``{target: (error class, part, shards unchanged, scheduler unchanged, RNG unchanged)}``. Local (1-rank launch)."""
+    from tests.dist.fsdp_workers import _locals
+
+    out: dict[str, Any] = {}
+    for target in ("scheduler", "rng", "fill"):
+        model, opt, sched = make(11)
+        before, sched_before, rng_before = _locals(model, opt), dict(sched.state_dict()), torch.get_rng_state()
+
+        def boom(*_: Any, _target: str = target, **__: Any) -> None:
+            raise RuntimeError(f"injected into the {_target}")
+
+        cls = type(sched)
+        real_load = cls.load_state_dict
+        if target == "scheduler":  # the live scheduler's load fails, not the copy validation loads into
+
+            def load_live(self: Any, state: Any, _live: Any = sched, _real: Any = real_load) -> None:
+                if self is _live:
+                    raise RuntimeError("injected into the scheduler")
+                _real(self, state)
+
+            cls.load_state_dict = load_live  # type: ignore[method-assign]  # the fault is the point
+        elif target == "fill":
+            opt.load_state_dict = boom  # type: ignore[method-assign]  # the fault is the point
+        real_set = torch.set_rng_state
+
+        def set_once(state: torch.Tensor, _calls: list[int] = [], _real: Any = real_set) -> None:  # noqa: B006
+            _calls.append(1)  # the restore fails; putting the stream back works
+            if len(_calls) == 1:
+                raise RuntimeError("injected into the rng")
+            _real(state)
+
+        if target == "rng":
+            torch.set_rng_state = set_once  # type: ignore[assignment]  # the fault is the point
+        try:
+            dr.resume(root / "full2.pt", model=model, optimizer=opt, scheduler=sched)
+            err: Any = None
+        except Exception as caught:
+            err = caught
+        finally:
+            torch.set_rng_state = real_set
+            cls.load_state_dict = real_load  # type: ignore[method-assign]
+        out[target] = (
+            type(err).__name__,
+            getattr(err, "part", None),
+            _differ(_locals(model, opt), before) == [],
+            sched.state_dict() == sched_before,
+            torch.equal(torch.get_rng_state(), rng_before),
+        )
+    return out

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
 from dist_resume.errors import DistResumeError
-from tests.dist.fsdp_resume_extra import more_sources, more_sources_other
+from tests.dist.fsdp_resume_extra import apply_faults, more_sources, more_sources_other
 from tests.dist.fsdp_save_workers import _full
 from tests.dist.fsdp_workers import Net, _differ, _locals, _mesh
 from tests.models import compile_module
@@ -290,6 +290,7 @@ def _other(rank: int, world_size: int, root: Path, mesh: Any) -> dict[str, Any]:
         report["full_at_one"] = _differ(
             dict(written["model"]), {k: v for k, v in _full(model, opt).items() if "/" not in k}
         )
+        report["apply_faults"] = apply_faults(root, lambda seed: _fsdp(mesh, seed))
     model, opt, sched = _fsdp(mesh, seed=5)
     _train(model, opt, sched, 0, 1)
     bad = root / ("bad.pt" if rank == world_size - 1 else "single.pt")  # only the last rank would fail

@@ -122,3 +122,9 @@ def test_fsdp2_resumes_from_every_source_at_2_4_and_1_ranks(tmp_path):
     _check_other(four, 4)
     one = run_ranks(RW.fsdp_resumes, 1, tmp_path=tmp_path, args=(folder,), deadline=200, pg_timeout=90)
     _check_other(one, 1)
+    # a fault at a small step puts everything back (RestoreError naming it); a fault while the shards fill puts the
+    # small states back and is raised as it was (no copy of the shards is kept: the memory bound)
+    faults = one[0]["apply_faults"]
+    assert faults["scheduler"] == ("RestoreError", "scheduler", True, True, True), faults
+    assert faults["rng"] == ("RestoreError", "rng", True, True, True), faults
+    assert faults["fill"][0] == "RuntimeError" and faults["fill"][3:] == (True, True), faults
