@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU CI job, and the same flow on the test accelerator in every CI run (.ci/run).
+# The multi-GPU CI job, and its launch flow on the test accelerator in every CI run (.ci/run).
 #
 # launch/train.py under torchrun, one process per device, each on <type>:LOCAL_RANK with the device type's backend:
 # an uninterrupted run; a kill-and-resume run through launch/elastic.sh (the last rank SIGKILLs itself, torchrun
@@ -142,8 +142,12 @@ fi
 step reference reference
 step kill_and_resume kill_and_resume
 step bitwise_equal bitwise_equal
-step single_card single_card
-step single_to_ddp single_to_ddp
+if [ "$accel" = cuda ]; then
+    step single_card single_card
+    step single_to_ddp single_to_ddp
+else  # single card -> DDP both ways on sim is tests/dist/test_ddp_accelerator.py's, in the same CI run
+    echo "== single_card, single_to_ddp: on $device they are the suite's (tests/dist/test_ddp_accelerator.py)"
+fi
 
 "$PY" - "$RESULTS" "$OUT" "$device" <<'EOF'
 import sys
