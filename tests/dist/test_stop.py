@@ -46,6 +46,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _terminal_signals() -> None:
+    """SIGINT and SIGQUIT as a terminal's job gets them. A test run started as a background job (``cmd &`` in a
+    script) inherits them ignored, and bash cannot trap a signal ignored when it started: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path, list[tuple[int, int]]]:
     out = tmp_path / name
     out.mkdir()
@@ -68,6 +75,7 @@ def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path, list
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # like a terminal's job: its own process group
+        preexec_fn=_terminal_signals,
     )
     deadline = time.monotonic() + 60
     while len(list(out.glob("pid.?"))) < 2:
