@@ -59,7 +59,7 @@ def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], Path, list
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     # no coverage measurement in this job (`.ci/run` measures subprocesses): its processes run no dist_resume code,
-    # and a worker writing its coverage data on the way out once made the stop overrun its deadline under load
+    # and writing coverage data on the way out would only lengthen the stop being timed
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("COV")},
         "TRAIN_SCRIPT": str(worker),
