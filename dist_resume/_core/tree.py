@@ -7,6 +7,7 @@ loaded pickle can hold a cycle or nest thousands deep, which no state dict does.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
@@ -15,7 +16,7 @@ import torch
 
 from .text import article
 
-__all__ = ["map_tensors", "iter_tensors", "named_tensors", "structure_problem", "MAX_NESTING"]
+__all__ = ["map_tensors", "iter_tensors", "named_tensors", "structure_problem", "MAX_NESTING", "set_path"]
 
 
 def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor, *, share_unchanged: bool = False) -> Any:
@@ -118,3 +119,20 @@ def _shown(trail: list[tuple[Any, bool]]) -> str:
     """A path as ``['a'][0]['b']``, cut after three levels."""
     labels = [f"[{key!r}]" if in_mapping else f"[{key}]" for key, in_mapping in trail[:3]]
     return "".join(labels) + ("..." if len(trail) > 3 else "")
+
+
+def set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """``root[path[0]][path[1]]... = value``, creating the lists (an int key next) and dicts on the way. Local."""
+    node = root
+    for key, nxt in itertools.pairwise(path):
+        default: Any = [] if type(nxt) is int else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = default
+        else:
+            node.setdefault(key, default)
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import pickle
 import warnings
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .._core import torch_errors
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
-from .._core.tree import map_tensors
+from .._core.tree import map_tensors, set_path
 from .._core.types import MapLocation, PathLike
 from .._format.load import rank_map_location
 from .._format.records import check_zip_bytes
@@ -97,25 +96,9 @@ class DcpPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as err:
             raise unsafe_error(f"DCP entry {read_item.dest_index.fqn!r} of {str(self._folder)!r}", err) from err
         if self.flatten_state_dict:
-            _set_path(self.original_state_dict, tuple(self.mappings[read_item.dest_index.fqn]), obj)
+            set_path(self.original_state_dict, tuple(self.mappings[read_item.dest_index.fqn]), obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
-    node = root
-    for key, nxt in itertools.pairwise(path):
-        default: Any = [] if type(nxt) is int else {}
-        if isinstance(node, list):
-            node.extend([None] * (key + 1 - len(node)))
-            if node[key] is None:
-                node[key] = default
-        else:
-            node.setdefault(key, default)
-        node = node[key]
-    if isinstance(node, list):
-        node.extend([None] * (path[-1] + 1 - len(node)))
-    node[path[-1]] = value
 
 
 def _empty_state(metadata: Metadata) -> dict[str, Any]:
@@ -130,7 +113,7 @@ def _empty_state(metadata: Metadata) -> dict[str, Any]:
             raise NotACheckpointError(f"DCP entry {fqn!r} is {type(md).__name__}; only full tensors and objects load")
         path = planner_data.get(fqn)
         if path:
-            _set_path(root, tuple(path), value)
+            set_path(root, tuple(path), value)
         else:
             root[fqn] = value
     return root

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import IO, Any, Final, cast
 import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.tree import set_path
 from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
@@ -35,22 +35,6 @@ from .._state.optim_keys import normalize_optimizer_state
 from .sharded import SHARDED_LAYOUT, checked_manifest, join_payload
 
 __all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]
-
-
-def _set(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
-    node: Any = root
-    for key, nxt in itertools.pairwise(path):
-        default: Any = [] if type(nxt) is int else {}
-        if isinstance(node, list):
-            node.extend([None] * (key + 1 - len(node)))
-            if node[key] is None:
-                node[key] = default
-        else:
-            node.setdefault(key, default)
-        node = node[key]
-    if isinstance(node, list):
-        node.extend([None] * (path[-1] + 1 - len(node)))
-    node[path[-1]] = value
 
 
 def _get(root: Any, path: tuple[Any, ...]) -> Any:
@@ -78,9 +62,9 @@ def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dic
         if isinstance(md, TensorStorageMetadata):
             stand_in = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
             keys[id(stand_in)] = fqn
-            _set(root, path, stand_in)
+            set_path(root, path, stand_in)
         elif isinstance(md, BytesStorageMetadata):
-            _set(objects, path, md)
+            set_path(objects, path, md)
             object_paths.append(path)
         else:
             raise NotACheckpointError(f"DCP entry {fqn!r} of {str(folder)!r} is {type(md).__name__}")
@@ -104,7 +88,7 @@ def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dic
                     raise cause from err
                 raise _unreadable(folder, cause) from err
         for path in object_paths:
-            _set(root, path, _get(objects, path))
+            set_path(root, path, _get(objects, path))
     return root, keys
 
 
