@@ -3,6 +3,10 @@
 Usage::
 
     python scripts/fuzz.py --cases 1000 --seed 0 [--out DIR] [--jobs J] [--timeout S]
+    python scripts/fuzz.py --replay tests/fuzz_cases/manifest.json     # the kept reproducers
+    python scripts/fuzz.py --check-corpus                               # every unmutated item succeeds
+    python scripts/fuzz.py --ci --cases 150 --seed 1 --replay tests/fuzz_cases/manifest.json --out DIR
+                                                                        # the three on one corpus (tests/test_fuzz.py)
 
 A case is one mutated corpus file (or a checkpoint folder whose newest file is mutated) run
 through one read path (the library's and the CLI's) in a long-lived worker process. Outcomes:
@@ -31,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -266,38 +270,60 @@ def report(results: list[tuple[Case, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def replay(manifest: Path, jobs: int, timeout: float, out: Path | None) -> int:
-    """Run kept reproducers (``manifest.json`` next to them) through their paths; 1 if any is still bad."""
+def replay_cases(manifest: Path, corpus: dict[str, Path]) -> tuple[list[dict[str, Any]], list[Case]]:
+    """The kept reproducers of ``manifest.json`` (the files next to it) as cases; case ``i`` is entry ``i``."""
     entries = json.loads(manifest.read_text())
-    work = Path(tempfile.mkdtemp(prefix="fuzz_replay_"))
-    try:
-        corpus = build_corpus(work / "corpus")
-        cases = [
-            Case(
-                i,
-                e["corpus"],
-                e["mutation"],
-                e["path"],
-                (manifest.parent / e["file"]).read_bytes() if e.get("file") else b"",
-                corpus[e["corpus"]],
-                e.get("member", "") or (members(corpus[e["corpus"]])[0] if corpus[e["corpus"]].is_dir() else ""),
-                bool(e.get("deleted", False)),
-            )
-            for i, e in enumerate(entries)
-        ]
-        results = _run_all(cases, jobs, timeout, work / "scratch")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    cases = [
+        Case(
+            i,
+            e["corpus"],
+            e["mutation"],
+            e["path"],
+            (manifest.parent / e["file"]).read_bytes() if e.get("file") else b"",
+            corpus[e["corpus"]],
+            e.get("member", "") or (members(corpus[e["corpus"]])[0] if corpus[e["corpus"]].is_dir() else ""),
+            bool(e.get("deleted", False)),
+        )
+        for i, e in enumerate(entries)
+    ]
+    return entries, cases
+
+
+def replay_rows(entries: list[dict[str, Any]], results: list[tuple[Case, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each manifest entry with its outcome now (``now``, ``now_type``, ``now_message``), printed one per line."""
     rows = [
         {**entries[c.id], "now": r["outcome"], "now_type": r.get("type", ""), "now_message": r.get("message", "")}
         for c, r in results
     ]
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "replay.json").write_text(json.dumps(rows, indent=1))
     for row in rows:
         print(f"{row['now']:>8}  {row['file']}  {row['path']}  {row['now_type']} {row['now_message'][:100]}")
-    return 1 if any(row["now"] in BAD for row in rows) else 0
+    return rows
+
+
+def corpus_cases(corpus: dict[str, Path]) -> list[Case]:
+    """Every unmutated corpus item on each of its paths."""
+    cases: list[Case] = []
+    for name, source in sorted(corpus.items()):
+        member = members(source)[0] if source.is_dir() else ""
+        data = (source / member if member else source).read_bytes()
+        for path in paths_for(name, source):
+            cases.append(Case(len(cases), name, "none", path, data, source, member))
+    return cases
+
+
+def corpus_failures(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
+    """The unmutated cases that did not succeed, one line each (printed)."""
+    # inspect_checkpoint describes dist_resume's own files and the foreign sources; a hand-made torch file has no
+    # metadata for it (NotACheckpointError, by contract); `dist-resume inspect` describes every item
+    bad = [
+        f"{c.corpus:>16}  {c.path:<32} {r['outcome']}: {r.get('type', '')} {r.get('message', '')}"
+        for c, r in results
+        if r["outcome"] != "success" and not (r["outcome"] == "refused" and c.path == "inspect_checkpoint")
+    ]
+    for line in bad:
+        print(line)
+    print(f"{len(results)} unmutated cases, {len(bad)} not successful")
+    return bad
 
 
 def _run_all(cases: list[Case], jobs: int, timeout: float, scratch: Path) -> list[tuple[Case, dict[str, Any]]]:
@@ -309,32 +335,72 @@ def _run_all(cases: list[Case], jobs: int, timeout: float, scratch: Path) -> lis
         pool.close()
 
 
-def check_corpus(jobs: int, timeout: float) -> int:
-    """Run every unmutated corpus item through each of its paths: each must succeed (1 if any does not)."""
-    work = Path(tempfile.mkdtemp(prefix="fuzz_check_"))
+def _on_a_corpus(run: Any) -> Any:
+    """``run(corpus, work)`` on a freshly built corpus in a temporary folder, removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix="fuzz_work_"))
     try:
-        corpus = build_corpus(work / "corpus")
-        cases: list[Case] = []
-        for name, source in sorted(corpus.items()):
-            member = members(source)[0] if source.is_dir() else ""
-            data = (source / member if member else source).read_bytes()
-            for path in paths_for(name, source):
-                cases.append(Case(len(cases), name, "none", path, data, source, member))
-        results = _run_all(cases, jobs, timeout, work / "scratch")
+        return run(build_corpus(work / "corpus"), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    # inspect_checkpoint describes dist_resume's own files and the foreign sources; a hand-made torch file has no
-    # metadata for it (NotACheckpointError, by contract); `dist-resume inspect` describes every item
-    bad = [
-        (c, r)
-        for c, r in results
-        if r["outcome"] != "success" and not (r["outcome"] == "refused" and c.path == "inspect_checkpoint")
-    ]
-    for case, result in bad:
-        print(
-            f"{case.corpus:>16}  {case.path:<32} {result['outcome']}: {result.get('type', '')} {result.get('message', '')}"
-        )
-    print(f"{len(results)} unmutated cases, {len(bad)} not successful")
+
+
+def replay(manifest: Path, jobs: int, timeout: float, out: Path | None) -> int:
+    """Run kept reproducers (``manifest.json`` next to them) through their paths; 1 if any is still bad."""
+
+    def run(corpus: dict[str, Path], work: Path) -> list[dict[str, Any]]:
+        entries, cases = replay_cases(manifest, corpus)
+        return replay_rows(entries, _run_all(cases, jobs, timeout, work / "scratch"))
+
+    rows = _on_a_corpus(run)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps(rows, indent=1))
+    return 1 if any(row["now"] in BAD for row in rows) else 0
+
+
+def check_corpus(jobs: int, timeout: float) -> int:
+    """Run every unmutated corpus item through each of its paths: each must succeed (1 if any does not)."""
+    bad = _on_a_corpus(
+        lambda corpus, work: corpus_failures(_run_all(corpus_cases(corpus), jobs, timeout, work / "scratch"))
+    )
+    return 1 if bad else 0
+
+
+def ci(cases: int, seed: int, manifest: Path, jobs: int, timeout: float, out: Path) -> int:
+    """The CI run, on one corpus and one worker pool: the unmutated corpus (``--check-corpus``), the kept
+    reproducers (``--replay``) and ``cases`` seeded mutations. ``out/ci.json`` holds the three results; 1 if any
+    part failed."""
+
+    def run(corpus: dict[str, Path], work: Path) -> dict[str, Any]:
+        entries, kept = replay_cases(manifest, corpus)
+        parts = {"corpus": corpus_cases(corpus), "replay": kept, "fuzz": make_cases(corpus, cases, seed)}
+        flat = [(part, c) for part, cs in parts.items() for c in cs]
+        numbered = [replace(c, id=k) for k, (_, c) in enumerate(flat)]  # one id space in the pool
+        results = _run_all(numbered, jobs, timeout, work / "scratch")
+        split: dict[str, list[tuple[Case, dict[str, Any]]]] = defaultdict(list)
+        for case, result in results:
+            part, original = flat[case.id]
+            split[part].append((original, result))
+        outcomes = Counter(r["outcome"] for _, r in split["fuzz"])
+        print(report(split["fuzz"]))
+        return {
+            "corpus": {"cases": len(split["corpus"]), "not_successful": corpus_failures(split["corpus"])},
+            "replay": replay_rows(entries, split["replay"]),
+            "fuzz": {"cases": len(split["fuzz"]), "seed": seed, "outcomes": dict(outcomes)},
+        }
+
+    start = time.monotonic()
+    result = _on_a_corpus(run)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ci.json").write_text(json.dumps(result, indent=1))
+    bad = (
+        result["corpus"]["not_successful"]
+        or any(row["now"] in BAD for row in result["replay"])
+        or any(o in BAD for o in result["fuzz"]["outcomes"])
+    )
+    print(
+        f"ci: {len(result['replay'])} reproducers, {cases} mutations (seed {seed}) in {time.monotonic() - start:.1f}s"
+    )
     return 1 if bad else 0
 
 
@@ -348,7 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-minimise", action="store_true")
     parser.add_argument("--replay", type=Path, default=None, help="run the cases of a manifest.json (tests/fuzz_cases)")
     parser.add_argument("--check-corpus", action="store_true", help="every unmutated corpus item must succeed")
+    parser.add_argument(
+        "--ci", action="store_true", help="--check-corpus, --replay MANIFEST and --cases N on one corpus (ci.json)"
+    )
     args = parser.parse_args(argv)
+    if args.ci:
+        if args.replay is None or args.out is None:
+            parser.error("--ci needs --replay MANIFEST and --out DIR")
+        return ci(args.cases, args.seed, args.replay, args.jobs, args.timeout, args.out)
     if args.check_corpus:
         return check_corpus(args.jobs, args.timeout)
     if args.replay is not None:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,68 +20,53 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 
-@pytest.mark.parametrize(
-    ("cases", "seed"),
-    [
-        pytest.param(150, 1, id="150-cases"),  # every CI run: a few seconds
-        pytest.param(1000, 0, id="1000-cases", marks=pytest.mark.slow),  # 25-35 s
-    ],
-)
-def test_a_seeded_fuzz_slice_has_no_escape_crash_or_hang(tmp_path: Path, cases: int, seed: int) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "scripts" / "fuzz.py"),
-            "--cases",
-            str(cases),
-            "--seed",
-            str(seed),
-            "--out",
-            str(tmp_path),
-            "--jobs",
-            "2",
-            "--no-minimise",
-        ],
-        env=env,
+FUZZ_ENV = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+MANIFEST = REPO_ROOT / "tests" / "fuzz_cases" / "manifest.json"
+
+
+def _fuzz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "fuzz.py"), "--jobs", "2", *args],
+        env={**os.environ, **FUZZ_ENV},
         capture_output=True,
         text=True,
         timeout=200,
     )
-    report = json.loads((tmp_path / "report.json").read_text())
-    summary = report["summary"]
-    assert summary["cases"] == cases, out.stdout + out.stderr
+
+
+def _no_bad_outcome(summary: dict[str, Any], output: str) -> None:
     assert summary["outcomes"].get("success", 0) > 0 and summary["outcomes"].get("refused", 0) > 0, summary
-    bad = {k: v for k, v in summary["outcomes"].items() if k in ("escape", "crash", "hang", "memory")}
-    assert not bad, out.stdout
-    assert out.returncode == 0, out.stdout + out.stderr
+    bad = {k: v for k, v in summary["outcomes"].items() if k in ("escape", "crash", "hang", "memory", "half-restore")}
+    assert not bad, output
 
 
-def test_kept_fuzz_reproducers_are_refused_cleanly(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    manifest = REPO_ROOT / "tests" / "fuzz_cases" / "manifest.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "scripts" / "fuzz.py"),
-            "--replay",
-            str(manifest),
-            "--jobs",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    rows = json.loads((tmp_path / "replay.json").read_text())
-    assert len(rows) == len(json.loads(manifest.read_text())), out.stdout + out.stderr
+def test_corpus_reproducers_and_a_seeded_slice_in_one_fuzz_run(tmp_path: Path) -> None:
+    """scripts/fuzz.py --ci: one corpus, one worker pool (each costs seconds to build) for three guarantees."""
+    out = _fuzz("--ci", "--cases", "150", "--seed", "1", "--replay", str(MANIFEST), "--out", str(tmp_path))
+    output = out.stdout + out.stderr
+    result = json.loads((tmp_path / "ci.json").read_text())
+    # the worker's resume targets match each unmutated corpus item: otherwise the slice would fuzz refusals only
+    assert result["corpus"]["cases"] > 30 and result["corpus"]["not_successful"] == [], output
+    # every kept reproducer ends in success or a DistResumeError
+    rows = result["replay"]
+    assert len(rows) == len(json.loads(MANIFEST.read_text())), output
     still_bad = [
         f"{r['file']} ({r['path']}): {r['now']} {r['now_type']}" for r in rows if r["now"] not in ("success", "refused")
     ]
     assert not still_bad, "\n".join(still_bad)
+    # 150 seeded mutations: no escape, crash, hang, memory overrun or half-restore
+    assert result["fuzz"]["cases"] == 150, output
+    _no_bad_outcome(result["fuzz"], out.stdout)
+    assert out.returncode == 0, output
+
+
+@pytest.mark.slow
+def test_a_1000_case_fuzz_slice_has_no_escape_crash_or_hang(tmp_path: Path) -> None:  # 25-35 s
+    out = _fuzz("--cases", "1000", "--seed", "0", "--out", str(tmp_path), "--no-minimise")
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert summary["cases"] == 1000, out.stdout + out.stderr
+    _no_bad_outcome(summary, out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 # ------------------------------------------------ the escapes the interop formats' corpus found (unit level)
@@ -125,19 +111,6 @@ def test_a_shard_index_mapping_to_a_non_name_is_corruption(tmp_path: Path, name:
     shutil.copy(FUZZ_CASES / name, folder / "model.safetensors.index.json")
     with pytest.raises(dr.errors.CheckpointCorruptError, match="not shard file names"):
         dr.load_checkpoint(folder, map_location="cpu")
-
-
-def test_every_unmutated_corpus_item_succeeds_on_its_paths() -> None:
-    """The worker's resume targets match each corpus item: otherwise the slice above would fuzz refusals only."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "fuzz.py"), "--check-corpus", "--jobs", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(
