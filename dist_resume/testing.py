@@ -48,7 +48,11 @@ from typing import Any
 
 __all__ = ["RankFailure", "run_ranks", "kill_process_group"]
 
-_PRELOAD = ["torch", "torch.distributed"]
+# what the fork server imports once, so that each rank forked from it starts warm: torch, and torch._dynamo, which
+# building the first optimizer imports (as long again as torch itself). dist_resume is left to the ranks: a module
+# the server imported has its top-level lines run there, where a coverage measurement of the ranks never sees them.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+EXIT_GRACE = 5.0  # seconds a rank that reported gets to exit on its own
 
 
 class RankFailure(AssertionError):
@@ -161,12 +165,13 @@ def run_ranks(
     imported when ``env`` is applied, so variables torch reads at import time do not apply.
 
     The rendezvous ``FileStore`` lives in ``tmp_dir`` (a private temporary folder by default).
-    ``start_method`` is a multiprocessing start method: ``forkserver`` (default; torch is preloaded
-    once, so a launch costs milliseconds) or ``spawn`` (each rank a fresh interpreter, e.g. for
+    ``start_method`` is a multiprocessing start method: ``forkserver`` (default; torch and torch._dynamo are
+    imported once, in the fork server, so a launch costs milliseconds) or ``spawn`` (each rank a fresh interpreter, e.g. for
     memory measurements). ``on_start(rank, pid)`` is called as each rank starts (to watch it from
     outside). Results travel back with plain pickle: tensors arrive copied. Each rank runs in its own
-    process group; on failure or at the deadline those groups are killed with SIGKILL, so nothing
-    a rank started survives.
+    process group; a rank that reported gets up to ``EXIT_GRACE`` (5 s, within the deadline) to exit
+    on its own (multiprocessing's finalizers run then), and what is left after that, on failure or at
+    the deadline, is killed with SIGKILL with its group, so nothing a rank started survives.
 
     Raises :class:`RankFailure` naming every rank that raised (with its traceback), exited without a
     result or outlived the deadline; ``ValueError`` for a local function, inconsistent timeouts or a
@@ -235,7 +240,12 @@ def _launch(
             readers.append(reader)
             if on_start is not None:
                 on_start(rank, p.pid)
-        _collect(procs, readers, deadline, results, failures)
+        end = _collect(procs, readers, deadline, results, failures)
+        # a rank that reported still has its exit to run (multiprocessing's finalizers, where a coverage tool writes
+        # the rank's data): wait for it, up to EXIT_GRACE and never past the deadline, before killing what is left
+        exit_by = min(end, time.monotonic() + EXIT_GRACE)
+        for p in procs:
+            p.join(max(0.0, exit_by - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive() and p.pid is not None:
@@ -251,7 +261,8 @@ def _launch(
 
 def _collect(
     procs: list[Any], readers: list[Any], deadline: float, results: dict[int, Any], failures: dict[int, str]
-) -> None:
+) -> float:
+    """Each rank's result or failure into ``results``/``failures``; returns the deadline (a ``time.monotonic()``)."""
     end = time.monotonic() + deadline
     pending = set(range(len(procs)))
     while pending and (left := end - time.monotonic()) > 0:
@@ -272,3 +283,4 @@ def _collect(
             (results if status == "ok" else failures)[rank] = value
     for rank in pending:
         failures[rank] = f"still running at the {deadline:g}s deadline; killed with SIGKILL"
+    return end

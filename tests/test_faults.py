@@ -30,15 +30,16 @@ import dist_resume as dr
 from dist_resume._format.atomic import TEMP_NAME
 from dist_resume._manager.manager import CheckpointManager
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name
+from dist_resume.testing import _PRELOAD
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20
 WIDTH = 2048  # 3 layers of 2048x2048 float32 + SGD momentum: ~101 MB on disk
 KEEP_LAST = 2
 _CTX = mp.get_context("forkserver")
-# applies when the fork server starts (shared with tests/dist/harness.py, hence torch.distributed);
-# torch._dynamo is what building the first optimizer imports (~0.8 s a child otherwise)
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dist_resume", __name__])
+# applies when the fork server starts; the server is one per process, shared with dist_resume.testing.run_ranks, hence
+# its list: torch, and torch._dynamo, which building the first optimizer imports (a trial took 3 s instead of 0.3 s)
+_CTX.set_forkserver_preload(_PRELOAD)
 
 
 def _big(step: int, width: int = WIDTH) -> tuple[nn.Module, torch.optim.Optimizer]:

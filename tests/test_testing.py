@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,23 @@ def test_without_a_process_group_on_spawn_with_pids_reported(tmp_path):
         _rank_id, 2, backend=None, start_method="spawn", timeout=60, on_start=seen.__setitem__, tmp_dir=tmp_path
     )
     assert got == [(0, 2), (1, 2)] and sorted(seen) == [0, 1] and all(pid > 0 for pid in seen.values())
+
+
+def _finalizer_writes_late(rank: int, world_size: int, folder: str) -> int:
+    from multiprocessing import util
+
+    def write() -> None:
+        time.sleep(0.5)  # e.g. a coverage tool writing the rank's data file
+        Path(folder, f"rank{rank}.exited").write_text("done")
+
+    util.Finalize(None, write, exitpriority=0)
+    return rank
+
+
+@pytest.mark.dist
+def test_a_rank_that_reported_runs_its_exit_before_the_launcher_returns(tmp_path):
+    assert testing.run_ranks(_finalizer_writes_late, 2, args=(str(tmp_path),), timeout=60) == [0, 1]
+    assert sorted(p.name for p in tmp_path.glob("*.exited")) == ["rank0.exited", "rank1.exited"]
 
 
 def test_rejects_inconsistent_timeouts_local_functions_and_a_missing_tmp_dir(tmp_path):

@@ -1,7 +1,7 @@
 """Real multi-process torch.distributed runs for tests, without picking ports.
 
 ``run_ranks`` is ``dist_resume.testing.run_ranks`` (ranks forked from a forkserver that preloaded
-torch, joined through a FileStore) with the tests' timeouts; ``run_torchrun`` and
+torch and torch._dynamo, joined through a FileStore) with the tests' timeouts; ``run_torchrun`` and
 ``run_two_nodes`` launch the real torchrun. Timeouts nest: pg_timeout < deadline < pytest's 240 s.
 """
 
