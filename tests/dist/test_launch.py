@@ -234,7 +234,8 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
 
 
 @pytest.mark.timeout(480)
-def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
+def test_two_ranks_resumed_by_one_mid_epoch_see_every_sample_once(tmp_path):
+    """2 -> 1 ranks; 1 -> 4 (on two nodes) is the multi-node test's."""
     n = 256
     single = [sys.executable, TRAIN, *COMMON]
     # 2 -> 1: a 2-rank checkpoint at step 5 (160 of 256 samples of epoch 0) resumed in one process
@@ -258,24 +259,6 @@ def test_world_size_change_mid_epoch_sees_every_sample_once(tmp_path):
         n,
     )
     assert {r["epoch"] for r in after[0]} == {0, 1}, "training continued into the next epoch"
-
-    # 1 -> 2: a single-process checkpoint at step 5 (80 samples) resumed by 2 ranks
-    _ok(_launch([*single, "--ckpt-dir", "b", "--stop-after", "5", "--dump-losses", "b1"], tmp_path))
-    second = run_torchrun(
-        [TRAIN, *COMMON, "--ckpt-dir", "b", "--dump-losses", "b2"], nproc=2, cwd=tmp_path, timeout=LAUNCH_TIMEOUT
-    )
-    out = _ok(second)
-    assert "resumed from b/ckpt_00000005.pt (" in out
-    assert "continuing at step 5, epoch 0, sample 80 of 256 (saved by 1 rank(s), now 2" in out
-    assert "new streams on rank 1, derived from the saved seed 0, the rank and step 5" in out
-    before, after = _records(tmp_path / "b1"), _records(tmp_path / "b2")
-    _seen_once(
-        [i for r in before[0] for i in r["indices"]]
-        + [i for rank in (0, 1) for r in after[rank] if r["epoch"] == 0 for i in r["indices"]],
-        n,
-    )
-    assert all(r["loss"] == r["loss"] for rank in (0, 1) for r in after[rank])  # no NaN
-    assert [r["step"] for r in after[1]][-1] == 20
 
 
 @pytest.mark.timeout(300)
@@ -327,6 +310,7 @@ def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp
     out = "".join(_ok(node) for node in nodes)
     assert "resumed from ck/ckpt_00000003.pt (" in out
     assert "continuing at step 3, epoch 0, sample 48 of 256 (saved by 1 rank(s), now 4" in out
+    assert "new streams on ranks 1-3, derived from the saved seed 0, the rank and step 3" in out
     records = _records(tmp_path / "multi")
     assert sorted(records) == [0, 1, 2, 3]
     placement = {(r["rank"], r["local_rank"], r["node_rank"], r["device"]) for rs in records.values() for r in rs}
@@ -339,6 +323,7 @@ def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp
         + [i for rs in records.values() for r in rs if r["epoch"] == 0 for i in r["indices"]],
         n,
     )
+    assert all(r["loss"] == r["loss"] for rs in records.values() for r in rs)  # no NaN
     assert [r["step"] for r in records[3]][-1] == 10
 
 
