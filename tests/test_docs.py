@@ -236,7 +236,7 @@ def suite_figures(items: list[pytest.Item], deselected: list[pytest.Item]) -> di
 
 _FIGURES = re.compile(
     r"\*\*(?P<tests>[\d,]+) tests\*\* run in the default suite \((?P<slow>\d+) more under `-m slow`\): "
-    r"(?P<dist>\d+) in `tests/dist/` \(multi-process, real gloo collectives; (?P<marked_dist>\d+) marked `dist`\), "
+    r"(?P<dist>\d+) in `tests/dist/` \(multi-process, real gloo collectives; (?P<marked_dist>\d+) in the suite marked `dist`\), "
     r"(?P<interop>\d+) in `tests/interop/`.*?, (?P<accelerator>\d+) on the test accelerator's fixture \(sim and CUDA "
     r"variants\), of which (?P<cuda>\d+) are CUDA variants \(marked `cuda`, (?P<multigpu>\d+) of them also `multigpu`",
     re.S,
