@@ -165,9 +165,9 @@ def run_ranks(
     imported when ``env`` is applied, so variables torch reads at import time do not apply.
 
     The rendezvous ``FileStore`` lives in ``tmp_dir`` (a private temporary folder by default).
-    ``start_method`` is a multiprocessing start method: ``forkserver`` (default; torch and torch._dynamo are
-    imported once, in the fork server, so a launch costs milliseconds) or ``spawn`` (each rank a fresh interpreter, e.g. for
-    memory measurements). ``on_start(rank, pid)`` is called as each rank starts (to watch it from
+    ``start_method`` is a multiprocessing start method: ``forkserver`` (default; torch and
+    torch._dynamo are imported once, in the fork server, so a launch costs milliseconds) or
+    ``spawn`` (each rank a fresh interpreter, e.g. for memory measurements). ``on_start(rank, pid)`` is called as each rank starts (to watch it from
     outside). Results travel back with plain pickle: tensors arrive copied. Each rank runs in its own
     process group; a rank that reported gets up to ``EXIT_GRACE`` (5 s, within the deadline) to exit
     on its own (multiprocessing's finalizers run then), and what is left after that, on failure or at
