@@ -97,3 +97,66 @@ def sim_worker_env() -> dict[str, str]:
     if reason is not None:
         pytest.skip(reason)
     return sim.worker_env(SIM_DEVICES)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-protocol HTTP server on 127.0.0.1 for this test session (moto's server mode, as s3fs's own tests use;
+    FACTS 38), on a port the kernel picks when it binds. ``AWS_ENDPOINT_URL`` and dummy credentials point s3fs at it,
+    in this process and in every process a test launches; all of it is undone at the end of the session."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import logging
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    werkzeug = logging.getLogger("werkzeug")  # one log line per request otherwise
+    level = werkzeug.level
+    werkzeug.setLevel(logging.ERROR)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in {
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }.items():
+                mp.setenv(name, value)
+            mp.delenv("AWS_PROFILE", raising=False)
+            yield endpoint
+    finally:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # no instance keeps pointing at the stopped server
+        server.stop()
+        werkzeug.setLevel(level)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> Iterator[str]:
+    """``s3://<a new bucket>`` on the session's S3 server, deleted with everything in it afterwards."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    name = f"dr-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(name)
+    yield f"s3://{name}"
+    fs.invalidate_cache()
+    fs.rm(name, recursive=True)
+
+
+@pytest.fixture
+def mem() -> Iterator[str]:
+    """A fresh ``memory://`` prefix (fsspec's in-process store), emptied afterwards."""
+    import uuid
+
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://t-{uuid.uuid4().hex[:12]}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)

@@ -19,6 +19,7 @@ __all__ = [
     "FakeAccelerator",
     "device_tagging",
     "dataset_of",
+    "flip_byte_in_tensor_record",
     "fake_accelerator",
     "local_shard",
     "metadata_of",
@@ -53,6 +54,20 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 
     assert isinstance(param, DTensor), f"not a DTensor: {type(param).__name__}"
     return param.to_local()
+
+
+def flip_byte_in_tensor_record(path: os.PathLike[str] | str) -> None:
+    """Flip one bit inside the first tensor record of a torch file: its size and zip structure stay intact, its CRC-32
+    does not (only a CRC check finds it)."""
+    from pathlib import Path
+
+    from dist_resume._format.records import read_records
+
+    _, records = read_records(path)
+    record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)
+    data = bytearray(Path(path).read_bytes())
+    data[record.data_offset + 4] ^= 0x01
+    Path(path).write_bytes(bytes(data))
 
 
 def dataset_of(items: Sequence[T]) -> Dataset[T]:

@@ -47,7 +47,7 @@ def test_enabled_switches_the_accelerator_on_and_off(sim_only: None, tmp_path: P
         assert torch.accelerator.current_accelerator(check_available=True) == torch.device("sim")
         assert torch.accelerator.device_count() == 2
         module = torch.get_device_module("sim")
-        assert module.__name__ == "tests.accelerator._module" and module.device_count() == 2
+        assert module.__name__ == "dist_resume._sim.device_module" and module.device_count() == 2
         assert torch.accelerator.current_device_index() == 0
         torch.accelerator.set_device_index(1)
         assert torch.accelerator.current_device_index() == 1 and module.current_device() == 1
@@ -323,8 +323,9 @@ def test_build_is_locked_and_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     source = tmp_path / "tiny.cpp"
     source.write_text("int dist_resume_sim_tiny() { return 7; }\n")
     monkeypatch.setattr(_build, "SOURCE", source)
-    monkeypatch.setattr(_build, "BUILD_ROOT", tmp_path / "root")
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "root"))
     target = _build.library_path()
+    assert target.parent.parent == tmp_path / "root"  # $DIST_RESUME_SIM_CACHE decides where builds go
     target.parent.mkdir(parents=True)
     (target.parent / "lock").write_text("")  # what a killed cpp_extension build leaves behind
     real_run = subprocess.run

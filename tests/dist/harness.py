@@ -8,7 +8,6 @@ torch and torch._dynamo, joined through a FileStore) with the tests' timeouts; `
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dist_resume import testing
-from dist_resume.testing import RankFailure, kill_process_group
+from dist_resume.testing import RankFailure, kill_tree
 
 __all__ = ["LaunchTimeout", "RankFailure", "run_ranks", "run_torchrun", "run_two_nodes"]
 
@@ -65,27 +64,10 @@ def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
 
 
-def _descendants(pid: int) -> list[int]:
-    """All processes below ``pid`` (torchrun starts its workers in their own sessions)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    kill_process_group(proc.pid, signal.SIGSTOP)  # freeze the agent: no replacement workers
-    for pid in [proc.pid, *_descendants(proc.pid)]:  # collect first: SIGKILL reparents the workers
-        kill_process_group(pid)
+    """The launch and every process below it (torchrun starts its workers in their own sessions): the library's
+    whole-tree kill, then reap the launch."""
+    kill_tree(proc.pid)
     proc.wait()
 
 

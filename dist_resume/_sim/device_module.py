@@ -5,7 +5,7 @@ torch's device-generic Python code asks this module, not the C++ library, whethe
 ``torch.load`` checks them before restoring a ``sim:i`` storage, ``torch.manual_seed`` calls ``manual_seed_all``
 (only if ``_is_in_bad_fork`` exists), ``torch.random.fork_rng(device_type="sim")`` uses the RNG functions and
 ``torch.utils.checkpoint`` enters ``device(i)``. Both counts read the library's *enabled* count, which
-``tests.accelerator.enabled()`` switches at run time, so a disabled accelerator reads as a CPU-only machine.
+``dist_resume.testing.sim.enabled()`` switches at run time, so a disabled accelerator reads as a CPU-only machine.
 Everything here is local to the process.
 """
 

@@ -1,7 +1,8 @@
-"""Load the test accelerator into this process and switch its devices on and off."""
+"""Load the test accelerator into this process and switch its devices on and off. Everything here is local."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Iterator
@@ -13,12 +14,11 @@ from torch.utils.backend_registration import (
     rename_privateuse1_backend,
 )
 
-from tests.accelerator import _module, _pg
-from tests.accelerator._build import build
+from . import DEVICE_TYPE, device_module, process_group
+from .build import build
 
 __all__ = ["DEVICES_ENV", "DEVICE_TYPE", "activate", "disable", "enabled", "enabled_count", "engine_has_threads"]
 
-DEVICE_TYPE = "sim"
 DEVICES_ENV = "DIST_RESUME_SIM_DEVICES"  # devices that exist in a process; read once, when the library loads
 DEFAULT_DEVICES = 2
 
@@ -41,16 +41,37 @@ def _probe_engine() -> bool:
     already finalising then (a script that exits at once), taking the GIL for the decref aborts the process
     ("terminate called without an active exception") in torch 2.13, on any device with autograd worker threads.
     """
-    x = torch.ones(1, device="sim:0", requires_grad=True)
-    y = (x * 2).sum()
-    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
     try:
-        engine.run_backward((y,), (torch.ones_like(y),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+        _engine_backward(0)
     except RuntimeError as err:
         if "device_ready_queues_" not in str(err):
             raise
         return False
     return True
+
+
+def _engine_backward(index: int) -> None:
+    """A one-node backward on ``sim:index`` through the engine itself, with no Python object in its state."""
+    x = torch.ones(1, device=torch.device(DEVICE_TYPE, index), requires_grad=True)
+    y = (x * 2).sum()
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.run_backward((y,), (torch.ones_like(y),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def _drain_engine() -> None:
+    """At exit, before the interpreter finalises: one backward through each device's autograd worker thread.
+
+    A user's ``torch.autograd.backward`` (``loss.backward()``) leaves its task to the device thread, which drops it
+    just after the caller returns; the task's state holds a Python object, so dropping it takes the GIL. When the
+    script ends right away, the drop can come while the interpreter finalises, and the thread is torn down inside a
+    destructor: the process aborts with "terminate called without an active exception" (torch 2.13). Each thread
+    handles its queue in order, so once this backward on every device returns (the GIL released while it waits), the
+    earlier task has been dropped.
+    """
+    ops = torch.ops.sim_backend
+    ops.set_enabled_devices(ops.device_count_at_load())  # switched off by enabled()'s exit: on again, to reach them
+    for index in range(int(ops.device_count_at_load())):
+        _engine_backward(index)
 
 
 def _load(num_devices: int | None) -> None:
@@ -67,11 +88,13 @@ def _load(num_devices: int | None) -> None:
         else:
             os.environ[DEVICES_ENV] = previous
     rename_privateuse1_backend(DEVICE_TYPE)
-    torch._register_device_module(DEVICE_TYPE, _module)  # type: ignore[no-untyped-call]
+    torch._register_device_module(DEVICE_TYPE, device_module)  # type: ignore[no-untyped-call]
     generate_methods_for_privateuse1_backend()
-    _pg.register()
+    process_group.register()
     _loaded = True
     _engine_threads = _probe_engine()
+    if _engine_threads:
+        atexit.register(_drain_engine)
 
 
 def activate(num_devices: int | None = None) -> str:

@@ -1,32 +1,4 @@
-"""Run a function on N real torch.distributed processes: for tests of resume logic, in your CI or ours.
-
-:func:`run_ranks` starts ``world_size`` processes on this machine, gives each torchrun's variables
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) and an initialised
-process group (gloo by default, joined through a ``FileStore``: no port is picked), calls
-``fn(rank, world_size, *args)`` in each and returns the results in rank order. When a rank raises,
-dies or hangs, :class:`RankFailure` names every such rank with its traceback; the survivors and
-everything they started are killed. dist_resume's own tests and benchmarks use it.
-
-Timeouts nest so that a hang is reported, never waited out: the process group's timeout is shorter
-than ``timeout`` (the deadline for the whole launch), which should be shorter than your test
-runner's own timeout.
-
-Example (CPU only; ``fn`` must be a module-level function of an importable module, so the new
-processes can import it)::
-
-    # test_my_resume.py
-    import torch
-    import torch.distributed as dist
-    from dist_resume.testing import run_ranks
-
-    def add_ranks(rank: int, world_size: int) -> float:
-        t = torch.tensor([float(rank + 1)])
-        dist.all_reduce(t)  # collective across the real processes
-        return t.item()
-
-    def test_all_reduce():
-        assert run_ranks(add_ranks, 2, timeout=60) == [3.0, 3.0]
-"""
+"""``run_ranks``: a function on N real torch.distributed processes (see :mod:`dist_resume.testing`)."""
 
 from __future__ import annotations
 
@@ -34,7 +6,6 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import tempfile
 import time
@@ -46,7 +17,9 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks", "kill_process_group"]
+from .._core.procs import kill_process_group
+
+__all__ = ["RankFailure", "run_ranks"]
 
 # what the fork server imports once, so that each rank forked from it starts warm: torch, and torch._dynamo, which
 # building the first optimizer imports (as long again as torch itself). dist_resume is left to the ranks: a module
@@ -70,15 +43,6 @@ class RankFailure(AssertionError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.failures, self.pids, self.world_size))
-
-
-def kill_process_group(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
-    """Send ``sig`` to the process group ``pid`` leads (if it leads one), then to ``pid`` itself. Local."""
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _child(
