@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="MODULE",
         help="import MODULE before any device is used (repeatable): a device's torch plugin that registers its "
-        "backend where torch does not load it by itself, e.g. tests.accelerator.plugin, the tests' simulated devices",
+        "backend where torch does not load it by itself, e.g. dist_resume.testing.sim.plugin, the simulated devices",
     )
     p.add_argument(
         "--amp",
@@ -320,7 +320,7 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
     def save() -> None:
         nonlocal saved_at
         extra = {"seed": args.seed, "num_samples": args.num_samples, "batch_size": args.batch_size}
-        ckpts.save(step, epoch=sampler.epoch, extra=extra)  # collective: the registered objects, RNG streams too
+        ckpts.save(step, extra=extra)  # collective: the registered objects, RNG streams too; the loop's epoch
         saved_at = step
 
     model.train()

@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _bench_* helpers
 from _bench_model import make_checkpoint, spec_for
 from _bench_prefix import prefix_adapt
 from _bench_proc import launch
-from _bench_report import BYTES_NOTE, MEMORY_NOTE, table, verdicts
+from _bench_report import BYTES_NOTE, MEMORY_NOTE, table
 from _bench_resume import resume_rank, wall_times
 from _bench_save import save_stall
+from _bench_targets import verdicts
 
 MIB = 2**20
 # (name, how, warm optimizer, mmap, broadcast_from_rank0)

@@ -227,12 +227,12 @@ def test_a_successful_apply_writes_the_optimizer_state_into_its_existing_tensors
     assert objs["dataloader"].state_dict()["consumed"] == 2
 
 
-def test_a_model_copy_is_kept_only_where_something_can_fail_after_it_or_in_its_own_load(ckpt):
-    from dist_resume._checkpoint.apply import _can_raise, steps_of
+def test_a_model_copy_is_kept_only_where_its_own_load_can_raise(ckpt):
+    from dist_resume._checkpoint.module_step import can_raise
 
     hooked = TinyNet(1)
     hooked.fc.register_load_state_dict_post_hook(lambda module, keys: None)
-    assert [_can_raise(m) for m in (TinyNet(0), torch.optim.swa_utils.AveragedModel(TinyNet(0)), Net(0), hooked)] == [
+    assert [can_raise(m) for m in (TinyNet(0), torch.optim.swa_utils.AveragedModel(TinyNet(0)), Net(0), hooked)] == [
         False,
         False,
         True,  # Tagged's own set_extra_state
@@ -242,11 +242,69 @@ def test_a_model_copy_is_kept_only_where_something_can_fail_after_it_or_in_its_o
     plain = TinyNet(6)
     plain_parts = dataclasses.replace(parts, model=Net(0).net.state_dict())
     plan = plan_restore(plain_parts, LiveObjects(plain), dr.ResumeOptions(rng=False))
-    (model_step,) = (s for s in steps_of(plan) if s.name == "model")
-    assert model_step.save() == (None, {})  # one rank, nothing after it: no copy of the model
-    (model_step,) = (s for s in steps_of(plan, collective=True) if s.name == "model")
-    tensors, _ = model_step.save()
-    assert tensors is not None and len(tensors) == len(plain.state_dict())  # the ranks agree after it: a copy
+    assert [s.name for s in plan.steps()] == []  # a plain model is written at the commit: no step, no copy
+    net = Net(6)
+    plan = plan_restore(parts, LiveObjects(net), dr.ResumeOptions(rng=False))
+    (model_step,) = plan.steps()
+    tensors, extras = model_step.save()  # Tagged's set_extra_state may raise: loaded as a step, with a copy
+    assert len(tensors) == len(net.net.state_dict()) and extras == {"tagged": {"name": "run6"}}
     before = _module_state(plain)
+    plan = plan_restore(plain_parts, LiveObjects(plain), dr.ResumeOptions(rng=False))
     plan.apply()
     assert not all(torch.equal(before[k], v) for k, v in plain.state_dict().items())
+
+
+def _fault_in_copy(monkeypatch: Any, *, after: int) -> None:
+    """``Tensor.copy_`` raises once, at its ``after``-th call from now (a device or I/O error while writing)."""
+    real = torch.Tensor.copy_
+    calls = [0]
+
+    def copy_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == after:
+            raise RuntimeError("injected fault in copy_")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+
+
+@pytest.fixture
+def plain_ckpt(tmp_path):
+    """A plain model (written at the commit: no extra-state override) with AdamW state, and what it saved."""
+    model = TinyNet(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, BATCHES[:3])
+    path = dr.save_checkpoint(tmp_path / "plain.pt", model=model, optimizer=opt, step=3, rng=False)
+    return path, torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("after", [1, 12])
+def test_a_fault_while_the_data_is_written_is_a_partial_restore_that_a_second_resume_repairs(
+    plain_ckpt, monkeypatch, after
+):
+    """The commit writes in place with no copy kept: a fault there says so, and resuming again restores it whole."""
+    path, saved = plain_ckpt
+    model = TinyNet(6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, BATCHES[3:5])
+    _fault_in_copy(monkeypatch, after=after)
+    with pytest.raises(dr.errors.PartialRestoreError) as info:
+        dr.resume(path, model=model, optimizer=opt)
+    assert "resume from it again to restore it whole" in str(info.value) and "injected" in str(info.value.__cause__)
+    assert isinstance(info.value, RestoreError) and info.value.part == "optimizer, model"
+    monkeypatch.undo()
+    dr.resume(path, model=model, optimizer=opt)
+    assert_same(model.state_dict(), saved["model"])
+    assert_same(opt.state_dict()["state"], saved["optimizer"]["state"])
+
+
+def test_state_a_fresh_optimizer_lacks_is_created_where_torch_places_it(plain_ckpt):
+    """New optimizer state is allocated once, where torch's load would put it (step on the CPU, unless fused)."""
+    path, saved = plain_ckpt
+    for fused in (False, True):
+        model = TinyNet(6)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        dr.resume(path, model=model, optimizer=opt)
+        assert_same(opt.state_dict()["state"], saved["optimizer"]["state"])
+        assert all(s["step"].device.type == "cpu" and s["step"].dtype == torch.float32 for s in opt.state.values())
+        train_steps(model, opt, BATCHES[3:4])  # the restored state trains (fused checks its devices)

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import dist_resume
 from dist_resume import ResumableDistributedSampler as Sampler
+from dist_resume._exact import rank_states as _rank_states
 from dist_resume._exact import rng as _rng
-from dist_resume._exact import sampler as _exact
 from dist_resume.errors import StateMismatchError
 from tests.helpers import dataset_of, fake_accelerator
 
@@ -154,11 +154,16 @@ def test_checkpoint_at_the_end_of_an_epoch_resumes_into_the_next_one():
     samplers = _ranks(8, 2, seed=0)
     _take(samplers, rounds=4)  # every index yielded, the generators not yet exhausted
     state = samplers[0].state_dict()
-    assert (state["epoch"], state["consumed"]) == (0, 8)
-    s = Sampler(8, 2, 0, seed=0)
-    s.load_state_dict(state)
-    assert len(s) == 0 and list(s) == [] and s.epoch == 1
-    assert list(s) == list(Sampler(8, 2, 0, seed=0, shuffle=True)._order(1))[0::2]
+    assert (state["epoch"], state["consumed"]) == (1, 0)  # the position of the next sample: epoch 1's first
+    following = list(Sampler(8, 2, 0, seed=0, shuffle=True)._order(1))[0::2]
+    for saved in (state, {**state, "epoch": 0, "consumed": 8}):  # as 0.3 saved it too
+        s = Sampler(8, 2, 0, seed=0)
+        s.load_state_dict(saved)
+        assert (s.epoch, s.consumed, len(s)) == (1, 0, 4)
+        assert list(s) == following, "a peek after the resume finds epoch 1's first batch, as without the stop"
+    dropped = _ranks(9, 2, seed=0, drop_last=True)
+    _take(dropped, rounds=4)  # 8 of 9: the last sample is dropped, the epoch is over
+    assert dropped[1].state_dict()["epoch"] == 1
 
 
 def test_a_new_iterator_restarts_at_the_resume_position_and_the_old_one_stops():
@@ -464,9 +469,9 @@ def test_world_size_policy(monkeypatch, caplog, rank, world, saved):
 
 def test_samplers_that_disagree_are_refused():
     ok = {"epoch": 0, "consumed": 8}
-    assert _exact.merge_rank_states([{"rng": None, "sampler": ok}] * 2) == (None, ok)
+    assert _rank_states.merge_rank_states([{"rng": None, "sampler": ok}] * 2) == (None, ok)
     with pytest.raises(StateMismatchError, match=r"\[\(0, 8\), \(0, 10\)\]"):
-        _exact.merge_rank_states([{"rng": None, "sampler": ok}, {"rng": None, "sampler": {**ok, "consumed": 10}}])
+        _rank_states.merge_rank_states([{"rng": None, "sampler": ok}, {"rng": None, "sampler": {**ok, "consumed": 10}}])
 
 
 # ---------------------------------------------------------------- save_checkpoint / resume plumbing

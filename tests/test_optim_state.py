@@ -87,7 +87,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         model = _model(name)
         opt = build(model)
         _train(model, opt)
-        paths[name] = dr.save_checkpoint(folder / f"{name}.pt", model=model, optimizer=opt, step=2)
+        paths[name] = Path(dr.save_checkpoint(folder / f"{name}.pt", model=model, optimizer=opt, step=2))
     return paths
 
 

@@ -140,26 +140,31 @@ def test_strict_false_plans_what_the_file_has_and_apply_returns_it(tmp_path):
     assert sched.state_dict() == frozen_sched
 
 
-def test_a_plan_built_on_stand_ins_applies_the_data_it_is_rebound_to(tmp_path):
-    """Broadcast loading: validate on meta tensors, receive into the destinations, apply the arrived data."""
+def test_a_plan_built_on_stand_ins_receives_its_data_at_the_commit_straight_into_the_live_tensors(tmp_path):
+    """Broadcast loading: validate on meta tensors, rebind what the steps need, write the rest at the commit."""
     path = _checkpoint(tmp_path)
     real = load_checkpoint(path, mmap=False)
     stand_ins = map_tensors(real, lambda t: torch.empty_like(t, device="meta"))
     model, opt, sched, scaler, sampler = _live()
     params = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
     plan = _plan(split_checkpoint(stand_ins, "stand-ins"), model, opt, sched, scaler, rng=False)
-    dests = plan.destinations()
+    late = {id(t) for t in plan.late_tensors()}
     stand_in_model = stand_ins[Key.MODEL]
-    assert {id(stand_in_model[k]) for k in params} <= dests.keys()  # every model entry lands in place
-    live_state = [v for st in opt.state.values() for v in st.values()]
-    assert {id(d) for d in dests.values()} >= {id(v) for v in live_state if v.dim() > 0}
-    arrived = {}
-    for old, new in zip(iter_tensors(stand_ins), iter_tensors(real), strict=True):
-        if id(old) in dests:
-            dests[id(old)].copy_(new)
-            new = dests[id(old)]
-        arrived[id(old)] = new
-    assert plan.rebind(arrived).apply() == ("model", "scaler", "optimizer", "scheduler")
+    assert {id(stand_in_model[k]) for k in params} <= late  # every model entry is written at the commit
+    stand_in_state = [v for st in stand_ins[Key.OPTIMIZER]["state"].values() for v in st.values()]
+    assert {id(v) for v in stand_in_state} <= late  # and every optimizer state tensor
+    real_of = {id(old): new for old, new in zip(iter_tensors(stand_ins), iter_tensors(real), strict=True)}
+    plan = plan.rebind({k: v for k, v in real_of.items() if k not in late})  # what the steps need, first
+    written: list[int] = []
+
+    def transfer(pairs):
+        for saved, dst in pairs:
+            assert saved.device.type == "meta"  # the data of late tensors was never anywhere but in the stand-in
+            dst.copy_(real_of[id(saved)])
+            written.append(id(saved))
+
+    assert plan.apply(transfer=transfer) == ("model", "scaler", "optimizer", "scheduler")
+    assert set(written) == late
     after = model.state_dict(keep_vars=True)
     assert all(after[k] is t and t.data_ptr() == p for k, (t, p) in params.items())
     assert_same({k: v.detach() for k, v in after.items()}, real[Key.MODEL])

@@ -482,3 +482,26 @@ def test_part_keys_name_the_model_entry(tmp_path):
     model2 = TinyNet(1)
     dr.resume(path, model=model2, options=dr.ResumeOptions(part_keys={"model": "MODEL_STATE"}))
     assert_same(snapshot(model2)["model"], snapshot(model)["model"])
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda p, m, d: dr.resume(p, model=m, strict=False), "options=dist_resume.ResumeOptions(strict=False)"),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.resume(p, model=m, allow_missing=("scheduler",)), "ResumeOptions(allow_missing=("),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.resume(p, model=m, rng=True), "options=dist_resume.ResumeOptions(rng=True)"),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.resume(p, model=m, sampler=None), "sampler= became dataloader="),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.CheckpointManager(d, model=m).resume(strict=False), "ResumeOptions(strict=False)"),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.CheckpointManager(d, model=m).resume(broadcast_from_rank0=True), "ResumeOptions("),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.CheckpointManager(d, model=m).save(1, rng=True), "always saves every rank's RNG"),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.save_checkpoint(p, model=m, sampler=None), "sampler= became dataloader="),  # type: ignore[call-arg]
+        (lambda p, m, d: dr.save_checkpoint_async(p, model=m, after_write=print), "no longer takes after_write="),  # type: ignore[call-arg]
+    ],
+    ids=["strict", "allow_missing", "rng", "sampler", "mgr-strict", "mgr-broadcast", "mgr-save-rng", "save", "async"],
+)
+def test_a_keyword_0_3_moved_is_an_error_naming_its_new_spelling(tmp_path: Any, call: Any, said: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    path = dr.save_checkpoint(tmp_path / "c.pt", model=model)
+    with pytest.raises(dr.errors.UsageError) as info:
+        call(path, model, tmp_path / "run")
+    assert said in str(info.value) and "Migrating from 0.2' in CHANGELOG.md" in str(info.value), str(info.value)

@@ -17,6 +17,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from dist_resume import ResumableDistributedSampler
+from dist_resume._exact import loaders
 from dist_resume._exact import stateful_loader as sl
 from dist_resume.errors import StateMismatchError
 
@@ -144,14 +145,33 @@ def test_the_plain_dataloader_with_workers_is_warned_once(caplog: pytest.LogCapt
     sampler = ResumableDistributedSampler(data, num_replicas=2, rank=0)
     loader = DataLoader(dataset_of(data), batch_size=2, sampler=sampler, num_workers=2)
     assert sl.is_stateful_loader(_loader()) and not sl.is_stateful_loader(loader)
-    text = sl.prefetch_warning(loader)
+    text = loaders.prefetch_warning(loader)
     assert text is not None and "2 worker(s) and prefetch_factor=2" in text
-    assert sl.prefetch_warning(DataLoader(dataset_of(data), sampler=sampler)) is None  # num_workers=0: exact
-    assert sl.prefetch_warning(_loader(num_workers=2)) is None  # a StatefulDataLoader: exact
+    assert loaders.prefetch_warning(DataLoader(dataset_of(data), sampler=sampler)) is None  # num_workers=0: exact
+    assert loaders.prefetch_warning(_loader(num_workers=2)) is None  # a StatefulDataLoader: exact
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
-        sl.warn_prefetch_once(loader)
-        sl.warn_prefetch_once(loader)
+        loaders.warn_prefetch_once(loader)
+        loaders.warn_prefetch_once(loader)
         for _ in loader:  # the sampler sees the workers drawing too: still the one warning
             pass
         sampler.state_dict()
     assert [r.getMessage() for r in caplog.records] == [text]
+
+
+def test_a_loader_whose_batches_cannot_be_counted_is_warned_and_a_foreign_position_refused() -> None:
+    data = list(range(40))
+    sampler = ResumableDistributedSampler(data, num_replicas=2, rank=0)
+    unordered = DataLoader(dataset_of(data), batch_size=2, sampler=sampler, num_workers=2, persistent_workers=True)
+    assert loaders.prefetch_warning(unordered) is None  # persistent and countable: exact
+    unordered.in_order = False
+    text = loaders.prefetch_warning(unordered)
+    assert text is not None and "in_order=False" in text and "cannot be counted" in text
+    from torch.utils.data import DistributedSampler
+
+    position = loaders.StatefulLoaderPosition(
+        StatefulDataLoader(
+            dataset_of(data), batch_size=2, sampler=DistributedSampler(dataset_of(data), num_replicas=2, rank=0)
+        )
+    )
+    with pytest.raises(StateMismatchError, match="no StatefulDataLoader state, and this loader's sampler is a"):
+        position.check_state(sampler.state_dict(), "ckpt")

@@ -65,7 +65,7 @@ def adapt_ema_state(saved: Any, ema: nn.Module, *, strict: bool, source: str) ->
         return adapted
     out = add_prefix(adapted, "module.")  # AveragedModel keeps the averaged module as ``self.module``
     if N_AVERAGED in saved:
-        out[N_AVERAGED] = saved[N_AVERAGED]
+        out[N_AVERAGED] = _n_averaged(saved[N_AVERAGED], ema.n_averaged, source)
     elif strict:
         raise KeyMismatchError(
             f"{source}: the EMA state has no {N_AVERAGED!r} but the EMA is an AveragedModel; pass strict=False "
@@ -73,6 +73,18 @@ def adapt_ema_state(saved: Any, ema: nn.Module, *, strict: bool, source: str) ->
             missing=[N_AVERAGED],
         )
     return out
+
+
+def _n_averaged(value: Any, live: torch.Tensor, source: str) -> torch.Tensor:
+    """The saved ``n_averaged``, refused unless ``load_state_dict`` can copy it into the live one."""
+    if not isinstance(value, torch.Tensor) or value.shape != live.shape or value.is_complex():
+        found = f"a {tuple(value.shape)} {value.dtype} tensor" if isinstance(value, torch.Tensor) else repr(value)[:40]
+        raise KeyMismatchError(
+            f"{source}: the EMA's {N_AVERAGED!r} is {found}, not the {tuple(live.shape)} count AveragedModel keeps; "
+            "the checkpoint is damaged or was edited: resume from another checkpoint, or without ema=",
+            mismatched=[N_AVERAGED],
+        )
+    return value
 
 
 def ema_key_count(ema: nn.Module) -> int:

@@ -10,10 +10,12 @@ import torch
 
 from .._core.text import shown
 from .._state.optim_keys import GROUP_BOOKKEEPING
+from .._state.validate import is_number
 from .options import OptimizerHparams
 
 __all__ = [
     "hparam_changes",
+    "hyperparameter_problem",
     "lr_differs",
     "choose_hparams",
     "optimizer_applied",
@@ -30,6 +32,33 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
             if not _same(old, new):
                 out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")
     return out
+
+
+def hyperparameter_problem(
+    saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]
+) -> str | None:
+    """What the saved groups hold, as ``"has ..."``, where the live groups hold a number, a flag or a tuple of numbers
+    (``betas``) and the file something else; or None. ``Optimizer.load_state_dict`` would take them as they are, and
+    the checks of the optimizer state (``amsgrad``, ``momentum``) or its first ``step()`` trip on them."""
+    odd = [
+        f"group {i} {k}={shown(saved[k])}"
+        for i, (saved, live) in enumerate(zip(saved_groups, live_groups))
+        for k, v in live.items()
+        if k in saved and not _same_kind(v, saved[k])
+    ]
+    return f"has hyperparameters of another kind than this optimizer's ({', '.join(odd[:3])})" if odd else None
+
+
+def _same_kind(live: Any, saved: Any) -> bool:
+    if isinstance(live, bool):  # None too: foreach and fused as torch saves them when left to it, tested for truth
+        return saved is None or isinstance(saved, bool)
+    if is_number(live):
+        return is_number(saved)
+    if isinstance(live, tuple) and all(map(is_number, live)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(is_number, saved))
+    if live is None:  # foreach, fused (torch decides; load_state_dict tests their truth), Adafactor's eps1
+        return saved is None or isinstance(saved, bool) or is_number(saved)
+    return True  # strings, the rest: as torch takes them
 
 
 def lr_differs(saved_groups: Iterable[Mapping[str, Any]], live_groups: Iterable[Mapping[str, Any]]) -> bool:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .._core.tree import iter_tensors
 
-__all__ = ["fits", "live_twins", "into_live_state", "storage_ptrs", "detach_from_file"]
+__all__ = ["fits", "storage_ptrs", "detach_from_file"]
 
 
 def fits(src: Any, dst: Any) -> bool:
@@ -21,38 +20,6 @@ def fits(src: Any, dst: Any) -> bool:
         and src.dtype == dst.dtype
         and dst.is_contiguous()
     )
-
-
-def live_twins(
-    optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]
-) -> Iterator[tuple[Any, str, torch.Tensor, torch.Tensor]]:
-    """``(saved id, key, saved tensor, live tensor)`` for each saved state tensor whose live counterpart (same
-    parameter and key) already exists with the same shape and dtype. ``opt_sd`` comes from prepare_optimizer_state."""
-    saved_ids = [i for group in opt_sd["param_groups"] for i in group["params"]]
-    live_params = [p for group in optimizer.param_groups for p in group["params"]]
-    for sid, param in zip(saved_ids, live_params):
-        live_state = optimizer.state.get(param, {})
-        for key, value in (opt_sd["state"].get(sid) or {}).items():
-            dst = live_state.get(key)
-            if (
-                isinstance(value, torch.Tensor)
-                and isinstance(dst, torch.Tensor)
-                and dst.shape == value.shape
-                and dst.dtype == value.dtype
-            ):
-                yield sid, key, value, dst
-
-
-def into_live_state(optimizer: torch.optim.Optimizer, opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """``opt_sd`` with each saved state tensor that has a live twin copied into that twin and replaced by it:
-    torch's load_state_dict then keeps it as it is. Data that arrived in the twin itself is not copied."""
-    state = {sid: dict(entries) for sid, entries in opt_sd["state"].items()}
-    with torch.no_grad():
-        for sid, key, value, dst in live_twins(optimizer, opt_sd):
-            if value is not dst:
-                dst.copy_(value)
-            state[sid][key] = dst
-    return {**opt_sd, "state": state}
 
 
 def storage_ptrs(obj: Any) -> set[int]:

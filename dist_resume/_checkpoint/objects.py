@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .._core.errors import UsageError
-from .._exact.data import stateful_data
+from .._exact.data import data_sampler, stateful_data
+from .moved import MIGRATION, moved_keyword
 
 __all__ = ["TrainingObjects", "OBJECT_NAMES", "LiveObjects", "check_object_names", "data_position"]
 
@@ -25,8 +26,9 @@ class TrainingObjects(TypedDict, total=False):
 
     ``CheckpointManager(folder, **objects)`` registers them once; ``save``, ``save_async`` and ``resume`` take
     the same keywords, each replacing the registered object for that one call (``None`` included: not this
-    time). ``sampler`` and ``dataloader`` name one data position: a ``ResumableDistributedSampler``, or a
-    ``DataLoader`` over one (both may be given when the loader's sampler is that sampler).
+    time). ``sampler`` and ``dataloader`` name one data position: a ``ResumableDistributedSampler``, a
+    ``DataLoader`` over one, or torchdata's ``StatefulDataLoader`` (both may be given when the loader's sampler is
+    that sampler).
     """
 
     model: nn.Module
@@ -45,6 +47,9 @@ _DATA: Final = ("sampler", "dataloader")  # two spellings of one data position
 def check_object_names(objects: Mapping[str, Any], where: str) -> None:
     """Raise :class:`UsageError` at once for a keyword that names no training object."""
     unknown = [name for name in objects if name not in OBJECT_NAMES]
+    moved = [said for name in unknown if (said := moved_keyword(name, objects[name], where)) is not None]
+    if moved:
+        raise UsageError(f"{'; '.join(moved)}; {MIGRATION}", hint=moved[0])
     if unknown:
         raise UsageError(
             f"{where} got unknown keyword(s) {', '.join(map(repr, unknown))}; the objects it takes are "
@@ -65,7 +70,7 @@ def data_position(objects: Mapping[str, Any], *, saving: bool, where: str) -> An
         raise UsageError(f"{where}: model= is {type(model).__name__}, not a torch.nn.Module")
     sampler, loader = objects.get("sampler"), objects.get("dataloader")
     data = stateful_data(loader, saving=saving)
-    if sampler is not None and loader is not None and data is not sampler:
+    if sampler is not None and loader is not None and data_sampler(data) is not sampler:
         raise UsageError(
             f"{where} got sampler= ({type(sampler).__name__}) and dataloader= whose sampler is another object "
             f"({type(data).__name__}); a checkpoint saves one data position",

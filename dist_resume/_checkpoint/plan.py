@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -13,21 +13,23 @@ import torch
 
 from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.rank import global_rank
-from .._core.text import article, shown
+from .._core.text import article
 from .._core.tree import map_tensors
-from .._exact.sampler import check_sampler_state
+from .._exact.data import check_data_state
 from .._layout.layout import CheckpointParts
 from .._state.optim import param_names, prepare_optimizer_state
+from .._state.optim_keys import optimizer_form_problem
 from .._state.optim_state import check_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
-from .apply import Step, apply_plan, steps_of
+from .apply import Agree, Transfer, apply_plan, copy_pairs
 from .ema import adapt_ema_state
-from .hparams import choose_hparams, lr_differs, optimizer_applied, strip_name_prefix
-from .inplace import fits, live_twins
+from .hparams import choose_hparams, hyperparameter_problem, lr_differs, optimizer_applied, strip_name_prefix
 from .model_fit import plan_model
 from .objects import LiveObjects
 from .options import OptimizerHparams, ResumeOptions
+from .step import Step
+from .steps import late_tensors, steps_of
 
 __all__ = ["RestorePlan", "plan_restore"]
 
@@ -41,8 +43,7 @@ class RestorePlan:
     parameters, its group hyperparameters already chosen by ``optimizer_hparams`` (None when the optimizer is
     not restored). ``restore`` and ``skipped`` name the parts, in the order :func:`resume` reports them;
     ``applied`` says how much of each part apply will restore (see :class:`ResumeResult`); ``notices`` are
-    the ``(level, message)`` lines apply logs once it succeeded; ``landed`` the live tensors a broadcast
-    received data into, each with a CPU copy of what it held before (see :meth:`destinations`).
+    the ``(level, message)`` lines apply logs once it succeeded.
     """
 
     parts: CheckpointParts
@@ -60,43 +61,24 @@ class RestorePlan:
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)
     notices: tuple[tuple[int, str], ...] = ()
 
-    landed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
-
     def steps(self) -> list[Step]:
-        """The named steps :meth:`apply` runs, in order (see :data:`~dist_resume._checkpoint.apply.STEPS`). Local."""
+        """The steps :meth:`apply` runs before the commit, in order (see :mod:`~dist_resume._checkpoint.steps`). Local."""
         return steps_of(self)
 
-    def apply(self, *, agree: Callable[[BaseException | None], None] | None = None) -> tuple[str, ...]:
+    def apply(self, *, agree: Agree | None = None, transfer: Transfer = copy_pairs) -> tuple[str, ...]:
         """Change the live objects, all or nothing; return the names of the parts restored (``self.restore``).
 
-        Local (collective with ``agree``, see :func:`~dist_resume._checkpoint.apply.apply_plan`). On any failure
-        every part already changed is put back and :class:`~dist_resume.errors.RestoreError` names the part.
-        Optimizer state ends on its parameters' devices, in its existing tensors where they fit; state still
-        aliasing a memory-mapped file is cloned. Then the plan's notices are logged.
+        Local (collective with ``agree``, see :func:`~dist_resume._checkpoint.apply.apply_plan`). A failure in any
+        part's own load puts back every part already changed and raises :class:`~dist_resume.errors.RestoreError`
+        naming the part; then the data is written in place (``transfer``), no copy kept. Optimizer state ends on its
+        parameters' devices, in its existing tensors where they fit. Then the plan's notices are logged.
         """
-        return apply_plan(self, agree=agree)
+        return apply_plan(self, agree=agree, transfer=transfer)
 
-    def destinations(self) -> dict[int, torch.Tensor]:
-        """``{id(checkpoint tensor): live tensor}`` for each model and EMA entry and existing optimizer state
-        tensor that the checkpoint's data can be written into directly (same shape and dtype, contiguous). Local.
-
-        Each destination's current data is copied to the CPU first (``landed``), so that apply can put it back
-        if any part (on any rank) fails after the data arrived."""
-        out: dict[int, torch.Tensor] = {}
-        for module, state in ((self.objects.model, self.model_state), (self.objects.ema, self.ema_state)):
-            if module is None or state is None:
-                continue
-            live = module.state_dict(keep_vars=True)
-            for key, value in state.items():
-                if fits(value, live.get(key)):
-                    out[id(value)] = live[key].detach()
-        if self.objects.optimizer is not None and self.optimizer_state is not None:
-            for _, _, value, dst in live_twins(self.objects.optimizer, self.optimizer_state):
-                if dst.is_contiguous():
-                    out[id(value)] = dst
-        for dst in out.values():
-            self.landed.setdefault(id(dst), (dst, dst.detach().to("cpu", copy=True)))
-        return out
+    def late_tensors(self) -> list[torch.Tensor]:
+        """The checkpoint tensors whose data :meth:`apply` needs only at its commit (see
+        :func:`~dist_resume._checkpoint.steps.late_tensors`): a broadcast sends the others first. Local."""
+        return late_tensors(self)
 
     def rebind(self, arrived: Mapping[int, torch.Tensor]) -> RestorePlan:
         """This plan with each tensor ``t`` replaced by ``arrived[id(t)]`` where given. Local; validates nothing.
@@ -166,12 +148,13 @@ def plan_restore(
     if has_scheduler:
         check_scheduler(parts.scheduler, scheduler, source)
     has_scaler = objects.scaler is not None and present(parts.scaler, "scaler")
-    empty_scaler = has_scaler and not parts.scaler and not strict  # a disabled scaler's {}: keep the fresh state
+    # a disabled scaler's {}: keep the fresh state (any other entry goes to check_scaler, which says what it is)
+    empty_scaler = has_scaler and isinstance(parts.scaler, Mapping) and not parts.scaler and not strict
     if has_scaler and not empty_scaler:
         check_scaler(parts.scaler, objects.scaler, source)
     has_sampler = objects.data is not None and present(parts.sampler, "sampler", "to start the epoch afresh")
     if has_sampler:
-        check_sampler_state(objects.data, parts.sampler, source)
+        check_data_state(objects.data, parts.sampler, source)
     elif objects.data is None and parts.sampler is not None:
         notices.append((logging.WARNING, _NO_SAMPLER.format(source=source)))
     has_rng = options.rng and parts.rng is not None
@@ -236,42 +219,14 @@ _SCHEDULER_OVERRIDES: Final = (
 
 def _check_optimizer_form(osd: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
     """Refuse optimizer state not shaped as ``Optimizer.state_dict()`` makes it (hyperparameters the live groups hold
-    as numbers must be numbers there too), before anything looks inside."""
-    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
-    state = osd.get("state") if isinstance(osd, Mapping) else None
-    if not isinstance(state, Mapping) or not isinstance(groups, list):
-        found = f"a mapping with keys {sorted(map(str, osd))}" if isinstance(osd, Mapping) else type(osd).__name__
-        problem = f"is {found}, not {{'state': {{...}}, 'param_groups': [...]}}"
-    elif bad := [str(k) for k, v in state.items() if not isinstance(v, Mapping)]:
-        problem = f"has per-parameter entries that are not mappings (parameter ids {bad[:5]})"
-    elif any(
-        not isinstance(g, Mapping) or not isinstance(g.get("params"), list) or not all(_an_id(i) for i in g["params"])
-        for g in groups
-    ):
-        problem = "has parameter groups without a list of parameter ids under 'params'"
-    elif odd := [
-        f"group {i} {k}={shown(g[k])}"
-        for i, (g, live) in enumerate(zip(groups, optimizer.param_groups))
-        for k, v in live.items()
-        if _number(v) and k in g and not _number(g[k])
-    ]:
-        problem = f"has hyperparameters that are not numbers ({', '.join(odd[:3])})"
-    else:
+    as numbers or flags must be so there too), before anything looks inside."""
+    problem = optimizer_form_problem(osd) or hyperparameter_problem(osd["param_groups"], optimizer.param_groups)
+    if problem is None:
         return
     raise OptimizerStateMismatchError(
         f"{source}: the optimizer state {problem}; it was not written by Optimizer.state_dict() (or was damaged): "
         "resume from another checkpoint, or pass allow_missing=('optimizer',) and no optimizer"
     )
-
-
-def _number(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _an_id(value: Any) -> bool:
-    return isinstance(value, (int, str)) and not isinstance(value, bool)
 
 
 def _present(

@@ -5,27 +5,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
 
-from .._core.errors import UsageError
+from .._core.errors import PartialRestoreError, RestoreError, UsageError
+from .._core.location import Location
 from .._core.log import log_rank0
 from .._core.types import PathLike
-from .._dist.broadcast import agree_across_ranks
+from .._dist.agree import agree_across_ranks
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._source.consensus import resolve_source
-from .._source.read import SourceContents, read_broadcast, read_source
+from .._source.read import SourceContents, read_source
 from .._source.source import Source
+from .._state.devices import check_first_step
 from .._state.prefix import model_key_map
+from .apply import Stage
+from .moved import refuses_moved_keywords
 from .objects import LiveObjects
 from .options import ResumeOptions
 from .plan import RestorePlan, plan_restore
+from .ranged import apply_ranged
+from .received import NOTHING, restore_broadcast
 from .sharded_restore import is_sharded_restore, restore_sharded
 
 __all__ = ["ResumeResult", "resume", "checked_options", "restore_from"]
@@ -47,7 +52,7 @@ class ResumeResult:
     "EPOCHS_RUN"}``; ``"state.net"`` one level down): what ``part_keys=`` would pass to choose the same.
     """
 
-    path: Path
+    path: Location
     layout: Layout
     step: int | None
     epoch: int | None
@@ -61,6 +66,7 @@ class ResumeResult:
     part_keys: dict[str, str] = field(default_factory=dict)
 
 
+@refuses_moved_keywords
 def resume(
     path: PathLike,
     *,
@@ -92,21 +98,21 @@ def resume(
 
     By default the file is memory-mapped on the CPU and copied into the existing tensors, so no
     rank holds a second full copy on its accelerator. Keys, shapes, dtypes, optimizer groups, parameter
-    names and state shapes are validated before anything changes. Applying is all or nothing too: if a
-    part's own load fails (a hook, a device or sharding error), every part already restored is put back
-    (model, optimizer, scheduler, scaler, data position, RNG streams, EMA, modules' extra state) and
-    :class:`~dist_resume.errors.RestoreError` names the part, chained to the cause. A CPU copy of the
-    model's (and EMA's) tensors it overwrites is held while it applies only where something can fail after
-    them (the EMA, the ranks' agreement) or their own load can (load hooks, a ``_load_from_state_dict`` or
-    ``set_extra_state`` other than torch.nn's); a plain model resumed by one rank is copied into with no
-    copy kept. Afterwards optimizer state sits on its parameters' devices.
+    names and state shapes are validated before anything changes. Applying is all or nothing too: what can
+    still fail runs first (the small states, the optimizer's load on its own state tensors, a model whose own
+    load has hooks or overrides), and if a part's load fails every part already restored is put back and
+    :class:`~dist_resume.errors.RestoreError` names the part, chained to the cause. Then the data is written
+    into the live tensors in place, no copy kept; a fault in that copy raises
+    :class:`~dist_resume.errors.PartialRestoreError` (resume again to restore the checkpoint whole).
+    Afterwards optimizer state sits on its parameters' devices, and the optimizer's first ``step()`` checks
+    that it still does (a model moved after the resume is named there, with the fix).
 
     Across ranks: when the resume is collective (``path`` is a ``CheckpointManager`` folder under
-    torch.distributed, or ``broadcast_from_rank0``), the ranks agree twice, after validating and after
-    applying: a failure on any rank (reading, validating or applying) makes every rank put back what it
-    changed and raise the same error class, relayed with ``rank`` set. A file (or foreign folder) passed
-    by path is read, validated and applied by each rank on its own, with no collective: a failure there
-    is raised on that rank only, and the other ranks' resumes stand.
+    torch.distributed, or ``broadcast_from_rank0``), the ranks agree after validating, after the steps that
+    can fail and after the commit: a failure on any rank makes every rank put back what it changed (or, in
+    the commit, say it holds part of the checkpoint) and raise the same error class, relayed with ``rank``
+    set. A file (or foreign folder) passed by path is read, validated and applied by each rank on its own,
+    with no collective: a failure there is raised on that rank only, and the other ranks' resumes stand.
 
     - ``dataloader``: a ``DataLoader`` whose sampler (or ``batch_sampler.sampler``) is a
       :class:`ResumableDistributedSampler`, or that sampler itself (a loop that iterates it): the epoch
@@ -158,10 +164,14 @@ def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -
     FSDP2 model (:mod:`.sharded_restore`: every rank validates, then fills its shards).
     """
     if is_sharded_restore(objects):  # FSDP2: read, validate everywhere, fill the shards (sharded_restore.py)
-        contents, plan, restored = restore_sharded(source, objects, options, lambda c: _plan(c, objects, options))
+        contents, plan, restored = restore_sharded(
+            source, objects, options, lambda c: _plan(c, objects, options), agree_applied
+        )
     else:
         contents, plan, restored = _restore_whole(source, objects, options)
     parts = plan.parts
+    if "optimizer" in restored and objects.optimizer is not None:
+        check_first_step(objects.model, objects.optimizer)  # a model.to() after this: named at the first step
     log_rank0(
         logging.INFO,
         "resumed from %s (%s layout%s, step %s, epoch %s; restored %s)",
@@ -192,29 +202,26 @@ def _restore_whole(
     source: Source, objects: LiveObjects, options: ResumeOptions
 ) -> tuple[SourceContents, RestorePlan, tuple[str, ...]]:
     """Read, validate and apply into a plain, DDP or compiled model (everything but FSDP2)."""
-    collective = source.broadcast or (source.folder is not None and is_distributed())
     if source.broadcast:
-        contents, plan = read_broadcast(
+        return restore_broadcast(source, options, lambda c: _plan(c, objects, options), agree_applied)
+    collective = source.folder is not None and is_distributed()
+
+    def read_and_plan() -> tuple[SourceContents, RestorePlan]:
+        read = read_source(
             source,
+            map_location="cpu" if options.map_location is None else options.map_location,
             mmap=options.mmap,
             weights_only=options.weights_only,
             verify=options.verify,
-            prepare=lambda arrived: _agreed(True, lambda: _plan(arrived, objects, options)),
+            ranged=True,
         )
-    else:
+        return read, _plan(read, objects, options)
 
-        def read_and_plan() -> tuple[SourceContents, RestorePlan]:
-            read = read_source(
-                source,
-                map_location="cpu" if options.map_location is None else options.map_location,
-                mmap=options.mmap,
-                weights_only=options.weights_only,
-                verify=options.verify,
-            )
-            return read, _plan(read, objects, options)
-
-        contents, plan = _agreed(collective, read_and_plan)
-    return contents, plan, plan.apply(agree=_agree_applied if collective else None)
+    contents, plan = _agreed(collective, read_and_plan)
+    agree = agree_applied if collective else None
+    if contents.ranged is not None:  # an object on a store: its data read by ranges into the live tensors
+        return contents, plan, apply_ranged(contents.ranged, plan, agree)
+    return contents, plan, plan.apply(agree=agree)
 
 
 def _split(obj: Any, source: str, objects: LiveObjects, options: ResumeOptions) -> CheckpointParts:
@@ -251,7 +258,6 @@ def _plan(contents: SourceContents, objects: LiveObjects, options: ResumeOptions
 
 
 T = TypeVar("T")
-_NOTHING: Final = "could not restore the checkpoint, so nothing was restored on any rank"
 
 
 def _agreed(collective: bool, fn: Callable[[], T]) -> T:
@@ -261,13 +267,14 @@ def _agreed(collective: bool, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as err:
         if collective:
-            agree_across_ranks(err, what=_NOTHING)
+            agree_across_ranks(err, what=NOTHING)
         raise
     if collective:
-        agree_across_ranks(None, what=_NOTHING)
+        agree_across_ranks(None, what=NOTHING)
     return result
 
 
-def _agree_applied(error: BaseException | None) -> None:
-    """After apply's steps: every rank learns whether every rank applied; all roll back if one did not."""
-    agree_across_ranks(error, what="could not apply the checkpoint, so every rank put back what it had changed")
+def agree_applied(error: BaseException | None, stage: Stage) -> None:
+    """Apply's agreements (after its steps: all put back if one rank failed; after its commit: all raise
+    :class:`PartialRestoreError` if one rank's commit failed). Collective."""
+    agree_across_ranks(error, what=stage.value, fallback=PartialRestoreError if stage is Stage.COMMIT else RestoreError)

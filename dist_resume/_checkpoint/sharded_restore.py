@@ -23,61 +23,37 @@ anything changes. Collective: call on every rank.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 
 from .._core.errors import StateMismatchError, UsageError
-from .._core.log import log_rank0
+from .._core.location import Location
 from .._core.tree import map_tensors
-from .._dist.broadcast import agree_across_ranks, broadcast_loaded
-from .._dist.shard_comm import scatter_full_into
-from .._foreign.sharded_load import load_into_shards, read_dcp_skeleton, read_sharded_skeleton
+from .._dist.agree import agree_across_ranks
+from .._dist.broadcast import broadcast_loaded
+from .._foreign.sharded_load import read_dcp_skeleton, read_sharded_skeleton
 from .._layout.layout import Layout
 from .._source.integrity import verify_source
 from .._source.read import SourceContents, parts_from_fields, parts_to_fields, read_source
-from .._source.source import Source
-from .._state.optim import optimizer_to
-from .._state.sharded import check_optimizer_follows, copy_full_into, is_sharded, model_destinations, sharded_parameters
+from .._source.source import Source, SourceKind
+from .._state.sharded import check_optimizer_follows, is_sharded, model_destinations, sharded_parameters
 from .._state.sharded_optim import sharded_optimizer_state
-from .apply import apply_then_fill
+from .apply import Agree
+from .module_step import refuse_load_hooks
 from .objects import LiveObjects
 from .options import ResumeOptions
 from .plan import RestorePlan
+from .sharded_apply import Fill, ShardedRestore, apply_sharded
+from .step import Pairs
 
-__all__ = ["Fill", "SMALL_BYTES", "ShardedRestore", "is_sharded_restore", "restore_sharded", "apply_sharded"]
+__all__ = ["SMALL_BYTES", "is_sharded_restore", "prepare_sharded", "restore_sharded"]
 
 _AGREED: Final = "could not restore the checkpoint into the FSDP2 model, so nothing was restored on any rank"
 SMALL_BYTES: Final = 64 * 1024  # under broadcast_from_rank0, tensors up to this size reach every rank whole
-
-Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class Fill(enum.Enum):
-    """How the saved data reaches the shards."""
-
-    COPY = "every rank copies its boxes out of its own mapping of the file"
-    SCATTER = "rank 0 reads and sends each rank its boxes"
-    DCP = "dcp.load reads each rank's boxes from the sharded folder"
-
-
-@dataclass(frozen=True)
-class ShardedRestore:
-    """A validated plan for an FSDP2 model: what to copy where, in the same order on every rank."""
-
-    plan: RestorePlan
-    fill: Fill
-    pairs: Pairs  # (saved tensor or stand-in, destination): model, EMA, then optimizer state
-    optimizer_state: dict[str, Any] | None  # to load once filled: its state tensors are the destinations
-    folder: Path | None = None  # DCP: the sharded folder
-    dcp_keys: dict[int, str] = field(default_factory=dict)  # DCP: id(stand-in) -> the folder's key
-    weights_only: bool = True
 
 
 def is_sharded_restore(objects: LiveObjects) -> bool:
@@ -99,9 +75,11 @@ def is_sharded_restore(objects: LiveObjects) -> bool:
 
 def _read_local(source: Source, options: ResumeOptions) -> tuple[SourceContents, Fill, dict[int, str]]:
     if source.layout is Layout.SHARDED:
-        if options.verify:
-            verify_source(source.path)
-        parts, keys = read_sharded_skeleton(source.path, weights_only=options.weights_only)
+        # every CRC-32 before anything changes: each rank all of them under verify=True; else rank 0 checked them all
+        # when it chose a folder's newest checkpoint, or the ranks split the check (each a share of the files)
+        chosen = source.kind is SourceKind.FOLDER_NEWEST
+        share = (0, 1) if options.verify else None if chosen else (dist.get_rank(), dist.get_world_size())
+        parts, keys = read_sharded_skeleton(source.path, weights_only=options.weights_only, share=share)
         return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys
     if source.layout is Layout.DCP:
         if options.verify:
@@ -165,7 +143,7 @@ def prepare_sharded(
     plan: RestorePlan,
     fill: Fill,
     *,
-    folder: Path | None = None,
+    folder: Location | None = None,
     dcp_keys: dict[int, str] | None = None,
     weights_only: bool = True,
 ) -> ShardedRestore:
@@ -180,11 +158,14 @@ def prepare_sharded(
     pairs: Pairs = [(full, dst) for _, full, dst in model_destinations(live.model, plan.model_state)]
     if live.ema is not None and plan.ema_state is not None:
         pairs += [(full, dst) for _, full, dst in model_destinations(live.ema, plan.ema_state)]
-    optimizer_state = None
+    optimizer_state, opt_pairs = None, list[tuple[torch.Tensor, torch.Tensor]]()
     if live.optimizer is not None and plan.optimizer_state is not None:
         check_optimizer_follows(live.model, live.optimizer)
         optimizer_state, opt_pairs = sharded_optimizer_state(live.optimizer, plan.optimizer_state, source=plan.source)
         pairs += opt_pairs
+    refuse_load_hooks(live.model, plan.source)
+    if live.ema is not None:
+        refuse_load_hooks(live.ema, plan.source)
     keys = dcp_keys or {}
     if fill is Fill.DCP:
         unknown = [tuple(saved.shape) for saved, _ in pairs if id(saved) not in keys]
@@ -194,7 +175,8 @@ def prepare_sharded(
                 "folder's DCP files; the folder was changed or written by another tool: convert it to one file "
                 "(dist-resume convert) and resume from that"
             )
-    return ShardedRestore(plan, fill, pairs, optimizer_state, folder, keys, weights_only)
+    dests = tuple(dst for _, dst in opt_pairs)
+    return ShardedRestore(plan, fill, pairs, optimizer_state, dests, folder, keys, weights_only)
 
 
 def restore_sharded(
@@ -202,10 +184,11 @@ def restore_sharded(
     objects: LiveObjects,
     options: ResumeOptions,
     plan_local: Callable[[SourceContents], RestorePlan],
+    agree: Agree,
 ) -> tuple[SourceContents, RestorePlan, tuple[str, ...]]:
     """Read ``source``, plan the restore (``plan_local``: split and :func:`plan_restore`, local), check it for the
-    FSDP2 model on every rank, agree, then fill the shards. Collective; returns what was read, the plan and the
-    names of the parts restored."""
+    FSDP2 model on every rank, agree, then apply (``agree``: apply's agreements, see :func:`apply_sharded`).
+    Collective; returns what was read, the plan and the names of the parts restored."""
     keys: dict[int, str] = {}
     if source.broadcast:  # a failure reading on rank 0 raises on every rank, from the broadcast
         contents, fill = _read_broadcast(source, options), Fill.SCATTER
@@ -218,52 +201,4 @@ def restore_sharded(
         agree_across_ranks(err, what=_AGREED)
         raise
     agree_across_ranks(None, what=_AGREED)
-    return contents, plan, apply_sharded(prepared)
-
-
-def _fill(prepared: ShardedRestore) -> None:
-    if prepared.fill is Fill.SCATTER:
-        scatter_full_into(prepared.pairs)
-    elif prepared.fill is Fill.DCP:
-        assert prepared.folder is not None
-        targets = {prepared.dcp_keys[id(saved)]: dst for saved, dst in prepared.pairs}
-        load_into_shards(prepared.folder, targets, weights_only=prepared.weights_only)
-    else:
-        for full, dst in prepared.pairs:
-            copy_full_into(dst, full)
-
-
-def _extra_states(module: torch.nn.Module, state: Any) -> None:
-    """Non-tensor ``_extra_state`` entries to their module's ``set_extra_state`` (as ``load_state_dict`` does)."""
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) and key.rpartition(".")[2] == "_extra_state":
-            module.get_submodule(key.rpartition(".")[0]).set_extra_state(value)
-
-
-def apply_sharded(prepared: ShardedRestore) -> tuple[str, ...]:
-    """Change the live objects as :meth:`RestorePlan.apply` does, the model, EMA and optimizer through their shards.
-
-    Collective for ``SCATTER`` and ``DCP`` (every rank fills in the same order), local for ``COPY``. The small states
-    first, as apply's steps (GradScaler, scheduler, data position, RNG: a failure puts them back and raises
-    :class:`~dist_resume.errors.RestoreError`); then every shard filled in place, the optimizer's state dict (its
-    destinations) loaded and placed on its parameters' devices. No copy of the shards is kept (the memory bound): a
-    failure while filling (data found damaged only as it is read, an I/O error) puts the small states back and
-    raises, and the model and optimizer may then hold part of the checkpoint, as the error says.
-    """
-    plan = prepared.plan
-    live = plan.objects
-
-    def fill() -> None:
-        _fill(prepared)
-        _extra_states(live.model, plan.model_state)
-        if live.ema is not None and plan.ema_state is not None:
-            _extra_states(live.ema, plan.ema_state)
-        if live.optimizer is not None and prepared.optimizer_state is not None:
-            live.optimizer.load_state_dict(prepared.optimizer_state)
-            optimizer_to(live.optimizer)
-
-    restored = apply_then_fill(plan, fill)
-    log_rank0(
-        logging.DEBUG, "%s: FSDP2 shards filled (%s, %d tensors)", plan.source, prepared.fill.name, len(prepared.pairs)
-    )
-    return restored
+    return contents, plan, apply_sharded(prepared, agree=agree)

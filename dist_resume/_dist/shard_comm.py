@@ -85,38 +85,62 @@ def scatter_full_into(pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]])
     DTensor destination receives its box, a plain one (a buffer, an unsharded parameter) all of it.
     Rank 0 sends views of ``full``; receivers receive into their destinations (through one box-sized
     buffer where a destination is not contiguous, or lives where the backend does not send from).
+
+    A failure on this rank while reading or copying a tensor does not stop it taking part: it sends (zeros) and
+    receives every remaining box, then raises that failure, so that no rank is left waiting in a collective.
     """
     rank = dist.get_rank()
+    failure: Exception | None = None
     for i, (full, dst) in enumerate(pairs):
         step = f"receiving the checkpoint's shards (tensor {i + 1} of {len(pairs)})"
         with collective_step(step, CheckpointError):
             if rank == 0:
-                if full is None:
-                    raise ValueError("scatter_full_into: rank 0 needs the full tensor of every pair")
-                _send_boxes(full, dst)
+                failure = _send_boxes(full, dst, failure)
             else:
-                _receive_box(dst)
+                failure = _receive_box(dst, failure)
+    if failure is not None:
+        raise failure
 
 
-def _send_boxes(full: torch.Tensor, dst: torch.Tensor) -> None:
+def _send_boxes(full: torch.Tensor | None, dst: torch.Tensor, failure: Exception | None) -> Exception | None:
+    """Rank 0's part for one pair; after a failure (``failure``, or one here), zeros of each box's shape are sent."""
+    if is_dtensor(dst):
+        spec = shard_spec(dst)
+        boxes = [box for box in rank_regions(spec) if box[0] != 0 and 0 not in box[1]]  # non-empty, not mine
+    else:
+        boxes = [(r, tuple(dst.shape), (0,) * dst.dim()) for r in range(1, dist.get_world_size())]
+    outgoing: list[tuple[int, torch.Tensor]] = []
+    if failure is None:
+        try:
+            outgoing = _own_box_and_outgoing(full, dst, boxes)
+        except Exception as err:  # the boxes still go out (zeros): the caller's agreement says why
+            failure = err
+    if failure is not None:
+        outgoing = [(r, _wire(torch.zeros(s, dtype=dst.dtype))) for r, s, _ in boxes]
+    with released_by_backend(*(t for _, t in outgoing)):
+        _wait_all([dist.isend(t, dst=r) for r, t in outgoing])
+    return failure
+
+
+def _own_box_and_outgoing(
+    full: torch.Tensor | None, dst: torch.Tensor, boxes: list[Box]
+) -> list[tuple[int, torch.Tensor]]:
+    if full is None:
+        raise ValueError("scatter_full_into: rank 0 needs the full tensor of every pair")
     if is_dtensor(full):
         raise StateMismatchError("scatter_full_into: rank 0's full tensor is a DTensor; pass the checkpoint's tensors")
     if is_dtensor(dst):
         spec = shard_spec(dst)
         if tuple(full.shape) != spec.global_shape:
             raise StateMismatchError(f"cannot scatter a tensor of shape {tuple(full.shape)} as {spec.global_shape}")
-        boxes = [box for box in rank_regions(spec) if box[0] != 0 and 0 not in box[1]]  # non-empty, not mine
         local = local_of(dst)
         if local.numel():
             with torch.no_grad():
                 local.copy_(full[spec.slices()])
     else:
-        boxes = [(r, tuple(full.shape), (0,) * full.dim()) for r in range(1, dist.get_world_size())]
         with torch.no_grad():
             dst.copy_(full)
-    outgoing = [(r, _wire(full[_box(s, o)].to(dst.dtype).contiguous())) for r, s, o in boxes]
-    with released_by_backend(*(t for _, t in outgoing)):
-        _wait_all([dist.isend(t, dst=r) for r, t in outgoing])
+    return [(r, _wire(full[_box(s, o)].to(dst.dtype).contiguous())) for r, s, o in boxes]
 
 
 def _wait_all(works: list[Any]) -> None:
@@ -128,17 +152,22 @@ def _wait_all(works: list[Any]) -> None:
         del work
 
 
-def _receive_box(dst: torch.Tensor) -> None:
+def _receive_box(dst: torch.Tensor, failure: Exception | None) -> Exception | None:
+    """A receiver's part for one pair; after a failure (``failure``, or one here), the box is received and dropped."""
     local = local_of(dst)  # a rank outside the DTensor's mesh holds an empty one
     if not local.numel():
-        return
-    direct = local.is_contiguous() and local.device == comm_device()
+        return failure
+    direct = failure is None and local.is_contiguous() and local.device == comm_device()
     target = local if direct else torch.empty(local.shape, dtype=local.dtype, device=comm_device())
     with released_by_backend(target):
         dist.recv(target, src=0)
-    if not direct:
-        with torch.no_grad():
-            local.copy_(target)
+    if not direct and failure is None:
+        try:
+            with torch.no_grad():
+                local.copy_(target)
+        except Exception as err:  # every remaining box is still received; the caller's agreement says why
+            return err
+    return failure
 
 
 def send_own_shard(tensor: torch.Tensor, *, bucket_bytes: int) -> None:

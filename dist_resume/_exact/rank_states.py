@@ -1,4 +1,4 @@
-"""The per-rank state save_checkpoint gathers on rank 0 (RNG streams, sampler position), and its merge into a
+"""The per-rank state save_checkpoint gathers on rank 0 (RNG streams, data position), and its merge into a
 checkpoint's entries."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .._core.errors import StateMismatchError
 from .._dist.comm import all_gather_objects
 from .._dist.env import is_distributed
 from .rng import rng_state_dict
+from .stateful_loader import merge_loader_states
 
 __all__ = ["gather_rank_states", "merge_rank_states"]
 
@@ -34,7 +35,8 @@ def gather_rank_states(
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
-    """The checkpoint's RNG list (index = rank) and sampler state from :func:`gather_rank_states`.
+    """The checkpoint's RNG list (index = rank) and data position from :func:`gather_rank_states` (with every
+    rank's StatefulDataLoader entry under ``"loader"``, when the position is one's).
 
     Raises :class:`StateMismatchError` when the ranks' samplers disagree on epoch or position.
     """
@@ -49,4 +51,7 @@ def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]
                 f"{positions}; every rank must draw the same number of batches before saving. A DataLoader "
                 "with workers prefetches: pass sampler=sampler.state_dict(consumed=<samples trained on>)"
             )
+        if "loader" in sampler:  # StatefulDataLoaders: every rank's own state, one list (index = rank)
+            entries = merge_loader_states([s["loader"] for s in samplers])
+            sampler = {**{k: v for k, v in sampler.items() if k != "loader"}, "loader": entries}
     return (rngs if rngs[0] is not None else None), sampler

@@ -16,6 +16,7 @@ from .._core.log import log_rank0, logger
 from .._core.rank import global_rank, rank_and_world
 from .._core.text import article
 from .._dist.accelerator import device_rng_state, seed_device, set_device_rng_state
+from .._state.validate import rng_state_problem
 
 __all__ = [
     "rng_state_dict",
@@ -129,12 +130,10 @@ def load_rng_state_dict(state: Mapping[str, Any], device: torch.device | str | N
 
         >>> dist_resume.load_rng_state_dict(dist_resume.rng_state_dict())
     """
-    if not isinstance(state, Mapping) or not {"python", "torch"} <= set(state):
-        raise StateMismatchError(
-            f"RNG state must be a mapping with 'python' and 'torch' entries (from rng_state_dict()), got "
-            f"{type(state).__name__} with keys {sorted(state) if isinstance(state, Mapping) else '-'}"
-        )
-    saved = _device_entry(state)
+    problem = rng_state_problem(state)  # every stream tried on a throwaway generator first
+    saved = _device_entry(state) if isinstance(state, Mapping) else None
+    if problem is not None:
+        raise StateMismatchError(f"RNG state is not one rng_state_dict() writes: {problem}; no stream was changed")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))

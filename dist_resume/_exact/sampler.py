@@ -1,12 +1,10 @@
-"""Exact resume: a sampler that knows how far into its epoch the job got (the per-rank state that
-save_checkpoint gathers is :mod:`.rank_states`'s, re-exported here)."""
+"""Exact resume: a sampler that knows how far into its epoch the job got."""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sized
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,46 +14,13 @@ from .._core import torch_compat
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import rank_and_world
-from .rank_states import gather_rank_states, merge_rank_states
-from .rng import param_device, restore_rank_rng
+from .sampler_config import SamplerConfig
 
 __all__ = [
     "PREFETCH_WARNING",
     "ResumableDistributedSampler",
     "check_sampler_state",
-    "gather_rank_states",
-    "merge_rank_states",
-    "param_device",
-    "restore_rank_rng",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class _SamplerConfig:
-    num_samples: int
-    num_replicas: int
-    rank: int
-    shuffle: bool
-    seed: int
-    drop_last: bool
-
-    def __post_init__(self) -> None:
-        for name in ("num_samples", "num_replicas", "rank", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        for name in ("shuffle", "drop_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.num_samples < 1:
-            raise ValueError(f"the dataset is empty (len {self.num_samples}); a sampler needs at least one sample")
-        if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"rank={self.rank} must be in 0..num_replicas-1 (num_replicas={self.num_replicas})")
-        if self.drop_last and self.num_samples < self.num_replicas:
-            raise ValueError(
-                f"drop_last=True with {self.num_samples} samples and {self.num_replicas} ranks "
-                "leaves every rank empty; use drop_last=False or fewer ranks"
-            )
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -76,18 +41,21 @@ class ResumableDistributedSampler(Sampler[int]):
 
     Epochs advance by themselves: when an iteration reaches the end of the epoch the sampler moves
     to the next one, so forgetting ``set_epoch`` cannot repeat a shuffle. ``set_epoch(e)`` for the
-    current epoch is a no-op (it keeps a resumed position); another ``e`` starts that epoch afresh.
+    current epoch is a no-op (it keeps a resumed position); another ``e`` starts that epoch afresh,
+    except the epoch DataLoader workers just drew to its end, which restarts where its newest pass
+    began (the DDP tutorial's peek can draw a resumed epoch's remainder before ``set_epoch``).
 
     A new iterator restarts at the epoch's resume position (the loaded one, or 0 for a fresh
     epoch), as ``DistributedSampler`` restarts each iterator: a batch peeked to learn the batch
-    size (``next(iter(loader))``, as PyTorch's DDP tutorial does every epoch) costs nothing, and
+    size (``next(iter(loader))``, as PyTorch's DDP tutorial does every epoch) is not skipped, and
     an older iterator stops once a newer one starts. The position counts what the newest iterator
-    has yielded, exact for a ``DataLoader`` with ``num_workers=0``. With workers that prefetch, a
-    plain ``DataLoader`` draws batches ahead of the training loop: use torchdata's
-    ``StatefulDataLoader`` (it saves the position of what the loop consumed, see
-    ``dist_resume._exact.stateful_loader``), or save
-    ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``. The sampler
-    notices when a multi-worker ``DataLoader`` draws from it and warns once, at the first
+    has yielded, exact for a ``DataLoader`` with ``num_workers=0``. With workers, a plain
+    ``DataLoader`` draws batches ahead of the training loop: pass the ``DataLoader`` itself as
+    ``dataloader=`` (with ``persistent_workers=True`` the position counts the batches the loop got),
+    use torchdata's ``StatefulDataLoader``, or save
+    ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``, which counts
+    in the newest pass even once the workers drew its last index and the sampler moved on. The
+    sampler notices when a multi-worker ``DataLoader`` draws from it and warns once, at the first
     ``state_dict()`` without ``consumed``, that the position counts prefetched samples.
 
     Example::
@@ -115,11 +83,12 @@ class ResumableDistributedSampler(Sampler[int]):
             num_replicas = cur_world if num_replicas is None else num_replicas
             rank = cur_rank if rank is None else rank
         n = dataset if isinstance(dataset, int) and not isinstance(dataset, bool) else len(dataset)  # type: ignore[arg-type]
-        self._cfg = _SamplerConfig(n, num_replicas, rank, shuffle, seed, drop_last)
-        self._epoch = 0
-        self._start = 0  # global position where the current pass began
-        self._yielded = 0  # indices this rank yielded since then
-        self._resume_at = 0  # global position a new iterator starts at: the loaded one, 0 in a fresh epoch
+        self._cfg = SamplerConfig(n, num_replicas, rank, shuffle, seed, drop_last)
+        self._epoch = 0  # the epoch the next pass draws from
+        self._resume_at = 0  # global position a new pass starts at: the loaded one, 0 in a fresh epoch
+        self._pass_epoch = 0  # the newest pass (kept once it ended): its epoch,
+        self._start = 0  # the global position where it began,
+        self._yielded = 0  # and the indices this rank yielded in it
         self._pass = 0  # bumped by every new pass, set_epoch and load_state_dict: older iterators stop
         self._prefetching: tuple[int, int] | None = None  # (workers, prefetch) of a DataLoader drawing ahead
         self._warned_prefetch = False
@@ -139,7 +108,17 @@ class ResumableDistributedSampler(Sampler[int]):
     @property
     def consumed(self) -> int:
         """Samples of the current epoch consumed by all ranks together."""
-        return min(self._start + self._yielded * self._cfg.num_replicas, self._cfg.num_samples)
+        if self._pass_epoch != self._epoch:  # the newest pass ended: the epoch after it has not started
+            return self._resume_at
+        return self._global(self._yielded)
+
+    def _global(self, indices: int) -> int:
+        """The global position after this rank took ``indices`` indices of the newest pass."""
+        return min(self._start + indices * self._cfg.num_replicas, self._cfg.num_samples)
+
+    def _pass_length(self) -> int:
+        """Indices the newest pass yields on this rank when iterated to its end."""
+        return self._share(self._start)
 
     def _order(self, epoch: int) -> list[int]:
         if not self._cfg.shuffle:
@@ -159,7 +138,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         self._pass += 1
         token, start, w = self._pass, self._resume_at, self._cfg.num_replicas
-        self._start, self._yielded = start, 0
+        self._pass_epoch, self._start, self._yielded = self._epoch, start, 0
         self._prefetching = torch_compat.drawing_loader_workers() or self._prefetching
         order = self._order(self._epoch)
         rest = order[start:]
@@ -171,14 +150,22 @@ class ResumableDistributedSampler(Sampler[int]):
                 return  # superseded by a newer pass, set_epoch or load_state_dict
             self._yielded += 1
             yield index
-        if self._pass == token:
-            self._epoch, self._start, self._yielded, self._resume_at = self._epoch + 1, 0, 0, 0
+        if self._pass == token:  # the pass stays the newest (a loop may still train on what workers drew)
+            self._epoch, self._resume_at = self._epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` afresh; a no-op when it is the current epoch (a resumed position is kept). Local."""
+        """Start ``epoch`` afresh; a no-op when it is the current epoch (a resumed position is kept). Local.
+
+        The epoch whose last indices DataLoader workers drew ahead of the loop (the sampler moved on by itself)
+        restarts where its newest pass began: the DDP tutorial's peek with workers can draw a resumed epoch's
+        remainder to its end before the loop calls ``set_epoch`` for it.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch == self._epoch:
+            return
+        if epoch == self._pass_epoch == self._epoch - 1 and self.consumed == 0:
+            self._restart(epoch, self._start)
             return
         if 0 < self.consumed < self._cfg.num_samples:
             logger.warning(
@@ -188,25 +175,36 @@ class ResumableDistributedSampler(Sampler[int]):
                 self.consumed,
                 self._cfg.num_samples,
             )
+        self._restart(epoch, 0)
+
+    def _restart(self, epoch: int, position: int) -> None:
+        """The next pass starts at ``position`` of ``epoch``; a live iterator stops."""
         self._pass += 1
-        self._epoch, self._start, self._yielded, self._resume_at = epoch, 0, 0, 0
+        self._epoch, self._resume_at = epoch, position
+        self._pass_epoch, self._start, self._yielded = epoch, position, 0
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
-        """Epoch and global position, plus what must match on load. Local; plain ints and bools.
+        """The epoch and global position of the next sample, plus what must match on load. Local; plain ints and
+        bools. A finished epoch is the start of the next one (``epoch + 1``, ``consumed`` 0).
 
-        ``consumed`` overrides the position with the samples *this rank* has trained on in the
-        current pass (use it when DataLoader workers prefetch ahead of the training loop).
+        ``consumed`` overrides the position with the samples *this rank* has trained on in the newest
+        pass, even when its last index was drawn already and the sampler moved to the next epoch (use it
+        when DataLoader workers prefetch ahead of the training loop).
         """
-        position = self.consumed
+        epoch, position = self._epoch, self.consumed
         if consumed is None and self._prefetching is not None and not self._warned_prefetch:
             self._warned_prefetch = True
             log_rank0(logging.WARNING, PREFETCH_WARNING, *self._prefetching)
         if consumed is not None:
             if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= self._yielded:
-                raise ValueError(f"consumed={consumed!r} must be an int in 0..{self._yielded} (indices yielded)")
-            position = min(self._start + consumed * self._cfg.num_replicas, self._cfg.num_samples)
+                raise ValueError(
+                    f"consumed={consumed!r} must be an int in 0..{self._yielded}: the indices this rank drew in "
+                    f"the newest pass (epoch {self._pass_epoch})"
+                )
+            epoch, position = self._pass_epoch, self._global(consumed)
+        epoch, position = self._normalized(epoch, position)
         return {
-            "epoch": self._epoch,
+            "epoch": epoch,
             "consumed": position,
             "num_samples": self._cfg.num_samples,
             "shuffle": self._cfg.shuffle,
@@ -234,16 +232,20 @@ class ResumableDistributedSampler(Sampler[int]):
                 self._cfg.num_replicas,
                 saved_world,
             )
-        self._pass += 1
-        self._epoch, self._start, self._yielded = int(state_dict["epoch"]), int(state_dict["consumed"]), 0
-        self._resume_at = self._start
+        self._restart(*self._normalized(int(state_dict["epoch"]), int(state_dict["consumed"])))
+
+    def _normalized(self, epoch: int, position: int) -> tuple[int, int]:
+        """``(epoch + 1, 0)`` for a position with nothing left to yield, so that a peek (``next(iter(loader))``)
+        after a resume finds the next epoch's first batch, as it does in an uninterrupted run."""
+        return (epoch + 1, 0) if self._share(position) == 0 else (epoch, position)
 
 
 PREFETCH_WARNING = (
-    "ResumableDistributedSampler is drawn by a DataLoader with %d worker(s) and prefetch_factor=%d: its saved "
+    "ResumableDistributedSampler is drawn by a DataLoader with %d worker(s) and prefetch_factor=%d: its own "
     "position counts the batches the workers prefetched, not only those trained on, so a resume would skip them. "
-    "Use torchdata's StatefulDataLoader (exact with workers), or save "
-    "sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)"
+    "Pass the DataLoader itself as dataloader=, built with persistent_workers=True (exact), use torchdata's "
+    "StatefulDataLoader (exact), or save dataloader=sampler.state_dict(consumed=<samples this rank trained on in "
+    "this pass>) (CheckpointManager.save: sampler=...)"
 )
 
 

@@ -1,5 +1,4 @@
-"""DataLoaders and exact positions: torchdata's StatefulDataLoader saved and restored per rank, and the plain
-DataLoader whose workers prefetch detected and warned about.
+"""torchdata's StatefulDataLoader saved and restored per rank.
 
 A plain ``DataLoader`` with ``num_workers > 0`` draws indices from its sampler in the main process,
 ``prefetch_factor`` batches per worker ahead of the training loop, so a sampler's own position counts
@@ -15,7 +14,9 @@ The entry this module writes per rank (:func:`loader_state`, plain values, loads
 :func:`restore_loader`):
 
 - same world size and ``num_workers``: the rank's own entry goes to ``loader.load_state_dict`` (worker
-  RNG seeds and counters included; a plain ``DistributedSampler`` gets its saved epoch first);
+  RNG seeds and counters included; a plain ``DistributedSampler`` gets its saved epoch first), except that a
+  ``ResumableDistributedSampler`` at the start of an epoch (the one before ended) without persistent workers
+  gets a fresh iterator, as the uninterrupted run does;
 - another world size or ``num_workers``, with a ``ResumableDistributedSampler`` inside: only the
   sampler is restored, from the exact position in the entry (the same on every rank), and the loader
   starts a fresh iterator: the rest of the epoch is split over the ranks present now and every sample
@@ -26,22 +27,10 @@ The entry this module writes per rank (:func:`loader_state`, plain values, loads
   changed, or a saved state that is not torchdata's: refused with :class:`StateMismatchError` before
   anything changes.
 
-A sampler passed alone sees torch's multi-process DataLoader iterator drawing from it (in the
-calling frames, once per iterator) and warns once, at the first ``state_dict()`` without
-``consumed``. Not detectable: a loader that has not iterated yet, a custom or wrapping iterator that
-draws ahead (a CUDA prefetcher around a ``num_workers=0`` loader), a loader with its own iterator.
-
-Intended wiring (``save_checkpoint`` / ``resume`` / ``CheckpointManager`` ``dataloader=``):
-
-- save, every rank: ``entry = loader_state(dataloader)`` if :func:`is_stateful_loader`, else
-  ``warn_prefetch_once(dataloader)`` and the sampler path as today (``sampler=loader_sampler(dataloader)``);
-  the entries travel with the RNG state in ``gather_rank_states`` and rank 0 stores
-  ``merge_loader_states(entries)`` (a list, index = rank) under one checkpoint key, with the exact
-  sampler position (``loader_position(entry)``) as the file's ``sampler`` entry so a resume without
-  the loader still continues the epoch;
-- resume, in the plan: ``restore = check_loader_state(dataloader, saved_entries, source=...)`` (local,
-  changes nothing; the plan's consensus makes a refusal on one rank a refusal on all); in apply:
-  ``restore_loader(restore)``.
+Wired by :class:`~dist_resume._exact.loaders.StatefulLoaderPosition` (what ``dataloader=`` becomes for one): a
+save gathers every rank's entry with its RNG state and rank 0 stores them as one list (index = rank) under the
+data position's ``"loader"`` key, next to the exact sampler position (:func:`loader_position`), so that a resume
+without the loader, or at another world size, still continues the epoch.
 """
 
 from __future__ import annotations
@@ -52,12 +41,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0
 from .._core.rank import rank_and_world
-from .sampler import PREFETCH_WARNING, ResumableDistributedSampler, check_sampler_state
+from .sampler import ResumableDistributedSampler, check_sampler_state
 
 __all__ = [
     "LOADER_KIND",
@@ -70,8 +59,6 @@ __all__ = [
     "merge_loader_states",
     "check_loader_state",
     "restore_loader",
-    "prefetch_warning",
-    "warn_prefetch_once",
 ]
 
 LOADER_KIND: Final = "torchdata.StatefulDataLoader"
@@ -114,8 +101,9 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def loader_state(loader: Any) -> dict[str, Any]:
-    """This rank's entry for a ``StatefulDataLoader``: its ``state_dict()`` and what a restore must match. Local.
+def loader_state(loader: Any, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's entry for a ``StatefulDataLoader``: its ``state_dict()`` (or ``state``, ``{}`` for a loader that
+    has not iterated) and what a restore must match. Local.
 
     Example::
 
@@ -133,7 +121,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     epoch = int(sampler.epoch) if isinstance(sampler, DistributedSampler) else None
     return {
         "kind": LOADER_KIND,
-        "state": loader.state_dict(),
+        "state": dict(loader.state_dict() if state is None else state),
         "sampler": _sampler_kind(sampler),
         "rank": rank,
         "world_size": world,
@@ -154,7 +142,7 @@ def loader_position(entry: Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``ResumableDistributedSampler`` state inside a :func:`loader_state` entry: the position of what the loop
     consumed (exact with workers), or None when the sampler is another kind or the state lags behind (torchdata's
     ``snapshot_every_n_steps`` above 1, between snapshots). Local."""
-    if entry.get("sampler") != "ResumableDistributedSampler":
+    if entry.get("sampler") != "ResumableDistributedSampler" or not entry["state"]:
         return None
     main, since = _main_state(entry["state"])
     if since:
@@ -196,9 +184,10 @@ class LoaderRestore:
 
     loader: Any
     mode: RestoreMode
-    state: Any  # the loader's state (FULL) or the sampler's (SAMPLER)
+    state: Any  # the loader's state (FULL; {} for one that had not iterated) or the sampler's (SAMPLER)
     epoch: int | None  # a plain DistributedSampler's epoch, set before the loader's state is loaded
     note: str | None = None
+    position: dict[str, Any] | None = None  # the ResumableDistributedSampler's, when known
 
 
 def _fail(source: str, what: str, fix: str) -> StateMismatchError:
@@ -227,11 +216,15 @@ def check_loader_state(loader: Any, saved: Any, *, source: str = "checkpoint") -
     same_workers = is_stateful_loader(loader) and all(e.get("num_workers") == loader.num_workers for e in saved)
     if world == saved_world and same_workers:
         entry = saved[rank]
-        _check_torchdata_keys(entry["state"], source)
+        if entry["state"]:
+            _check_torchdata_keys(entry["state"], source)
         position = loader_position(entry)
         if position is not None:
             check_sampler_state(sampler, position, source)
-        return LoaderRestore(loader, RestoreMode.FULL, entry["state"], entry.get("epoch"))
+            position = _next_sample(sampler, position)
+            if position["consumed"] == 0 and not (loader.num_workers and loader.persistent_workers):
+                return LoaderRestore(loader, RestoreMode.SAMPLER, position, None, None, position)  # a new epoch
+        return LoaderRestore(loader, RestoreMode.FULL, entry["state"], entry.get("epoch"), None, position)
     if kind == "ResumableDistributedSampler":
         position = loader_position(first)
         if position is None:
@@ -243,7 +236,8 @@ def check_loader_state(loader: Any, saved: Any, *, source: str = "checkpoint") -
         check_sampler_state(sampler, position, source)
         why = f"{saved_world} rank(s) then, {world} now" if world != saved_world else "num_workers changed"
         note = f"{source}: the dataloader restarts its iterator and the sampler continues the epoch exactly ({why})"
-        return LoaderRestore(loader, RestoreMode.SAMPLER, position, None, note)
+        position = _next_sample(sampler, position)
+        return LoaderRestore(loader, RestoreMode.SAMPLER, position, None, note, position)
     if world != saved_world:
         what = f"the loader state was saved by {saved_world} rank(s), {world} now, and its {kind} cannot be re-split"
         fix = "resume at the same world size, or use a ResumableDistributedSampler inside the StatefulDataLoader"
@@ -251,6 +245,12 @@ def check_loader_state(loader: Any, saved: Any, *, source: str = "checkpoint") -
         what = "num_workers changed (or dataloader= is not a StatefulDataLoader) since the loader state was saved"
         fix = "keep num_workers and the StatefulDataLoader, or use a ResumableDistributedSampler inside it"
     raise _fail(source, what, fix)
+
+
+def _next_sample(sampler: ResumableDistributedSampler, position: Mapping[str, Any]) -> dict[str, Any]:
+    """``position`` with an epoch that has nothing left on this rank's world moved to the next epoch's start."""
+    epoch, consumed = sampler._normalized(int(position["epoch"]), int(position["consumed"]))
+    return {**position, "epoch": epoch, "consumed": consumed}
 
 
 _DROP: Final = "resume without dataloader= to start the epoch afresh"
@@ -273,35 +273,22 @@ def restore_loader(restore: LoaderRestore) -> None:
     sampler = loader_sampler(restore.loader)
     if restore.mode == RestoreMode.SAMPLER:
         if is_stateful_loader(restore.loader):
-            restore.loader.load_state_dict({})  # drop any iterator it holds: the next one starts afresh
+            _fresh(restore.loader)
         sampler.load_state_dict(restore.state)
         if restore.note:
             log_rank0(logging.INFO, "%s", restore.note)
         return
     if restore.epoch is not None:
         sampler.set_epoch(restore.epoch)
-    restore.loader.load_state_dict(restore.state)
+    elif restore.position is not None:  # torchdata loads it at the next iter(); sampler.epoch is right from now on
+        sampler.load_state_dict(restore.position)
+    if restore.state:
+        restore.loader.load_state_dict(restore.state)
+    else:
+        _fresh(restore.loader)
 
 
-def prefetch_warning(loader: Any) -> str | None:
-    """The warning for a plain ``DataLoader`` whose workers prefetch from a ``ResumableDistributedSampler``, or None.
-
-    Local. Such a sampler's position counts the batches the workers drew ahead of the training
-    loop; ``num_workers=0`` and a StatefulDataLoader are exact and get None.
-    """
-    if not isinstance(loader, DataLoader) or is_stateful_loader(loader) or loader.num_workers == 0:
-        return None
-    if not isinstance(loader_sampler(loader), ResumableDistributedSampler):
-        return None
-    return PREFETCH_WARNING % (loader.num_workers, loader.prefetch_factor or 2)
-
-
-def warn_prefetch_once(loader: Any) -> None:
-    """Log :func:`prefetch_warning` (WARNING, rank 0) the first time for this loader's sampler; never again for it,
-    nor when the sampler noticed the workers itself. Local."""
-    text = prefetch_warning(loader)
-    sampler = loader_sampler(loader)
-    if text is None or sampler._warned_prefetch:
-        return
-    sampler._warned_prefetch = True
-    log_rank0(logging.WARNING, "%s", text)
+def _fresh(loader: Any) -> None:
+    """Drop the iterator ``loader`` holds and any state it would start one from: the next one starts afresh."""
+    loader.load_state_dict({})
+    loader.next_iter_state = None  # load_state_dict({}) keeps a state loaded before

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
-from .._core.text import preview
+from .._core.text import article, preview
 from .prefix import match_keys, model_key_map, prefix_style, unwrap_model, wrapper_prefix
 from .subtree import select_prefix, suggest_key_prefix
 
@@ -25,10 +25,11 @@ def adapt_state_dict(
     Local; no tensor is copied. Works for any ``module.`` / ``_orig_mod.`` wrapping on either side:
     plain, DDP, DataParallel, compiled, ``module.module.``, ``_orig_mod.module.``,
     ``module._orig_mod.``. Raises :class:`KeyMismatchError` listing missing, unexpected and
-    shape-mismatched keys; with ``strict=False`` missing and unexpected keys are allowed (the
-    unexpected ones are dropped) but shape mismatches still raise. ``key_prefix`` (e.g. ``"model."``
-    for a LightningModule's ``self.model``) takes only the keys under it, without it, and ignores the
-    rest; when the keys do not fit and one such prefix would make them fit, the error names it.
+    mismatched keys (another shape, or not a tensor where the model has one); with ``strict=False``
+    missing and unexpected keys are allowed (the unexpected ones are dropped) but mismatches still
+    raise. ``key_prefix`` (e.g. ``"model."`` for a LightningModule's ``self.model``) takes only the
+    keys under it, without it, and ignores the rest; when the keys do not fit and one such prefix
+    would make them fit, the error names it.
 
     Example::
 
@@ -57,17 +58,22 @@ def adapt_state_dict(
         )
     missing = [k for k in target_sd if k not in matched_targets]
     unexpected = [k for k in state_dict if k not in pairs]
-    mismatched = []
+    mismatched, not_tensors = [], []
     for src, dst in pairs.items():
         value, want = state_dict[src], target_sd[dst]
-        if isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor) and value.shape != want.shape:
+        if not isinstance(want, torch.Tensor):  # a module's extra state: whatever its set_extra_state takes
+            continue
+        if not isinstance(value, torch.Tensor):  # load_state_dict would copy the others first, then raise
+            found = "None" if value is None else article(type(value).__name__)
+            not_tensors.append(f"{dst}: checkpoint {found}, model a {tuple(want.shape)} tensor")
+        elif value.shape != want.shape:
             mismatched.append(f"{dst}: checkpoint {tuple(value.shape)}, model {tuple(want.shape)}")
-    if mismatched or (strict and (missing or unexpected)):
+    if mismatched or not_tensors or (strict and (missing or unexpected)):
         raise KeyMismatchError(
-            _mismatch_message(state_dict.keys(), model, missing, unexpected, mismatched, strict),
+            _mismatch_message(state_dict.keys(), model, missing, unexpected, mismatched, strict, not_tensors),
             missing=missing,
             unexpected=unexpected,
-            mismatched=mismatched,
+            mismatched=not_tensors + mismatched,
         )
     out: OrderedDict[str, Any] = OrderedDict((pairs[k], state_dict[k]) for k in state_dict if k in pairs)
     _adapt_metadata(state_dict, pairs, out)
@@ -81,6 +87,7 @@ def _mismatch_message(
     unexpected: list[str],
     mismatched: list[str],
     strict: bool,
+    not_tensors: list[str],
 ) -> str:
     lines = [
         f"checkpoint does not fit {type(unwrap_model(model)).__name__}"
@@ -92,9 +99,16 @@ def _mismatch_message(
         lines.append(f"  unexpected in checkpoint ({preview(unexpected, count=True)})")
     if mismatched:
         lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
+    if not_tensors:
+        lines.append(f"  not a tensor where the model has one ({preview(not_tensors, count=True)})")
     hint = "check that the checkpoint was saved from the same architecture and configuration"
     key_prefix = suggest_key_prefix(saved, unexpected, model) if missing and not mismatched else None
-    if key_prefix is not None:  # strict=False would load nothing here: say what does fit
+    if not_tensors:  # no state_dict() writes that: the file was damaged or edited
+        hint = (
+            "the checkpoint's model state is not one state_dict() writes (damaged or edited): resume from "
+            "another checkpoint, or repair the entries named above"
+        )
+    elif key_prefix is not None:  # strict=False would load nothing here: say what does fit
         hint = (
             f"the model's keys sit under {key_prefix!r} in the checkpoint (e.g. a LightningModule's "
             f"attribute): pass key_prefix={key_prefix!r}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from .._core.text import preview
 from .._core.tree import named_tensors
 from .optim import param_names, step_on_param_device
 
-__all__ = ["device_report", "check_devices"]
+__all__ = ["device_report", "check_devices", "check_first_step"]
 
 _FIX_OPTIMIZER = (
     "move the model to its device before building the optimizer and loading its state, "
@@ -23,12 +24,15 @@ _STEP_ON_PARAM_DEVICE = (torch.optim.ASGD,)
 _FIX_BATCH = "move every batch to the model's device (batch.to(device)) inside the training loop"
 
 
-def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None) -> list[str]:
+def device_report(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch: Any = None, errors_only: bool = False
+) -> list[str]:
     """Every tensor that sits on a different device than it must, as one sentence each.
 
     Local; changes nothing. Checks each optimizer state tensor against its parameter (``step``
     belongs on the CPU unless the group is fused or capturable) and, when ``batch`` is given, each
-    tensor in it against the model's parameters. An empty list means all is in place.
+    tensor in it against the model's parameters. An empty list means all is in place. ``errors_only``: only what
+    torch's ``step()`` would fail on (not a ``step`` torch merely keeps elsewhere).
 
     Example::
 
@@ -50,7 +54,7 @@ def device_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                         if host_scalars and value.dim() == 0 and value.device.type == "cpu":
                             continue  # torch hosts step (and NAdam's mu_product) there; CPU scalars mix with any device
                         if key == "step" and host_scalars and not isinstance(optimizer, _STEP_ON_PARAM_DEVICE):
-                            if value.device.type != "cpu":
+                            if value.device.type != "cpu" and not errors_only:
                                 findings.append(
                                     f"{where} is on {value.device}; torch keeps it on cpu "
                                     "for a group that is neither fused nor capturable (a host sync every step)"
@@ -91,3 +95,35 @@ def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         f"{len(findings)} tensor(s) on the wrong device:\n  {shown}\nwhat to do: {'; '.join(fixes)}",
         findings=findings,
     )
+
+
+_GUARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+
+
+def check_first_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Check, at the optimizer's next ``step()``, that every state tensor is on its parameter's device. Local.
+
+    A step pre-hook, removed once a step passed the check: after a resume, the state sits where the parameters
+    were; a ``model.to(device)`` after the resume (resuming first is the usual mistake) leaves it behind, and torch's
+    kernels would fail with ``Expected all tensors to be on the same device``, naming no tensor. This raises
+    :class:`DeviceMismatchError` naming each tensor and the fix instead (and checks again at the next step).
+    """
+    previous = _GUARDS.pop(optimizer, None)
+    if previous is not None:
+        previous.remove()
+
+    def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        findings = device_report(model, opt, errors_only=True)
+        if findings:
+            shown = preview(findings, 10, sep="\n  ", quote=False)
+            raise DeviceMismatchError(
+                f"the first optimizer.step() after resume found {len(findings)} state tensor(s) on another device "
+                f"than their parameter:\n  {shown}\nthe model was moved after the resume; resume after "
+                "model.to(device), or call dist_resume.optimizer_to(optimizer) after moving it",
+                findings=findings,
+            )
+        handle = _GUARDS.pop(opt, None)
+        if handle is not None:
+            handle.remove()
+
+    _GUARDS[optimizer] = optimizer.register_step_pre_hook(check)

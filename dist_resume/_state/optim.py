@@ -16,6 +16,7 @@ from .optim_keys import (
     NOT_HYPERPARAMETERS,
     check_state_keys,
     normalize_optimizer_state,
+    optimizer_form_problem,
     state_coverage,
 )
 from .optim_match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
@@ -160,13 +161,9 @@ def prepare_optimizer_state(
         >>> split = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}])
         >>> split.load_state_dict(prepare_optimizer_state(opt.state_dict(), split, model))
     """
-    if not (
-        isinstance(saved, Mapping)
-        and isinstance(saved.get("state"), Mapping)
-        and isinstance(saved.get("param_groups"), (list, tuple))
-        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in saved["param_groups"])
-    ):
-        raise _fail(f"{source}: the optimizer entry is not an optimizer state dict (no 'state'/'param_groups')")
+    problem = optimizer_form_problem(saved)
+    if problem is not None:
+        raise _fail(f"{source}: the optimizer entry is not an optimizer state dict: it {problem}")
     saved = normalize_optimizer_state(saved)
     check_state_keys(saved, source)
     groups, saved_groups = optimizer.param_groups, list(saved["param_groups"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -10,6 +11,8 @@ from .._core.text import preview
 
 __all__ = [
     "GROUP_BOOKKEEPING",
+    "optimizer_form_problem",
+    "check_optimizer_form",
     "NOT_HYPERPARAMETERS",
     "normalize_optimizer_state",
     "optimizer_by_name",
@@ -21,6 +24,61 @@ __all__ = [
 GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})  # a param group's keys that are no hyperparameter
 # ... and the initial_lr an LR scheduler writes into each group: neither belongs to the optimizer's class
 NOT_HYPERPARAMETERS: Final = GROUP_BOOKKEEPING | {"initial_lr"}
+
+
+_LIST: Final = (list, tuple)  # what torch.load gives back for a list (a tuple where a user built one)
+
+
+def _an_id(value: Any) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+def optimizer_form_problem(osd: Any) -> str | None:
+    """What keeps ``osd`` from being in ``Optimizer.state_dict()``'s form (or DSD's, keyed by name), or None. Local.
+
+    The form every reader of a saved optimizer relies on: ``{"state": {id: {...}}, "param_groups": [{"params":
+    [id, ...], ...}]}``, each id an int or a str and listed once, each state entry a mapping, and a group's
+    ``param_names`` (where it has one) one string per id. Said as "is ..."/"has ...".
+
+    Example::
+
+        >>> optimizer_form_problem({"state": {}, "param_groups": [{"params": [0, 0]}]})
+        'lists parameter ids more than once ([0])'
+    """
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    state = osd.get("state") if isinstance(osd, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, _LIST):
+        found = f"a mapping with keys {sorted(map(str, osd))}" if isinstance(osd, Mapping) else type(osd).__name__
+        return f"is {found}, not {{'state': {{...}}, 'param_groups': [...]}}"
+    if bad := [str(k)[:40] for k, v in state.items() if not _an_id(k) or not isinstance(v, Mapping)]:
+        return f"has per-parameter entries that are not mappings under parameter ids ({preview(bad)})"
+    if not all(isinstance(g, Mapping) and isinstance(g.get("params"), _LIST) for g in groups):
+        return "has parameter groups without a list of parameter ids under 'params'"
+    ids = [p for g in groups for p in g["params"]]
+    if odd := [p for p in ids if not _an_id(p)]:
+        return f"has parameter ids that are neither ints nor strings ({preview(map(repr, odd), quote=False)})"
+    if twice := sorted((p for p, n in Counter(ids).items() if n > 1), key=str):
+        return f"lists parameter ids more than once ({preview(twice)})"
+    for i, group in enumerate(groups):
+        names = group.get("param_names", ())
+        if "param_names" in group and (
+            not isinstance(names, _LIST)
+            or len(names) != len(group["params"])
+            or not all(isinstance(n, str) for n in names)
+        ):
+            return f"has group {i} 'param_names' that are not one string per parameter id"
+    return None
+
+
+def check_optimizer_form(osd: Any, source: str) -> None:
+    """Raise :class:`OptimizerStateMismatchError` when :func:`optimizer_form_problem` finds one. Local."""
+    problem = optimizer_form_problem(osd)
+    if problem is not None:
+        raise OptimizerStateMismatchError(
+            f"{source}: the optimizer state {problem}; it was not written by Optimizer.state_dict() (or was damaged): "
+            "use another checkpoint, or leave the optimizer out (resume: allow_missing=('optimizer',) and no "
+            "optimizer)"
+        )
 
 
 def _group_ids(osd: Mapping[str, Any]) -> list[Any]:

@@ -9,6 +9,7 @@ checkpoints and the references), then 4 ranks (2x2 HSDP), then 1 rank.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_resume as dr
 from dist_resume._foreign.dcp_metadata import read_dcp_metadata
+from dist_resume._format.manifest import file_crc32
 from dist_resume.errors import DistResumeError
 from tests.dist.fsdp_resume_extra import apply_faults, more_sources, more_sources_other
 from tests.dist.fsdp_save_workers import _full
@@ -235,6 +237,11 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
         with open(root / "damaged.dcp" / "__1_0.distcp", "r+b") as f:
             f.seek(info.offset)  # its local zip header
             f.write(b"\xff\xff")
+        manifest = json.loads((root / "damaged.dcp" / "manifest.json").read_text())  # its CRC-32 made to match:
+        for entry in manifest["files"]:  # what the ranks check before the fill passes, the fill finds it
+            if entry["name"] == "__1_0.distcp":
+                entry["crc32"] = f"{file_crc32(root / 'damaged.dcp' / '__1_0.distcp'):08x}"
+        (root / "damaged.dcp" / "manifest.json").write_text(json.dumps(manifest))
     dist.barrier()
     try:
         _resumed(root / "damaged.dcp", model, opt, sched)

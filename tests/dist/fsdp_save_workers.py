@@ -137,8 +137,8 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
     mgr = dr.CheckpointManager(root / "run", model=model, optimizer=opt, scheduler=sched, sampler=sampler, keep_last=2)
     torch.manual_seed(1000 + rank)  # every rank's own RNG stream
     rng_before = torch.get_rng_state()
-    first = mgr.save(100)
-    kept = dr.save_checkpoint(root / "kept.dcp", model=model, optimizer=opt, step=100)  # outside the manager
+    first = Path(mgr.save(100))
+    kept = Path(dr.save_checkpoint(root / "kept.dcp", model=model, optimizer=opt, step=100))  # outside the manager
     saved_locals = _locals(model, opt)
     saved_full = _full(model, opt)
     report["first"] = first.name
@@ -261,7 +261,9 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
     # 9) torch.compile of a root-only wrapped model: canonical keys; it loads into a per-layer wrapped one
     inner, inner_opt = _sharded(mesh, seed=40, per_layer=False)
     _train(inner, inner_opt, steps=1, seed=2)
-    compiled_dest = dr.save_checkpoint(root / "compiled.dcp", model=compile_module(inner), optimizer=inner_opt, step=1)
+    compiled_dest = Path(
+        dr.save_checkpoint(root / "compiled.dcp", model=compile_module(inner), optimizer=inner_opt, step=1)
+    )
     report["compiled"] = _differ(_locals(*_dcp_loaded(mesh, compiled_dest)), _locals(inner, inner_opt))
     if rank == 0:
         keys = list(read_dcp_metadata(compiled_dest).state_dict_metadata)
@@ -273,7 +275,7 @@ def sharded_saves(rank: int, world_size: int, folder: str, earlier: str | None) 
         flat, flat_opt = _sharded(flat_mesh, seed=50)
         _train(flat, flat_opt, steps=1, seed=4)
         flat_full = _full(flat, flat_opt)
-        path = dr.save_checkpoint(root / "flat.dcp", model=flat, optimizer=flat_opt, step=1)
+        path = Path(dr.save_checkpoint(root / "flat.dcp", model=flat, optimizer=flat_opt, step=1))
         into_hsdp, into_flat = _full(*_dcp_loaded(mesh, path)), _full(*_dcp_loaded(flat_mesh, kept))  # collectives
         report["flat_into_hsdp"] = _differ(into_hsdp, flat_full) if rank == 0 else []
         report["hsdp_into_flat"] = _differ(into_flat, saved_full) if rank == 0 else []

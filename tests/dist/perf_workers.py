@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from typing import Any
 
@@ -71,3 +72,115 @@ def reads(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         }
         dist.barrier()
     return out
+
+
+WIDTH = 2048  # 16 MiB per weight
+
+
+def _big(layers: int, fsdp: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``layers`` x 16 MiB of fp32 weights under DDP (or FSDP2), with warm AdamW state (as mid-training)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    model: nn.Module
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in seq:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(seq, mesh=mesh)
+        model = seq
+    else:
+        model = nn.parallel.DistributedDataParallel(seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+_LIBC = ctypes.CDLL(None)
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def _allocated() -> int:
+    """Bytes malloc has handed out and not got back (glibc's mallinfo2: in the arenas plus mmapped chunks). Unlike
+    RssAnon it does not hide an allocation that reuses pages an earlier one freed."""
+    info = _LIBC.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _peak_growth(fn: Any) -> int:
+    """The highest growth of allocated memory (bytes) seen while ``fn`` runs (sampled every millisecond)."""
+    import threading
+    import time
+
+    gc.collect()
+    start = _allocated()
+    peak = [start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _allocated())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], _allocated()) - start
+
+
+def _ddp_growth(folder: str, layers: int) -> dict[str, int]:
+    model, opt = _big(layers, fsdp=False)
+    with dist_resume.CheckpointManager(folder, model=model, optimizer=opt) as mgr:
+        mgr.save(1)
+    file = str(dist_resume.CheckpointManager(folder).latest())
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no state yet: resume must create it, once
+    out = {}
+    for name, run in (
+        ("file", lambda: dist_resume.resume(file, model=model, optimizer=opt)),
+        ("folder", lambda: dist_resume.resume(folder, model=model, optimizer=opt)),
+        ("broadcast", lambda: dist_resume.resume(folder, model=model, optimizer=opt, options=_BROADCAST)),
+        ("folder_fresh_optimizer", lambda: dist_resume.resume(folder, model=model, optimizer=fresh)),
+    ):
+        dist.barrier()
+        out[name] = _peak_growth(run)
+    return out
+
+
+def resume_memory(rank: int, world_size: int, folder: str, layers: int) -> dict[str, int]:
+    """Peak growth of allocated memory of each resume path, into a model whose optimizer state exists already (and
+    once into a fresh optimizer)."""
+    out = _ddp_growth(folder, layers)
+    sharded, sharded_opt = _big(layers, fsdp=True)
+    dist.barrier()
+    out["fsdp2"] = _peak_growth(lambda: dist_resume.resume(folder, model=sharded, optimizer=sharded_opt))
+    return out
+
+
+_BROADCAST = dist_resume.ResumeOptions(broadcast_from_rank0=True)

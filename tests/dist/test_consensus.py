@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 
 def _save(folder: Path, step: int, value: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    return dr.save_checkpoint(folder / checkpoint_name(step), model=W.filled(value), step=step)
+    return Path(dr.save_checkpoint(folder / checkpoint_name(step), model=W.filled(value), step=step))
 
 
 def _prepare(root: Path) -> None:

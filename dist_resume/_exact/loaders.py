@@ -1,0 +1,210 @@
+"""A DataLoader's data position: the object ``dataloader=`` becomes (:func:`~dist_resume._exact.data.stateful_data`).
+
+Both kinds have ``state_dict()`` (this rank's position, gathered with its RNG state at a save), ``check_state``
+(validation, changes nothing: the plan calls it) and ``load_state_dict`` (a checkpoint's position, or what
+``state_dict()`` returned), and make the iterators of a resumed epoch draw nothing from the global RNG
+(:mod:`.resumed_iterators`).
+
+- :class:`LoaderPosition`, torch's ``DataLoader`` over a :class:`ResumableDistributedSampler`. With
+  ``num_workers=0`` the sampler's position is what the loop trained on. With ``persistent_workers=True`` the loader
+  keeps its one iterator, which counts the batches it handed to the loop (FACTS 36) in the sampler's newest pass,
+  even once the workers drew that pass to its end and the sampler moved on: that count is the position. With
+  workers but without ``persistent_workers`` the loader keeps no reference to the iterator the loop holds, so what
+  the loop consumed is out of sight: the first save warns (rank 0, once) with the ways to an exact position and
+  saves the sampler's own, which is ahead by the prefetched batches.
+- :class:`StatefulLoaderPosition`, torchdata's ``StatefulDataLoader``: each rank's own state
+  (:mod:`.stateful_loader`), under the position's ``"loader"`` key, next to the sampler's exact position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+from torch.utils.data import BatchSampler, DataLoader
+
+from .._core.errors import StateMismatchError
+from .._core.log import log_rank0
+from .._core.torch_compat import batches_yielded, live_loader_iterator
+from .resumed_iterators import resume_iterators, stop_resuming_iterators
+from .sampler import ResumableDistributedSampler, check_sampler_state
+from .stateful_loader import (
+    LoaderRestore,
+    RestoreMode,
+    check_loader_state,
+    is_stateful_loader,
+    loader_position,
+    loader_sampler,
+    loader_state,
+    restore_loader,
+)
+
+__all__ = ["LoaderPosition", "StatefulLoaderPosition", "prefetch_warning", "warn_prefetch_once"]
+
+_NO_ITERATOR: Final = (
+    "dataloader= is a DataLoader with %d worker(s) and prefetch_factor=%d that keeps no reference to its iterator "
+    "(persistent_workers=False), so a checkpoint cannot see what the loop trained on: the saved position counts the "
+    "batches the workers prefetched too, and a resume would skip them. Build it with persistent_workers=True "
+    "(exact), use torchdata's StatefulDataLoader (exact), or save dataloader=sampler.state_dict(consumed=<samples "
+    "this rank trained on in this pass>) (CheckpointManager.save: sampler=...)"
+)
+_UNCOUNTED: Final = (
+    "the DataLoader's batches cannot be counted in samples (a batch_sampler other than torch's BatchSampler, or "
+    "in_order=False): its saved position counts the batches its %d worker(s) prefetched, so a resume would skip "
+    "them. Use torch's BatchSampler (batch_size=) with in_order=True, or torchdata's StatefulDataLoader"
+)
+
+
+def _persistent(loader: Any) -> bool:
+    return loader.num_workers > 0 and bool(loader.persistent_workers)
+
+
+def _batching(loader: DataLoader[Any]) -> tuple[int, bool] | None:
+    """(batch size, drop_last) of the batches ``loader`` makes of its sampler's indices; None when not countable."""
+    if not getattr(loader, "in_order", True):
+        return None
+    if loader.batch_size is not None:
+        return loader.batch_size, loader.drop_last
+    if loader.batch_sampler is None:
+        return 1, False
+    if isinstance(loader.batch_sampler, BatchSampler):
+        return loader.batch_sampler.batch_size, loader.batch_sampler.drop_last
+    return None
+
+
+def prefetch_warning(loader: Any) -> str | None:
+    """The warning for a plain ``DataLoader`` whose workers prefetch from a ``ResumableDistributedSampler`` where no
+    checkpoint can count what the loop trained on, or None (``num_workers=0``, persistent workers). Local."""
+    if loader.num_workers == 0 or is_stateful_loader(loader):
+        return None
+    if not isinstance(loader_sampler(loader), ResumableDistributedSampler):
+        return None
+    if _batching(loader) is None:
+        return _UNCOUNTED % int(loader.num_workers)
+    if _persistent(loader):
+        return None
+    return _NO_ITERATOR % (int(loader.num_workers), int(loader.prefetch_factor or 2))
+
+
+def warn_prefetch_once(loader: Any) -> None:
+    """Log :func:`prefetch_warning` (WARNING, rank 0) the first time for this loader's sampler; never again for it,
+    nor when the sampler noticed the workers itself. Local."""
+    text = prefetch_warning(loader)
+    sampler = loader_sampler(loader)
+    if text is None or sampler._warned_prefetch:
+        return
+    sampler._warned_prefetch = True
+    log_rank0(logging.WARNING, "%s", text)
+
+
+def _trained(sampler: ResumableDistributedSampler, batches: int, size: int, drop_last: bool) -> int:
+    """Indices of the sampler's newest pass in the first ``batches`` batches of ``size`` (all of them, the dropped
+    last indices included, once the loop got every batch)."""
+    length = sampler._pass_length()
+    total = length // size if drop_last else -(-length // size)
+    return length if batches >= total else batches * size
+
+
+class LoaderPosition:
+    """The data position of torch's ``DataLoader`` over a stateful sampler (see the module docstring)."""
+
+    def __init__(self, loader: DataLoader[Any], sampler: Any) -> None:
+        self.loader = loader
+        self.sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position: the sampler's state dict, counted in what the loop got. Local."""
+        loader, sampler = self.loader, self.sampler
+        if not isinstance(sampler, ResumableDistributedSampler):
+            return dict(sampler.state_dict())
+        iterator = live_loader_iterator(loader) if _persistent(loader) else None
+        batching = _batching(loader)
+        if iterator is None or batching is None:
+            if sampler._pass:  # drawn from (or loaded) already: not the snapshot a resume takes of a fresh loader
+                warn_prefetch_once(loader)
+            return sampler.state_dict()
+        sampler._warned_prefetch = True  # the loader's count is the position: nothing for the sampler to say
+        trained = _trained(sampler, batches_yielded(iterator), *batching)
+        if trained > sampler._yielded:  # set_epoch or load_state_dict since the iterator's pass: that position
+            return sampler.state_dict()
+        return sampler.state_dict(consumed=trained)
+
+    def check_state(self, state: Any, source: str) -> None:
+        """Raise :class:`StateMismatchError` when ``state`` cannot be loaded; change nothing. Local."""
+        check_sampler_state(self.sampler, state, source)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the sampler's position, and the resumed epoch's iterators. Local."""
+        loader, sampler = self.loader, self.sampler
+        sampler.load_state_dict(state)
+        if not isinstance(sampler, ResumableDistributedSampler) or live_loader_iterator(loader) is not None:
+            stop_resuming_iterators(loader)
+        elif _persistent(loader) and (sampler.epoch, sampler.consumed) != (0, 0):  # its one iterator existed then
+            resume_iterators(loader, epoch=None, first_only=True)
+        elif not _persistent(loader) and sampler.consumed > 0:  # mid-epoch: that epoch's iterators existed at the save
+            resume_iterators(loader, epoch=sampler.epoch, first_only=False)
+        else:
+            stop_resuming_iterators(loader)
+
+
+class StatefulLoaderPosition:
+    """The data position of torchdata's ``StatefulDataLoader``: each rank's own state (see the module docstring)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.sampler = loader_sampler(loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position: ``{"loader": its entry}`` and the sampler's position at the top. Local."""
+        loader = self.loader
+        if live_loader_iterator(loader) is not None:
+            entry = loader_state(loader)
+        else:  # never iterated, or restored and not iterated since: no iterator (nor worker) started for a save
+            entry = loader_state(loader, loader.next_iter_state or {})
+        position = loader_position(entry)
+        if position is None and not entry["state"] and isinstance(self.sampler, ResumableDistributedSampler):
+            position = self.sampler.state_dict()
+        return {**(position if position is not None else {"epoch": entry["epoch"]}), "loader": entry}
+
+    def check_state(self, state: Any, source: str) -> None:
+        """Raise :class:`StateMismatchError` when ``state`` cannot be loaded; change nothing. Local."""
+        self._plan(state, source)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (every rank's entries, or this rank's from :meth:`state_dict`). Local."""
+        restore = self._plan(state, "the dataloader state")
+        restore_loader(restore)
+        loader, position = self.loader, restore.position
+        if restore.mode is RestoreMode.SAMPLER or not restore.state:
+            if position is not None and position["consumed"] > 0:
+                resume_iterators(loader, epoch=position["epoch"], first_only=_persistent(loader))
+            else:
+                stop_resuming_iterators(loader)
+        elif _persistent(loader):
+            resume_iterators(loader, epoch=None, first_only=True)
+        else:  # every iterator of the resumed epoch starts from the state (the tutorial's peek takes one)
+            resume_iterators(loader, epoch=getattr(self.sampler, "epoch", None), first_only=False, state=restore.state)
+
+    def _plan(self, state: Any, source: str) -> LoaderRestore:
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(f"{source}: the data position is {type(state).__name__}, not a state dict")
+        saved = state.get("loader")
+        if saved is None:  # saved from a plain DataLoader or a sampler: the sampler's position only
+            check_sampler_state(self.sampler, state, source)
+            if not isinstance(self.sampler, ResumableDistributedSampler):
+                raise StateMismatchError(
+                    f"{source} holds a sampler position but no StatefulDataLoader state, and this loader's sampler "
+                    f"is a {type(self.sampler).__name__}; resume without dataloader= to start the epoch afresh"
+                )
+            position = self.sampler._normalized(int(state["epoch"]), int(state["consumed"]))
+            position_state = {**state, "epoch": position[0], "consumed": position[1]}
+            return LoaderRestore(self.loader, RestoreMode.SAMPLER, position_state, None, None, position_state)
+        if isinstance(saved, Mapping):  # this rank's own entry, from state_dict()
+            saved = [saved] * int(saved.get("world_size") or 1)
+        restore = check_loader_state(self.loader, saved, source=source)
+        if restore.mode is RestoreMode.FULL and not restore.state and "consumed" in state:  # had not iterated
+            check_sampler_state(self.sampler, state, source)
+            position_state = {key: value for key, value in state.items() if key != "loader"}
+            restore = LoaderRestore(self.loader, RestoreMode.FULL, {}, restore.epoch, None, position_state)
+        return restore
