@@ -16,7 +16,10 @@
     │   └── OptimizerStateMismatchError
     ├── DeviceMismatchError              .findings (also RuntimeError)
     ├── RestoreError                     .part (also RuntimeError)
-    └── UsageError                       .hint (also ValueError)
+    │   └── PartialRestoreError          the last, in-place step failed: resume again
+    ├── UsageError                       .hint (also ValueError)
+    ├── CheckCommandError                .run .returncode .stderr (also RuntimeError): dist-resume check
+    └── SimBuildError                    (also RuntimeError): the test accelerator did not build
 
     TorchSecurityWarning                 (a UserWarning: the installed torch predates a security fix)
 
@@ -33,6 +36,7 @@ Example::
 from __future__ import annotations
 
 from ._core.errors import (
+    CheckCommandError,
     CheckpointConsensusError,
     CheckpointCorruptError,
     CheckpointError,
@@ -44,7 +48,9 @@ from ._core.errors import (
     KeyMismatchError,
     NotACheckpointError,
     OptimizerStateMismatchError,
+    PartialRestoreError,
     RestoreError,
+    SimBuildError,
     StateMismatchError,
     UnsafeCheckpointError,
     UsageError,
@@ -67,7 +73,10 @@ __all__ = [
     "OptimizerStateMismatchError",
     "DeviceMismatchError",
     "RestoreError",
+    "PartialRestoreError",
     "UsageError",
+    "CheckCommandError",
+    "SimBuildError",
     "TorchSecurityWarning",
 ]
 

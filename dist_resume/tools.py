@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from ._convert.convert import ConvertResult, KeyForm, convert_checkpoint
 from ._convert.formats import ConvertFormat
+from ._core.location import RemotePath, RemoteStat
 from ._core.publish import publish
-from ._format.records import ArchiveFinding, FindingKind
+from ._format.zip_verify import ArchiveFinding, FindingKind
 from ._source.consensus import resolve_checkpoint
 from ._source.integrity import CheckpointInfo, inspect_checkpoint, verify_archive
 from ._source.listing import latest_checkpoint
@@ -26,6 +27,8 @@ __all__ = [
     # checkpoint folders
     "latest_checkpoint",
     "resolve_checkpoint",
+    "RemotePath",
+    "RemoteStat",
     # integrity (dist-resume inspect, verify)
     "inspect_checkpoint",
     "CheckpointInfo",

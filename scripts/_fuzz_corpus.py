@@ -1,15 +1,11 @@
-"""The fuzz corpus (files this toolkit writes and the foreign layouts resume reads) and the mutations."""
+"""The fuzz corpus: files this toolkit writes and the foreign layouts resume reads, and the live objects a resume
+case restores into. The mutations of its files are ``_fuzz_mutate``'s."""
 
 from __future__ import annotations
 
-import copy
 import json
-import random
 import shutil
-import struct
 import warnings
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +22,41 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(16, 4)
 
 
-def trained() -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler]:
-    torch.manual_seed(0)
+ADAMW_ITEMS = ("lightning", "hf")  # saved from AdamW built from named_parameters() (param_names); the rest from SGD
+
+
+def trained(
+    seed: int = 0, steps: int = 1, optimizer: str = "sgd"
+) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler]:
+    """The objects the corpus is saved from (``seed`` 0, one step), or, with another seed and more steps, live
+    objects whose every state differs from the corpus's: a resume that raises must leave them as they were, and
+    only a difference from the file shows whether it did. ``optimizer``: ``"sgd"`` (momentum) or ``"adamw"``."""
+    torch.manual_seed(seed)
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt: torch.optim.Optimizer
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     scaler = torch.amp.GradScaler("cpu", enabled=True)
-    model.fc2(model.fc1(torch.ones(3, 8))).sum().backward()
-    opt.step()
-    sched.step()
+    for _ in range(steps):
+        opt.zero_grad()
+        model.fc2(model.fc1(torch.ones(3, 8))).sum().backward()
+        opt.step()
+        sched.step()
+    if seed:
+        scaler.scale(torch.ones(()))  # the scale is created lazily; update(new_scale) then changes it
+        scaler.update(2.0**10 + seed)
     return model, opt, sched, scaler
+
+
+def averaged(model: nn.Module, updates: int = 1) -> torch.optim.swa_utils.AveragedModel:
+    """An EMA of ``model`` (torch's AveragedModel) after ``updates`` updates: what ``ema=`` saves and restores."""
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    for _ in range(updates):
+        ema.update_parameters(model)
+    return ema
 
 
 def build_corpus(folder: Path) -> dict[str, Path]:
@@ -46,9 +67,21 @@ def build_corpus(folder: Path) -> dict[str, Path]:
     model, opt, sched, scaler = trained()
     sd, osd = model.state_dict(), opt.state_dict()
     out: dict[str, Path] = {}
-    out["own"] = dr.save_checkpoint(
-        folder / "own.pt", model=model, optimizer=opt, scheduler=sched, scaler=scaler, step=7, epoch=1, rng=True
+    out["own"] = Path(
+        dr.save_checkpoint(
+            folder / "own.pt",
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            scaler=scaler,
+            ema=averaged(model),
+            step=7,
+            epoch=1,
+            rng=True,
+        )
     )
+    adamw, adamw_sched = trained(optimizer="adamw")[1:3]
+    aosd, asched = adamw.state_dict(), adamw_sched.state_dict()
     lightning = {  # the keys a Lightning Trainer writes (a LightningModule whose layers are fc1 and fc2)
         "epoch": 1,
         "global_step": 3,
@@ -56,8 +89,8 @@ def build_corpus(folder: Path) -> dict[str, Path]:
         "state_dict": sd,
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"current": {"completed": 1}}}},
         "callbacks": {},
-        "optimizer_states": [osd],
-        "lr_schedulers": [sched.state_dict()],
+        "optimizer_states": [aosd],
+        "lr_schedulers": [asched],
         "hparams_name": "kwargs",
         "hyper_parameters": {"lr": 0.1},
     }
@@ -82,16 +115,17 @@ def build_corpus(folder: Path) -> dict[str, Path]:
         torch.save(obj, folder / f"{name}{suffix}")
         out[name] = folder / f"{name}{suffix}"
     out["safetensors"] = _safetensors(folder / "bare.pt", folder / "model.safetensors")
-    out["hf"] = _hf_trainer(folder / "checkpoint-3", sd, osd, sched.state_dict())
+    out["hf"] = _hf_trainer(folder / "checkpoint-3", sd, aosd, asched)
     out["hf_sharded"] = _hf_sharded(folder / "sharded" / "checkpoint-3", sd)
     out["accelerate"] = _accelerate(folder / "accelerate", sd, osd, sched.state_dict())
     out["dcp"] = _dcp(folder / "dcp", sd, osd)
+    out["sharded_run"] = _sharded_run(folder / "sharded_run", model, opt, sched, scaler)
     manager = folder / "manager"
     if manager.exists():
         shutil.rmtree(manager)
     with dr.CheckpointManager(manager, keep_last=2) as mgr:
         for step in (1, 2):
-            mgr.save(step, model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+            mgr.save(step, model=model, optimizer=opt, scheduler=sched, scaler=scaler, ema=averaged(model, step))
     out["manager"] = manager
     return out
 
@@ -169,9 +203,24 @@ def _dcp(folder: Path, sd: dict[str, Any], osd: dict[str, Any]) -> Path:
     return folder
 
 
+def _sharded_run(folder: Path, model: Net, opt: Any, sched: Any, scaler: Any) -> Path:
+    """A run folder of two sharded checkpoints (``ckpt_1.dcp/``, ``ckpt_2.dcp/``: what an FSDP2 model saves),
+    written by ``convert_checkpoint(format="sharded")`` in one process: DCP files, train_state.pt, manifest.json."""
+    import dist_resume as dr
+
+    _fresh(folder)
+    for step in (1, 2):
+        objects = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "ema": averaged(model, step)}
+        one = dr.save_checkpoint(folder / f"step{step}.pt", **objects, step=step, epoch=0, rng=True)
+        dr.tools.convert_checkpoint(one, folder / f"ckpt_{step}.dcp", format="sharded")
+        one.unlink()
+    return folder
+
+
 RESTORES = {
-    "own": ("model", "optimizer", "scheduler", "scaler"),
-    "manager": ("model", "optimizer", "scheduler", "scaler"),
+    "own": ("model", "optimizer", "scheduler", "scaler", "ema"),
+    "manager": ("model", "optimizer", "scheduler", "scaler", "ema"),
+    "sharded_run": ("model", "optimizer", "scheduler", "scaler", "ema"),
     "model_optimizer": ("model", "optimizer"),
     "model_state_dict": ("model", "optimizer"),
     "bare": ("model",),
@@ -193,283 +242,12 @@ def newest_file(folder: Path) -> Path:
     return sorted(p for p in folder.iterdir() if p.name.startswith("ckpt_"))[-1]
 
 
-@dataclass(frozen=True)
-class Regions:
-    """Byte ranges of one zip archive: the pickle record's data, tensor data, local headers, directory."""
-
-    pickle: tuple[int, int]
-    tensors: list[tuple[int, int]]
-    local_headers: list[tuple[int, int]]
-    central: tuple[int, int]
-    eocd: int
-
-
-def regions(data: bytes, path: Path) -> Regions:
-    with zipfile.ZipFile(path) as zf:
-        infos = zf.infolist()
-    pickle_range, tensors, headers = (0, 0), [], []
-    for info in infos:
-        start = info.header_offset
-        name_len, extra_len = struct.unpack_from("<HH", data, start + 26)
-        body = start + 30 + name_len + extra_len
-        headers.append((start, start + 30 + name_len + extra_len))
-        if info.filename.endswith("data.pkl"):
-            pickle_range = (body, body + info.compress_size)
-        elif "/data/" in info.filename:
-            tensors.append((body, body + info.compress_size))
-    eocd = data.rfind(b"PK\x05\x06")
-    cd_size, cd_offset = struct.unpack_from("<II", data, eocd + 12)
-    if cd_offset == 0xFFFFFFFF or cd_offset > len(data):  # zip64: look at the zip64 end record instead
-        cd_offset = min(h[0] for h in headers[-1:]) if headers else 0
-    return Regions(pickle_range, tensors, headers, (cd_offset, eocd), eocd)
-
-
-def _flip(data: bytearray, lo: int, hi: int, rng: random.Random, count: int) -> None:
-    if hi <= lo:
-        return
-    for _ in range(count):
-        pos = rng.randrange(lo, hi)
-        data[pos] ^= 1 << rng.randrange(8) if rng.random() < 0.5 else rng.randrange(1, 256)
-
-
-_EXTREMES = (0, 0xFFFFFFFF, 0x7FFFFFFF)
-# offsets of 4-byte fields: local header (crc, sizes), central directory entry (crc, sizes, offset), end record
-_LOCAL_FIELDS = (14, 18, 22)
-_CENTRAL_FIELDS = (16, 20, 24, 42)
-_EOCD_FIELDS = (12, 16)
-
-
-def _central_entries(data: bytes, lo: int, hi: int) -> list[int]:
-    out, pos = [], data.find(b"PK\x01\x02", lo, hi)
-    while pos != -1:
-        out.append(pos)
-        pos = data.find(b"PK\x01\x02", pos + 4, hi)
-    return out
-
-
-def mutate(original: bytes, path: Path, other: bytes, rng: random.Random) -> tuple[str, bytes]:
-    """One seeded mutation of ``original`` (``path`` is where it lies; ``other`` another corpus file)."""
-    reg = regions(original, path)
-    data = bytearray(original)
-    kind = rng.choice(
-        ["pickle", "pickle", "pickle", "central", "local", "tensor", "truncate", "splice", "field4", "field4", "pkl4"]
-    )
-    if kind == "pickle":
-        _flip(data, *reg.pickle, rng, rng.choice((1, 1, 2, 4)))
-    elif kind == "central":
-        _flip(data, reg.central[0], len(data), rng, rng.choice((1, 2)))
-    elif kind == "local":
-        lo, hi = rng.choice(reg.local_headers)
-        _flip(data, lo, hi, rng, 1)
-    elif kind == "tensor":
-        lo, hi = rng.choice(reg.tensors) if reg.tensors else reg.pickle
-        _flip(data, lo, hi, rng, rng.choice((1, 8)))
-    elif kind == "truncate":
-        cut = rng.choice((rng.randrange(len(data)), reg.central[0] + rng.randrange(max(1, len(data) - reg.central[0]))))
-        return kind, bytes(data[:cut])
-    elif kind == "splice":
-        cut_a, cut_b = rng.randrange(len(data)), rng.randrange(len(other))
-        return kind, bytes(data[:cut_a] + other[cut_b:])
-    elif kind == "field4":
-        where = rng.choice(("local", "central", "eocd"))
-        if where == "local":
-            base = rng.choice(reg.local_headers)[0] + rng.choice(_LOCAL_FIELDS)
-        elif where == "central" and (entries := _central_entries(original, *reg.central)):
-            base = rng.choice(entries) + rng.choice(_CENTRAL_FIELDS)
-        else:
-            base = reg.eocd + rng.choice(_EOCD_FIELDS)
-        struct.pack_into("<I", data, base, rng.choice(_EXTREMES))
-        kind = f"field4-{where}"
-    else:  # a 4-byte run inside the pickle (BINUNICODE / BINBYTES lengths, BININT storage sizes)
-        lo, hi = reg.pickle
-        if hi - lo > 4:
-            struct.pack_into("<I", data, rng.randrange(lo, hi - 4), rng.choice(_EXTREMES))
-    return kind, bytes(data)
-
-
 def members(folder: Path) -> list[str]:
-    """The files of a folder corpus item a case may mutate or delete (a manager folder: its newest checkpoint)."""
+    """The files of a folder corpus item a case may mutate or delete, relative to it (a manager folder: its newest
+    checkpoint; a run of sharded checkpoints: every file of the newest ``ckpt_<step>.dcp/``)."""
     if any(p.name.startswith("ckpt_") for p in folder.iterdir()):
-        return [newest_file(folder).name]
+        newest = newest_file(folder)
+        if newest.is_dir():
+            return sorted(f"{newest.name}/{p.name}" for p in newest.iterdir())
+        return [newest.name]
     return sorted(p.name for p in folder.iterdir() if p.is_file())
-
-
-def _generic(data: bytearray, other: bytes, rng: random.Random) -> tuple[str, bytes]:
-    """Byte-level damage of a file with no zip structure: flips, truncation, splice, a 4-byte extreme."""
-    kind = rng.choice(["flip", "flip", "truncate", "splice", "field4"])
-    if not data:
-        return "empty", bytes(other[: rng.randrange(1, 64)])
-    if kind == "flip":
-        _flip(data, 0, len(data), rng, rng.choice((1, 2, 8)))
-    elif kind == "truncate":
-        return kind, bytes(data[: rng.randrange(len(data))])
-    elif kind == "splice":
-        return kind, bytes(data[: rng.randrange(len(data))] + other[rng.randrange(len(other)) :])
-    elif len(data) >= 4:
-        struct.pack_into("<I", data, rng.randrange(len(data) - 3), rng.choice(_EXTREMES))
-    return kind, bytes(data)
-
-
-_ODD_VALUES: tuple[Any, ...] = (None, -1, 0, 2**63, 2**64 + 1, 1e308, "x", "", [], {}, [1, 2], {"a": 1}, True, "F64")
-
-
-def _damage_json(value: Any, rng: random.Random) -> Any:
-    """``value`` (parsed JSON) with one leaf replaced, one key deleted or one key renamed."""
-    if isinstance(value, dict) and value and rng.random() < 0.7:
-        key = rng.choice(sorted(value))
-        roll = rng.random()
-        if roll < 0.15:
-            return {k: v for k, v in value.items() if k != key}
-        if roll < 0.25:
-            return {(k + "_" if k == key else k): v for k, v in value.items()}
-        return {**value, key: _damage_json(value[key], rng)}
-    if isinstance(value, list) and value and rng.random() < 0.7:
-        i = rng.randrange(len(value))
-        return [*value[:i], _damage_json(value[i], rng), *value[i + 1 :]]
-    if isinstance(value, int) and not isinstance(value, bool) and rng.random() < 0.5:
-        return value + rng.choice((1, -1, 7, 1 << 40))
-    return rng.choice(_ODD_VALUES)
-
-
-def _json_mutation(data: bytes, other: bytes, rng: random.Random) -> tuple[str, bytes]:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return _generic(bytearray(data), other, rng)
-    if rng.random() < 0.7:
-        return "json", json.dumps(_damage_json(value, rng)).encode()
-    return _generic(bytearray(data), other, rng)
-
-
-def _safetensors_mutation(data: bytes, other: bytes, rng: random.Random) -> tuple[str, bytes]:
-    """Damage of a safetensors file: its header JSON (re-framed or not), its length field, or its bytes."""
-    (size,) = struct.unpack_from("<Q", data, 0)
-    header, body = data[8 : 8 + size], data[8 + size :]
-    roll = rng.random()
-    if roll < 0.45:
-        damaged = json.dumps(_damage_json(json.loads(header), rng)).encode()
-        if rng.random() < 0.85:  # keep the frame consistent so the header parser sees the damage
-            return "st-header", struct.pack("<Q", len(damaged)) + damaged + body
-        return "st-header-raw", data[:8] + damaged + body
-    if roll < 0.6:
-        value = rng.choice((0, 1, size - 1, size + 1, len(data), 2**32, 2**63, 2**64 - 1))
-        return "st-length", struct.pack("<Q", value) + data[8:]
-    if roll < 0.75:
-        buf = bytearray(data)
-        _flip(buf, 8, 8 + size, rng, rng.choice((1, 2)))
-        return "st-header-bytes", bytes(buf)
-    return _generic(bytearray(data), other, rng)
-
-
-STRUCTURAL_SHARE = 0.5  # of the mutations of a torch file
-
-
-def mutate_file(
-    original: bytes, path: Path, other: bytes, rng: random.Random, cache: dict[bytes, Any] | None = None
-) -> tuple[str, bytes]:
-    """One seeded mutation of any corpus file, by what it is: a torch zip (its bytes, or with ``cache`` given, a
-    share of structure-aware edits of its object), safetensors, JSON, other bytes."""
-    if original[:4] == b"PK\x03\x04":
-        if cache is not None and rng.random() < STRUCTURAL_SHARE:
-            done = structural(original, rng, cache)
-            if done is not None:
-                return done
-        return mutate(original, path, other, rng)
-    if path.suffix == ".safetensors":
-        return _safetensors_mutation(original, other, rng)
-    if path.suffix == ".json":
-        return _json_mutation(original, other, rng)
-    return _generic(bytearray(original), other, rng)
-
-
-# ------------------------------------------------ structure-aware mutations: load the object, change it, torch.save
-
-
-def _nodes(obj: Any, path: tuple[Any, ...] = (), depth: int = 0) -> list[tuple[Any, Any, tuple[Any, ...]]]:
-    """``(container, key, path)`` for every entry of the dicts and lists under ``obj`` (not inside tensors)."""
-    out: list[tuple[Any, Any, tuple[Any, ...]]] = []
-    if depth > 12:
-        return out
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for key, value in items:
-        out.append((obj, key, (*path, key)))
-        out.extend(_nodes(value, (*path, key), depth + 1))
-    return out
-
-
-def _renamed(key: Any, rng: random.Random) -> Any:
-    if isinstance(key, str) and key:
-        i = rng.randrange(len(key))
-        return rng.choice((key + "_", key[:i] + chr(ord(key[i]) ^ 0x20 if key[i].isalpha() else 0x44) + key[i + 1 :]))
-    if isinstance(key, int) and not isinstance(key, bool):
-        return rng.choice((key + 1, str(key), -1))
-    return "renamed"
-
-
-def _reshaped(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    roll = rng.random()
-    if roll < 0.3 and t.dim() >= 2:
-        return t.t().contiguous()
-    if roll < 0.6:
-        return t.reshape(-1).clone()
-    if roll < 0.8:
-        return torch.cat([t.reshape(-1), t.reshape(-1)[:1]]) if t.numel() else torch.zeros(1, dtype=t.dtype)
-    return t.reshape(-1)[:0].clone() if t.numel() else t.reshape(1, *t.shape)
-
-
-_DTYPES = (torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
-
-
-def _structural_edit(obj: Any, rng: random.Random) -> str:
-    """Change one entry of ``obj`` in place; the kind of change made."""
-    nodes = _nodes(obj)
-    tensors = [n for n in nodes if isinstance(n[0][n[1]], torch.Tensor)]
-    if not nodes:
-        return "none"
-    kind = rng.choice(("rename", "drop", "retype", "shape", "shape", "dtype", "dtype", "nest", "flatten"))
-    if kind in ("shape", "dtype") and tensors:
-        parent, key, _ = rng.choice(tensors)
-        t = parent[key]
-        parent[key] = _reshaped(t, rng) if kind == "shape" else t.to(rng.choice([d for d in _DTYPES if d != t.dtype]))
-        return f"struct-{kind}"
-    parent, key, _ = rng.choice(nodes)
-    value = parent[key]
-    if kind == "rename" and isinstance(parent, dict):
-        parent[_renamed(key, rng)] = parent.pop(key)
-    elif kind == "drop":
-        del parent[key]
-    elif kind == "nest":
-        parent[key] = rng.choice(({"value": value}, [value], {key: value} if isinstance(key, str) else (value,)))
-    elif kind == "flatten" and isinstance(value, (dict, list)) and value:
-        inner = list(value.values() if isinstance(value, dict) else value)
-        parent[key] = rng.choice(inner)
-    else:
-        kind = "retype"
-        like = torch.zeros(3) if not isinstance(value, torch.Tensor) else value.tolist()
-        parent[key] = copy.deepcopy(rng.choice((*_ODD_VALUES, like, str(value)[:20])))  # never the shared ones
-    return f"struct-{kind}"
-
-
-def structural(original: bytes, rng: random.Random, cache: dict[bytes, Any]) -> tuple[str, bytes] | None:
-    """One structure-aware mutation of a torch file (loaded once per original, kept in ``cache``): a key renamed,
-    dropped or retyped inside the pickled object, a state tensor's shape or dtype changed, an entry nested in a
-    new container or replaced by one of its own entries; re-saved with torch.save. None for a file it cannot load."""
-    import io
-
-    if original not in cache:
-        try:
-            cache[original] = torch.load(io.BytesIO(original), weights_only=True, map_location="cpu")
-        except Exception:
-            cache[original] = None
-    base = cache[original]
-    if base is None:
-        return None
-    obj = copy.deepcopy(base)
-    if not isinstance(obj, (dict, list)):
-        return None
-    kind = _structural_edit(obj, rng)
-    if rng.random() < 0.2:  # sometimes two changes
-        kind += "+" + _structural_edit(obj, rng).removeprefix("struct-")
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return kind, buf.getvalue()

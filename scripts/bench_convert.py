@@ -42,31 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-# shapes cycled through to build the model: big embeddings and projections, small norms and biases
-SHAPES = [(8192, 1024), (1024, 4096), (4096,), (4096, 1024), (1024,), (1024, 1024), (1024,), (256, 256), (64,)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _bench_convert_* helpers
 
-BUILD = r"""
-import sys, torch
-path, target = sys.argv[1], int(sys.argv[2])
-shapes = {shapes!r}
-torch.manual_seed(0)
-model, state, names, total, i = {{}}, {{}}, [], 0, 0
-while total < target:
-    shape = shapes[i % len(shapes)]
-    name = f"module.blocks.{{i // len(shapes)}}.layer{{i % len(shapes)}}.{{'weight' if len(shape) > 1 else 'bias'}}"
-    p = torch.randn(shape)
-    model[name] = p
-    state[i] = {{"step": torch.tensor(float(i + 1)), "exp_avg": torch.randn(shape), "exp_avg_sq": torch.rand(shape)}}
-    names.append(name)
-    total += 3 * p.numel() * 4
-    i += 1
-groups = [{{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
-           "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-           "decoupled_weight_decay": False, "params": list(range(i)), "param_names": names}}]
-torch.save({{"model": model, "optimizer": {{"state": state, "param_groups": groups}}, "epoch": 3}}, path)
-print(i)
-"""
+from _bench_convert_formats import bench_formats, formats_table
+from _bench_convert_harness import BUILD, SHAPES, fsync, measure, warm
 
 NAIVE = r"""
 import sys, torch
@@ -77,48 +56,6 @@ for g in ckpt["optimizer"]["param_groups"]:
     g["param_names"] = [n.removeprefix("module.") for n in g["param_names"]]
 torch.save(ckpt, dst)
 """
-
-
-def _rss_anon_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None
-
-
-def measure(cmd: list[str]) -> dict[str, Any]:
-    """Run ``cmd``; its wall time, peak RssAnon (polled) and stdout."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    peak = 0
-    while proc.poll() is None:
-        value = _rss_anon_kib(proc.pid)
-        if value is not None:
-            peak = max(peak, value)
-        time.sleep(0.002)
-    out, err = proc.communicate()
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
-    return {"seconds": wall, "peak_rss_anon_mib": peak / 1024, "stdout": out}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _warm(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
@@ -138,12 +75,12 @@ def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
         for name in runs:
             dst.unlink(missing_ok=True)
             os.sync()  # no dirty pages from the previous run throttle this one
-            _warm(src)
+            warm(src)
             if name in ("cp", "cp+fsync"):
                 start = time.perf_counter()
                 subprocess.run(["cp", str(src), str(dst)], check=True)
                 if name == "cp+fsync":
-                    _fsync(dst)
+                    fsync(dst)
                 runs[name].append({"seconds": time.perf_counter() - start, "peak_rss_anon_mib": None})
             elif name == "convert":
                 r = measure([py, "-m", "dist_resume", "convert", str(src), str(dst), "--to", "single", "--json"])
@@ -189,77 +126,6 @@ def bench_size(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
     result["convert_anon_above_import_floor_mib"] = conv["peak_rss_anon_mib"] - floor
     result["target_anon_mib"] = 64 + pickle_bytes / 2**20
     return result
-
-
-FORMATS = ("cp+fsync", "pt->safetensors", "safetensors->pt", "pt->dcp", "import floor")
-
-
-def bench_formats(folder: Path, size_bytes: int, repeat: int) -> dict[str, Any]:
-    """Format conversions of a weights-only checkpoint of ``size_bytes``, each in its own process."""
-    src, st, back, dcp = (folder / f"{n}_{size_bytes}" for n in ("src.pt", "m.safetensors", "back.pt", "dcp"))
-    build = BUILD.replace('"optimizer": {{"state": state, "param_groups": groups}}, ', "").replace(
-        "total += 3 * p.numel() * 4", "total += p.numel() * 4"
-    )
-    subprocess.run([sys.executable, "-c", build.format(shapes=SHAPES), str(src), str(size_bytes)], check=True)
-    py = sys.executable
-    cli = [py, "-m", "dist_resume", "convert", "--force", "--json"]
-    commands = {
-        "pt->safetensors": (src, [*cli, str(src), str(st), "--format", "safetensors"]),
-        "safetensors->pt": (st, [*cli, str(st), str(back), "--format", "pt"]),
-        "pt->dcp": (src, [*cli, str(src), str(dcp), "--format", "dcp"]),
-        "import floor": (src, [py, "-c", "import torch, dist_resume.cli"]),
-    }
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in FORMATS}
-    for _ in range(repeat):
-        for name in FORMATS:
-            os.sync()
-            if name == "cp+fsync":
-                _warm(src)
-                start = time.perf_counter()
-                subprocess.run(["cp", str(src), str(back)], check=True)
-                _fsync(back)
-                runs[name].append({"seconds": time.perf_counter() - start, "peak_rss_anon_mib": None})
-                back.unlink()
-                continue
-            warm_src, cmd = commands[name]
-            if not warm_src.exists():
-                continue
-            _warm(warm_src)
-            r = measure(cmd)
-            out = r.pop("stdout")
-            if out.strip():
-                r["in_process_seconds"] = json.loads(out)["seconds"]
-            runs[name].append(r)
-    result: dict[str, Any] = {"file_bytes": src.stat().st_size}
-    for name, rs in runs.items():
-        entry: dict[str, Any] = {"seconds": statistics.median(r["seconds"] for r in rs)}
-        if rs[0]["peak_rss_anon_mib"] is not None:
-            entry["peak_rss_anon_mib"] = max(r["peak_rss_anon_mib"] for r in rs)
-        if "in_process_seconds" in rs[0]:
-            entry["in_process_seconds"] = statistics.median(r["in_process_seconds"] for r in rs)
-        result[name] = entry
-    cps = result["cp+fsync"]["seconds"]
-    floor = result["import floor"]["peak_rss_anon_mib"]
-    result["ratios"] = {f"{name}_vs_cp_fsync": result[name]["in_process_seconds"] / cps for name in FORMATS[1:4]}
-    result["anon_above_floor_mib"] = {name: result[name]["peak_rss_anon_mib"] - floor for name in FORMATS[1:4]}
-    shutil.rmtree(dcp, ignore_errors=True)
-    for path in (src, st, back):
-        path.unlink(missing_ok=True)
-    return result
-
-
-def formats_table(results: list[dict[str, Any]]) -> str:
-    rows = [f"{'size':>9} {'what':<16} {'in-process s':>12} {'process s':>9} {'vs cp+fsync':>11} {'anon MiB':>9}"]
-    for r in results:
-        size = f"{r['file_bytes'] / 2**30:.2f} GiB"
-        cps = r["cp+fsync"]["seconds"]
-        for name in FORMATS:
-            e = r[name]
-            inproc = e.get("in_process_seconds", e["seconds"])
-            ratio = f"{inproc / cps:.2f}x" if name != "import floor" else "-"
-            anon = f"{e['peak_rss_anon_mib']:.0f}" if "peak_rss_anon_mib" in e else "-"
-            rows.append(f"{size:>9} {name:<16} {inproc:12.2f} {e['seconds']:9.2f} {ratio:>11} {anon:>9}")
-    return "\n".join(rows)
 
 
 def _pickle_bytes(path: Path) -> int:

@@ -17,7 +17,8 @@ from dist_resume._convert import archive_write as _archive_write
 from dist_resume._convert.archive_write import rewrite_archive
 from dist_resume._format.archive import read_archive
 from dist_resume._format.pickle_write import dump_pickle
-from dist_resume._format.records import FindingKind, read_records
+from dist_resume._format.records import read_records
+from dist_resume._format.zip_verify import FindingKind
 from dist_resume.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,

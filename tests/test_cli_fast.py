@@ -25,7 +25,7 @@ from dist_resume._layout.layout import FORMAT_NAME, Key, describe_keys
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name, sharded_checkpoint_name
 from dist_resume._state.optim_keys import GROUP_BOOKKEEPING
 from dist_resume._state.prefix import canonical_key, prefix_style
-from dist_resume.cli import _fast
+from dist_resume.cli import _fast, _fast_verify
 from dist_resume.cli._list import list_folder
 from dist_resume.cli._verify import render_verify, verify_checkpoints
 from dist_resume.errors import DistResumeError
@@ -160,12 +160,12 @@ def test_list_verify_and_import_dist_resume_never_import_torch_for_sound_checkpo
 def test_the_fast_paths_names_are_the_toolkits():
     assert _fast.CHECKPOINT_NAME.pattern == CHECKPOINT_NAME.pattern
     assert _fast.FORMAT_NAME == FORMAT_NAME
-    assert (_fast._FORMAT_KEY, _fast._META_KEY) == (Key.FORMAT, Key.META)
-    assert _fast._GROUP_BOOKKEEPING == GROUP_BOOKKEEPING
-    assert _fast._KEYED_PARTS == (Key.MODEL, Key.OPTIMIZER, Key.SCHEDULER, Key.SCALER, Key.EMA)
+    assert (_fast.FORMAT_KEY, _fast.META_KEY) == (Key.FORMAT, Key.META)
+    assert _fast_verify._GROUP_BOOKKEEPING == GROUP_BOOKKEEPING
+    assert _fast_verify._KEYED_PARTS == (Key.MODEL, Key.OPTIMIZER, Key.SCHEDULER, Key.SCALER, Key.EMA)
     keys = ["w", "fc.weight", "module.fc.w", "module", "a.module.b", "_orig_mod.w", "a._orig_mod.b", "_orig_mod"]
     for key in keys + ["module.module.x", "submodule.weight", "a.b.c"]:
-        assert _fast._plain_key(key) == (canonical_key(key) == key and prefix_style([key]) == "none"), key
+        assert _fast_verify._plain_key(key) == (canonical_key(key) == key and prefix_style([key]) == "none"), key
     part_keys = {"model": "model", "x": "y"}
     side = {"path": "a.pt", "layout": "dist_resume", "prefix_style": "none", "part_keys": part_keys}
     report = {"compared": {"model_tensors": 1, "optimizer_tensors": 0}, "equal": True, "a": side, "b": side}
@@ -187,7 +187,7 @@ def _pairs(root: Path) -> dict[str, tuple[Path, Path]]:
     root.mkdir(exist_ok=True)
 
     def save(name: str, **kw: Any) -> Path:
-        return dr.save_checkpoint(root / name, **kw)
+        return Path(dr.save_checkpoint(root / name, **kw))
 
     model, opt = _trained()
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
@@ -238,7 +238,7 @@ def _pairs(root: Path) -> dict[str, tuple[Path, Path]]:
     pairs["truncated"] = (a, truncated)
     torch.save(raw["model"], root / "bare.pt")
     pairs["bare state dict"] = (a, root / "bare.pt")
-    pairs["sharded folder"] = (a, dr.tools.convert_checkpoint(a, root / "a.dcp", format="sharded").dst)
+    pairs["sharded folder"] = (a, Path(dr.tools.convert_checkpoint(a, root / "a.dcp", format="sharded").dst))
     pairs["missing"] = (a, root / "nothing.pt")
     return pairs
 
@@ -258,7 +258,7 @@ def test_verifys_fast_path_gives_the_torch_paths_report_on_every_pair_and_answer
         for x, y in ((a, b), (b, a)):
             assert _outcome(x, y, True) == _outcome(x, y, False), name
             try:
-                _fast.fast_verify(x, y)
+                _fast_verify.fast_verify(x, y)
                 answered = True
             except PeekUnsure:
                 answered = False

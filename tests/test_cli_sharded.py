@@ -31,8 +31,10 @@ def _two_rank_folder(root: Path, step: int = 20) -> tuple[Path, Path]:
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     (root / "ckpts").mkdir(parents=True, exist_ok=True)
-    src = dr.save_checkpoint(root / "src.pt", model=model, optimizer=opt, step=step, epoch=2)
-    folder = dr.tools.convert_checkpoint(src, root / "ckpts" / sharded_checkpoint_name(step), format="sharded").dst
+    src = Path(dr.save_checkpoint(root / "src.pt", model=model, optimizer=opt, step=step, epoch=2))
+    folder = Path(
+        dr.tools.convert_checkpoint(src, root / "ckpts" / sharded_checkpoint_name(step), format="sharded").dst
+    )
     shard = folder / "__1_0.distcp"
     shard.write_bytes(b"rank 1's shards" * 64)
     train_state = torch.load(folder / TRAIN_STATE, weights_only=True)

@@ -61,7 +61,7 @@ def saved(tmp_path: Path) -> tuple[Net, torch.optim.Adam, Path]:
     """A dist_resume file after 6 Adam steps (4 parameters: 4 step tensors), with RNG state and an epoch."""
     net, opt = _adam_after(6)
     path = dist_resume.save_checkpoint(tmp_path / "dr.pt", model=net, optimizer=opt, step=30, epoch=3)
-    return net, opt, path
+    return net, opt, Path(path)
 
 
 def test_inspect_says_step_tensors_hyperparameters_class_time_and_state(saved: Any, run: Run) -> None:

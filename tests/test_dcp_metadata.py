@@ -1,4 +1,5 @@
-"""DCP ``.metadata`` unpickling: only DCP's own classes, and ``getattr`` only for an allowed enum's member."""
+"""DCP ``.metadata`` unpickling: only DCP's own classes, and ``getattr`` only for an allowed enum's member; the torch-free
+reader's view of it is torch's."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import pickle
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from dist_resume._foreign.dcp_metadata import _MetadataUnpickler
+from dist_resume._format.dcp_peek import DTYPE_SIZES, peek_dcp_metadata
+from dist_resume._format.dcp_view import metadata_problem, view_of, view_problem
 
 
 class _ByGetattr:
@@ -37,3 +41,32 @@ def test_an_enum_member_pickled_through_getattr_loads():
 def test_getattr_reaches_nothing_else(target, name):
     with pytest.raises(pickle.UnpicklingError, match="not part of DCP metadata"):
         _load(_ByGetattr(target, name))
+
+
+def test_the_torch_free_reader_knows_every_dtype_and_its_size():
+    names = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    assert set(DTYPE_SIZES) == names
+    assert {n: getattr(torch, n).itemsize for n in names} == {n: DTYPE_SIZES[n] for n in names}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_the_torch_free_reader_sees_what_torch_s_does(tmp_path):
+    """One walk (view_of) over DCP's real Metadata and over the stand-ins the torch-free reader builds: the same
+    view, for a nested state with lists (an optimizer's groups), objects and several dtypes."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": {"w": torch.ones(3, 2), "h": torch.zeros(4, dtype=torch.bfloat16), "n": torch.tensor(7)},
+        "optimizer": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {"w": {"step": torch.tensor(3.0)}}},
+    }
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    real = view_of(pickle.loads(data))  # torch's own file, written here
+    assert view_of(peek_dcp_metadata(data)) == real
+    sizes = {p.name: p.stat().st_size for p in tmp_path.glob("*.distcp")}
+    assert view_problem(real, sizes) is None
+    assert real.places["optimizer.param_groups.0.lr"] == ("optimizer", "param_groups", 0, "lr")
+    assert metadata_problem(data, sizes, ["model", "optimizer"]) is None
+    assert "the manifest ['model']" in str(metadata_problem(data, sizes, ["model"]))
+    shrunk = {name: size - 1 for name, size in sizes.items()}
+    assert "run past the end" in str(view_problem(real, shrunk))

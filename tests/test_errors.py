@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import dist_resume as dr
 from dist_resume._core import errors as E
-from dist_resume._dist import broadcast as B
+from dist_resume._dist import agree as B
 from dist_resume._dist.comm import Outcome, RelayedError
 
 # every public error class, with the attributes its constructor takes
@@ -33,7 +33,10 @@ _CASES: list[tuple[type[dr.DistResumeError], tuple[Any, ...], dict[str, Any]]] =
     (dr.errors.OptimizerStateMismatchError, ("groups",), {}),
     (dr.errors.DeviceMismatchError, ("devices",), {"findings": ["optimizer state on cpu, param on cuda:0"]}),
     (dr.errors.RestoreError, ("the optimizer failed",), {"part": "optimizer"}),
+    (dr.errors.PartialRestoreError, ("writing the model failed",), {"part": "model"}),
     (dr.errors.UsageError, ("SRC == DST", "pick another DST"), {}),
+    (dr.errors.CheckCommandError, ("failed on its own",), {"run": "reference", "returncode": 1, "stderr": "boom"}),
+    (dr.errors.SimBuildError, ("the compiler failed",), {}),
 ]
 
 

@@ -30,7 +30,7 @@ import dist_resume as dr
 from dist_resume._format.atomic import TEMP_NAME
 from dist_resume._manager.manager import CheckpointManager
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name
-from dist_resume.testing import _PRELOAD
+from dist_resume.testing._ranks import _PRELOAD
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20

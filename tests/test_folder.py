@@ -18,6 +18,7 @@ from dist_resume._manager.manager import CheckpointManager
 from dist_resume._source.consensus import resolve_checkpoint
 from dist_resume._source.integrity import archive_digest, inspect_checkpoint
 from dist_resume._source.listing import checkpoint_name, latest_checkpoint
+from tests.helpers import flip_byte_in_tensor_record
 
 
 class Net(nn.Module):
@@ -126,20 +127,9 @@ def test_latest_skips_damaged_and_foreign_files_and_logs_why(tmp_path: Path, cap
 def test_verify_false_skips_only_the_crc_check(tmp_path: Path) -> None:
     mgr = _save_steps(tmp_path, [1, 2])
     newest = tmp_path / checkpoint_name(2)
-    _flip_byte_in_tensor_record(newest)
+    flip_byte_in_tensor_record(newest)
     assert mgr.latest(verify=True) == tmp_path / checkpoint_name(1)
     assert mgr.latest(verify=False) == newest  # the structure is intact; only the CRC check finds it
-
-
-def _flip_byte_in_tensor_record(path: Path) -> None:
-    """Flip one bit inside the first tensor record: the zip structure stays intact, its CRC does not."""
-    from dist_resume._format.records import read_records
-
-    _, records = read_records(path)
-    record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)
-    data = bytearray(path.read_bytes())
-    data[record.data_offset + 4] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_temp_files_are_ignored_by_latest_and_only_ours_are_cleaned(tmp_path: Path) -> None:
@@ -281,7 +271,7 @@ def test_a_valid_later_step_is_what_the_warning_names_and_latest_picks(
     from dist_resume.cli._list import list_folder
 
     mgr = _save_steps(tmp_path, [100, 400, 500], keep_last=3)
-    _flip_byte_in_tensor_record(tmp_path / checkpoint_name(500))
+    flip_byte_in_tensor_record(tmp_path / checkpoint_name(500))
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         mgr.save(300, model=_filled(300))
     later, damaged = _warnings(caplog)
@@ -295,21 +285,25 @@ def test_a_valid_later_step_is_what_the_warning_names_and_latest_picks(
 
 
 def test_a_file_checked_once_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dist_resume._manager import rotation
+    """Rotation reads each checkpoint once in its life (the new one right after its write, with every CRC-32); a
+    file changed since is read again."""
+    from dist_resume._source import listing
 
     mgr = _save_steps(tmp_path, [1, 2, 3], keep_last=3)
-    calls: list[Path] = []
-    real = rotation.check_numbered  # type: ignore[attr-defined]  # the name rotation imported (patched there)
+    calls: list[tuple[str, bool]] = []
+    real = listing.inspect_checkpoint  # type: ignore[attr-defined]  # the name listing imported (patched there)
 
-    def recording(p: Path, s: Any, verify: Any) -> Any:
-        calls.append(p)
-        return real(p, s, verify)
+    def recording(p: Path, verify: bool = True) -> Any:
+        calls.append((p.name, verify))
+        return real(p, verify=verify)
 
-    monkeypatch.setattr(rotation, "check_numbered", recording)
+    monkeypatch.setattr(listing, "inspect_checkpoint", recording)
     mgr.save(4, model=_filled(4))
-    assert calls == []  # every older file was written by this process, as it still is
+    assert calls == [(checkpoint_name(4), True)]  # the new file, read back once; every older one is known
     (tmp_path / checkpoint_name(3)).write_bytes((tmp_path / checkpoint_name(3)).read_bytes())  # rewritten by hand
     os.utime(tmp_path / checkpoint_name(3), ns=(1, 1))
+    calls.clear()
     mgr.save(5, model=_filled(5))
-    assert calls == [tmp_path / checkpoint_name(3)]
+    assert calls == [(checkpoint_name(5), True), (checkpoint_name(3), True)]  # kept: so every CRC-32 is checked
+    assert dr.tools.latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(5) and len(calls) == 2  # known
     mgr.close()

@@ -179,3 +179,73 @@ def test_an_error_inside_with_is_not_hidden_and_the_lock_is_released(tmp_path: P
         raise KeyError("boom")
     with CheckpointManager(tmp_path) as again:
         assert again.save(2, model=_linear(2.0)).exists()
+
+
+_FORKS_THEN_DIES = textwrap.dedent("""
+    import multiprocessing, os, signal, sys, time, torch
+    from dist_resume._manager.lock import FolderLock
+    from pathlib import Path
+
+    def worker():  # a DataLoader worker forked by rank 0 while it held the lock
+        time.sleep(60)
+
+    lock = FolderLock(Path(sys.argv[1]))
+    lock.acquire()
+    child = multiprocessing.get_context("fork").Process(target=worker, daemon=False)
+    child.start()
+    print(child.pid, flush=True)
+    sys.stdin.readline()
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 dies; its worker lives on
+""")
+
+_PASSES_THE_LOCK_ON = textwrap.dedent("""
+    import os, subprocess, sys
+    from dist_resume._manager.lock import FolderLock
+    from pathlib import Path
+
+    lock = FolderLock(Path(sys.argv[1]))
+    lock.acquire()
+    child = subprocess.Popen(["sleep", "60"], pass_fds=[lock._fd])  # the descriptor handed on, not forked
+    print(child.pid, flush=True)
+    os._exit(0)
+""")
+
+
+def _run(code: str, folder: Path) -> tuple[subprocess.Popen[str], int]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(folder)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def test_a_worker_forked_while_the_lock_was_held_does_not_keep_it_after_its_parent_died(tmp_path: Path) -> None:
+    proc, worker = _run(_FORKS_THEN_DIES, tmp_path)
+    try:
+        with pytest.raises(dr.errors.CheckpointWriteError, match=f"pid {proc.pid}"):
+            CheckpointManager(tmp_path).save(1, model=_linear(1.0))  # held while the parent lives
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        os.kill(worker, 0)  # the forked worker still runs...
+        with CheckpointManager(tmp_path) as mgr:  # ...and the relaunch takes the lock at once
+            assert mgr.save(1, model=_linear(1.0)).exists()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_refusal_names_the_live_process_holding_the_lock_when_its_taker_has_exited(tmp_path: Path) -> None:
+    proc, holder = _run(_PASSES_THE_LOCK_ON, tmp_path)
+    try:
+        assert proc.wait(timeout=30) == 0  # the taker exited; the process it handed the lock to holds it
+        with pytest.raises(dr.errors.CheckpointWriteError) as info:
+            CheckpointManager(tmp_path, model=_linear(1.0)).resume()
+        message = str(info.value)
+        assert f"pid {holder} (sleep 60)" in message and f"pid {proc.pid}" in message, message
+        assert "which has exited" in message, message
+    finally:
+        os.kill(holder, signal.SIGKILL)

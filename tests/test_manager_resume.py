@@ -148,7 +148,7 @@ def test_options_reach_resume_per_call_or_registered(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda mgr: mgr.resume(model=_model(0.0), allow_missing="scheduler"), "unknown keyword.*'allow_missing'"),
+        (lambda mgr: mgr.resume(model=_model(0.0), allow_missing="scheduler"), r"got allow_missing=.*ResumeOptions\("),
         (lambda mgr: mgr.resume(options=dr.ResumeOptions(allow_missing="schedular")), "unknown parts"),
         (lambda mgr: mgr.resume(options=dr.ResumeOptions(optimizer_hparams="mine")), "'checkpoint', 'current'"),
         (lambda mgr: mgr.resume(options={"strict": False}), "not a dist_resume.ResumeOptions"),
@@ -228,3 +228,31 @@ def test_init_from_a_weights_only_file_needs_only_the_model_and_says_so(
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), source.parameters()))
     after = {k: v for st in opt.state.values() for k, v in st.items()}
     assert after.keys() == opt_before.keys() and all(torch.equal(after[k], opt_before[k]) for k in after)
+
+
+_MISTYPED = """
+import sys, torch, dist_resume as dr
+model = torch.nn.Linear(2, 2)
+with dr.CheckpointManager(sys.argv[1] + "/exp-1", model=model) as mgr:
+    mgr.save(300)
+for name in ("exp1", "other"):  # a typo of the last component, and a name unlike any
+    with dr.CheckpointManager(sys.argv[1] + "/" + name, model=model) as mgr:
+        assert mgr.resume() is None
+"""
+
+
+def test_a_missing_folder_named_almost_like_one_with_checkpoints_is_said_at_warning(tmp_path):
+    """A typo in the folder's last component would start from step 0; the sibling it meant is named, on stderr of a
+    script that set up no logging (Python's last-resort handler prints WARNING)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-c", _MISTYPED, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "does not exist" in line]
+    assert lines == [
+        f"checkpoint folder {tmp_path / 'exp1'} does not exist, but {tmp_path / 'exp-1'} next to it holds checkpoints "
+        f"(newest: ckpt_00000300.pt): if that is the run to continue, fix the path; starting fresh in {tmp_path / 'exp1'}"
+    ], done.stderr

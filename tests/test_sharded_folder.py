@@ -155,7 +155,7 @@ def test_a_manager_folder_treats_a_sharded_folder_as_one_checkpoint(tmp_path: Pa
 
     def as_folder(step: int) -> Path:  # ckpt_<step>.dcp, as an FSDP2 save names it (here via convert)
         file = dr.save_checkpoint(tmp_path / f"{step}.pt", model=model, optimizer=opt, step=step)
-        return dr.tools.convert_checkpoint(file, ckpts / f"ckpt_{step:08d}.dcp", format="sharded").dst
+        return Path(dr.tools.convert_checkpoint(file, ckpts / f"ckpt_{step:08d}.dcp", format="sharded").dst)
 
     folder = as_folder(200)
     assert [p.name for p in mgr.checkpoints()] == ["ckpt_00000100.pt", "ckpt_00000200.dcp"]

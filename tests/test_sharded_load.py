@@ -26,7 +26,7 @@ def _saved(tmp_path: Path) -> tuple[Path, dict]:
     opt.step()
     src = dr.save_checkpoint(tmp_path / "a.pt", model=model, optimizer=opt, step=3)
     folder = dr.tools.convert_checkpoint(src, tmp_path / "a.dcp", format="sharded").dst
-    return folder, torch.load(src, weights_only=True)
+    return Path(folder), torch.load(src, weights_only=True)
 
 
 def test_a_sharded_folder_reads_as_stand_ins_then_fills_given_tensors(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ def step_renamed(tmp_path: Path) -> Path:
     model, opt = _trained()
     folder = tmp_path / "run"
     with dr.CheckpointManager(folder) as mgr:
-        path = mgr.save(5, model=model, optimizer=opt)
+        path = Path(mgr.save(5, model=model, optimizer=opt))
     _change_byte(path, "archive/data.pkl", b"X\x04\x00\x00\x00step", b"X\x04\x00\x00\x00Dtep")
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() == "archive/data.pkl"  # zipfile sees the CRC mismatch ...

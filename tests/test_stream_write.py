@@ -14,8 +14,8 @@ import torch
 
 from dist_resume import load_checkpoint
 from dist_resume._format.archive import read_archive
-from dist_resume._format.records import verify_zip
 from dist_resume._format.stream_write import distinct_tensors, write_streamed
+from dist_resume._format.zip_verify import verify_zip
 from dist_resume.errors import CheckpointWriteError
 
 

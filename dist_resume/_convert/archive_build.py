@@ -20,6 +20,7 @@ from typing import Any, Final
 import torch
 
 from .._core import torch_compat
+from .._core.location import local_path
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, StorageInfo
 from .._format.pickle_write import dump_pickle
@@ -85,8 +86,9 @@ def write_archive(
     writer.add_bytes(f"{_ARCHIVE}/byteorder", b"little")
     total = sum(n for _, n in raw.ranges.values())
     done = 0
-    with open(raw.contents.path, "rb") as src:
-        size = Path(raw.contents.path).stat().st_size
+    source = local_path(raw.contents.path, "write_archive")
+    with open(source, "rb") as src:
+        size = source.stat().st_size
         with mmap.mmap(src.fileno(), size, access=mmap.ACCESS_READ) as mapped:  # a header at least: never empty
             view = memoryview(mapped)
             # the CRC32 of each record is computed in worker threads (zlib releases the GIL) while the

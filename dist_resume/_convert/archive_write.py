@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
+from .._core.location import local_path
 from .._format.archive import ArchiveContents
 from .._format.records import Record
 from .._format.zip_write import ZipWriter
@@ -30,7 +31,7 @@ def rewrite_archive(contents: ArchiveContents, new_pickle: bytes, dst_fd: int, p
     total = sum(r.compress_size for r in contents.records)
     done = 0
     writer = ZipWriter(dst_fd)
-    with open(contents.path, "rb") as src:
+    with open(local_path(contents.path, "rewrite_archive"), "rb") as src:
         for record in contents.records:
             if record.name == contents.pickle_record:
                 writer.add_bytes(record.name, new_pickle)

@@ -18,7 +18,9 @@ sharded folder -> pt   the one file a DDP save would have written (RNG, sampler,
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Mapping, MutableMapping
@@ -27,15 +29,21 @@ from pathlib import Path
 from typing import TypeVar
 
 from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
+from .._core.location import Location, RemotePath
 from .._core.text import article
 from .._core.types import PathLike
 from .._foreign.folders import checkpoint_subfolders, detect_folder, read_foreign_folder, unrecognised_folder
 from .._foreign.safetensors_read import is_safetensors
 from .._format.archive import read_archive
+from .._format.atomic import remove_path
+from .._format.manifest import DCP_METADATA, MANIFEST
 from .._format.pickle_write import dump_pickle
-from .._format.records import verify_zip
+from .._format.zip_verify import verify_zip
 from .._layout.layout import Layout, split_checkpoint
+from .._source.integrity import verify_source
 from .._state.prefix import prefix_style
+from .._store.transfer import fetch_tree, put_tree
+from .._store.url import location
 from .archive_write import rewrite_archive
 from .formats import (
     ConvertFormat,
@@ -66,8 +74,8 @@ Progress = Callable[[int, int], None]
 class ConvertResult:
     """What :func:`convert_checkpoint` did."""
 
-    src: Path
-    dst: Path
+    src: Location
+    dst: Location
     to: KeyForm | None
     layout: enum.Enum
     prefix_before: str
@@ -130,7 +138,8 @@ def convert_checkpoint(
     ``.safetensors`` to ``.pt``. A sharded checkpoint folder (what an FSDP2 model saves, ``ckpt_<step>.dcp/``)
     becomes the one file a DDP save would have written, and ``format="sharded"`` turns a file into such a
     folder (loadable at any world size). ``dst`` appears atomically (temp file or folder, fsync, rename) or not
-    at all.
+    at all. ``src`` and ``dst`` may be URLs (``s3://...``): a source on a store is copied to a local temporary
+    folder first, and the output uploaded from one (a folder's manifest last).
 
     Example::
 
@@ -141,13 +150,45 @@ def convert_checkpoint(
         1
     """
     start = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
+    src_at, dst_at = location(src), location(dst)
     form = _as_enum(KeyForm, to, "to") if to is not None else None
     fmt = _as_enum(ConvertFormat, format, "format")
-    check_paths(src_path, dst_path, force, folder=fmt in (ConvertFormat.DCP, ConvertFormat.SHARDED))
+    folder = fmt in (ConvertFormat.DCP, ConvertFormat.SHARDED)
+    if isinstance(src_at, Path) and isinstance(dst_at, Path):
+        check_paths(src_at, dst_at, force, folder=folder)
+        return _convert(src_at, dst_at, form, fmt, part_keys, check_crc, progress, start)
+    if src_at == dst_at:
+        raise UsageError(f"SRC and DST are the same ({str(src_at)!r})", "write to a new name")
+    if dst_at.exists() and not force:
+        raise UsageError(f"DST {str(dst_at)!r} already exists", "pass --force to replace it")
+    with tempfile.TemporaryDirectory(prefix="dist_resume-convert-") as tmp:  # a store's side goes through local disk
+        local_src = fetch_tree(src_at, Path(tmp) / "src" / src_at.name) if isinstance(src_at, RemotePath) else src_at
+        local_dst = Path(tmp) / "dst" / dst_at.name if isinstance(dst_at, RemotePath) else dst_at
+        local_dst.parent.mkdir(exist_ok=True)
+        check_paths(local_src, local_dst, force, folder=folder)
+        result = _convert(local_src, local_dst, form, fmt, part_keys, check_crc, progress, start)
+        if isinstance(dst_at, RemotePath):
+            if force:
+                remove_path(dst_at)
+            put_tree(local_dst, dst_at, last=(DCP_METADATA, MANIFEST))
+    return dataclasses.replace(result, src=src_at, dst=dst_at, seconds=time.perf_counter() - start)
+
+
+def _convert(
+    src_path: Path,
+    dst_path: Path,
+    form: KeyForm | None,
+    fmt: ConvertFormat,
+    part_keys: Mapping[str, str] | None,
+    check_crc: bool,
+    progress: Progress | None,
+    start: float,
+) -> ConvertResult:
     kind = _source_kind(src_path)
     if check_crc and kind is _Source.PT:
         verify_zip(src_path)
+    elif check_crc and kind is _Source.SHARDED:
+        verify_source(src_path)  # every file's CRC-32 against the manifest
     source = repr(str(src_path))
     if kind is _Source.PT and fmt is ConvertFormat.PT:
         done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)
@@ -205,7 +246,7 @@ def _pt_to_pt(
         raise KeyMismatchError(f"{str(src)!r}: the model state is {article(type(model).__name__)}, not a dict")
     before = prefix_style(model.keys())
     renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
-    names = rekey_param_names(parts.optimizer, to) if to is not None else 0
+    names = rekey_param_names(parts.optimizer, to, repr(str(src))) if to is not None else 0
     contents.obj = plain_namespaces(contents.obj)
     new_pickle = dump_pickle(contents.obj, contents)
 

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from .._core import torch_compat
-from .._core.errors import KeyMismatchError, NotACheckpointError, UsageError
+from .._core.errors import KeyMismatchError, UsageError
 from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
-from .._state.optim_keys import optimizer_by_name
+from .._state.optim_keys import check_optimizer_form, optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
 from .output import replace_folder, write_locked
@@ -174,10 +174,9 @@ def dsd_optimizer(
     """An optimizer state dict in DSD's ``get_state_dict`` form: state and ``params`` keyed by canonical FQN."""
     if optimizer is None:
         return None
-    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
-    if not isinstance(groups, list) or not isinstance(optimizer.get("state"), Mapping):
-        raise NotACheckpointError(f"{source}: the optimizer state has no 'state' and 'param_groups' to export")
-    ids = [p for g in groups for p in g.get("params", ())]
+    check_optimizer_form(optimizer, source)
+    groups = optimizer["param_groups"]
+    ids = [p for g in groups for p in g["params"]]
     named = _param_names(optimizer)
     if len(named) == len(groups) and sum(map(len, named)) == len(ids):
         names = [canonical_key(n) for g in named for n in g]
@@ -239,7 +238,7 @@ def parts_payload(parts: CheckpointParts, to: KeyForm | None, source: str) -> tu
         raise KeyMismatchError(f"{source}: no model weights were found to write")
     renamed = rekey_state_dict(model, to, source) if to is not None else 0
     optimizer = parts.optimizer
-    names = rekey_param_names(optimizer, to) if to is not None else 0
+    names = rekey_param_names(optimizer, to, source) if to is not None else 0
     meta = {**plain_namespaces(dict(parts.meta)), "step": parts.step, "epoch": parts.epoch}
     obj: dict[str, Any] = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
     for key, value in (

@@ -9,6 +9,7 @@ from typing import Any
 
 from .._core.errors import KeyMismatchError
 from .._core.text import preview
+from .._state.optim_keys import check_optimizer_form
 from .._state.prefix import DDP_PREFIX, canonical_key
 
 __all__ = ["KeyForm", "target_key", "rekey_state_dict", "rekey_param_names"]
@@ -71,13 +72,18 @@ def rekey_state_dict(state_dict: MutableMapping[str, Any], to: KeyForm, source: 
     return sum(old != new for (old, _), new in zip(items, new_keys))
 
 
-def rekey_param_names(optimizer: Any, to: KeyForm) -> int:
-    if not isinstance(optimizer, MutableMapping):
+def rekey_param_names(optimizer: Any, to: KeyForm, source: str) -> int:
+    """Re-key every group's ``param_names`` of a saved optimizer state in place, ``to`` the form; how many names.
+
+    An entry without ``param_groups`` (none, several optimizers in a list, a dict of something else) has none
+    to re-key; one with groups not in ``Optimizer.state_dict()``'s form raises :class:`OptimizerStateMismatchError`.
+    """
+    if not isinstance(optimizer, MutableMapping) or "param_groups" not in optimizer:
         return 0
+    check_optimizer_form(optimizer, source)
     count = 0
-    for group in optimizer.get("param_groups") or ():
-        names = group.get("param_names") if isinstance(group, MutableMapping) else None
-        if isinstance(names, list) and all(isinstance(n, str) for n in names):
-            group["param_names"] = [target_key(n, to) for n in names]
-            count += len(names)
+    for group in optimizer["param_groups"]:
+        if "param_names" in group:
+            group["param_names"] = [target_key(n, to) for n in group["param_names"]]
+            count += len(group["param_names"])
     return count

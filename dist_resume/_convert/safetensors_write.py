@@ -18,10 +18,12 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.location import local_path
 from .._foreign.safetensors_read import DTYPES
 from .._format.archive import ArchiveContents
 from .._format.records import Record
 from .._format.zip_write import copy_range, write_all
+from .._store.ranges import open_binary
 
 __all__ = ["DTYPE_CODES", "safetensors_header", "write_safetensors_from_archive"]
 
@@ -47,7 +49,7 @@ def _byteorder(contents: ArchiveContents) -> str:
     if not any(r.name == name for r in contents.records):
         return "little"  # torch.save wrote no byteorder record before 1.12: little-endian machines only
     try:
-        with zipfile.ZipFile(contents.path) as zf:
+        with open_binary(contents.path) as f, zipfile.ZipFile(f) as zf:
             return zf.read(name).decode("ascii", "replace").strip()
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         raise CheckpointCorruptError(
@@ -105,7 +107,7 @@ def write_safetensors_from_archive(
     head = safetensors_header(entries, metadata)
     write_all(fd, head, 0)
     offset = len(head)
-    with open(contents.path, "rb") as src:
+    with open(local_path(contents.path, "write_safetensors"), "rb") as src:
         for k in order:
             begin, nbytes = ranges[k]
             if nbytes:

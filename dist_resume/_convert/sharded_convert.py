@@ -14,13 +14,15 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._core import torch_compat
-from .._core.errors import UsageError
+from .._core.errors import NotACheckpointError, UsageError
+from .._core.text import article
 from .._foreign.sharded import load_sharded_payload, new_manifest, split_payload
 from .._format.atomic import atomic_write
 from .._format.manifest import MANIFEST, TRAIN_STATE, file_entry
@@ -40,7 +42,7 @@ def sharded_to_pt(src: Path, dst: Path, to: KeyForm | None) -> WriterReport:
     model = payload[Key.MODEL]
     before = prefix_style(model)
     renamed = rekey_state_dict(model, to, repr(str(src))) if to is not None else 0
-    names = rekey_param_names(payload.get(Key.OPTIMIZER), to) if to is not None else 0
+    names = rekey_param_names(payload.get(Key.OPTIMIZER), to, repr(str(src))) if to is not None else 0
     written = save_locked(dst, payload)
     return WriterReport(Layout.SHARDED, before, prefix_style(model), len(model), renamed, names, written)
 
@@ -58,6 +60,12 @@ def _payload(src: Path, source: str, part_keys: Any) -> tuple[dict[str, Any], La
         payload = dict(obj)
     else:
         payload = parts_payload(parts, None, source)[0]
+    ema = payload.get(Key.EMA)
+    if ema is not None and not isinstance(ema, Mapping):  # saved through DCP beside the model: a state dict
+        raise NotACheckpointError(
+            f"{source}: its EMA entry is {article(type(ema).__name__)}, not a state dict, so it cannot be written as "
+            "a sharded checkpoint (the file is damaged or was edited); remove the entry, or convert another checkpoint"
+        )
     model = OrderedDict(payload[Key.MODEL])
     meta = getattr(payload[Key.MODEL], "_metadata", None)
     if meta is not None:

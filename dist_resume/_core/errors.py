@@ -24,7 +24,10 @@ __all__ = [
     "StateMismatchError",
     "DeviceMismatchError",
     "RestoreError",
+    "PartialRestoreError",
     "UsageError",
+    "CheckCommandError",
+    "SimBuildError",
     "rebuild_error",
 ]
 
@@ -146,9 +149,36 @@ class RestoreError(DistResumeError, RuntimeError):
         self.part = part
 
 
+class PartialRestoreError(RestoreError):
+    """Writing the checkpoint's data into the live tensors failed after every rank had agreed to restore it.
+
+    Everything that could fail was checked and run first, so this takes a fault in the last, in-place step (an I/O
+    error reading the file's pages, a device error while copying, a peer lost mid-transfer): the model, EMA or
+    optimizer ``part`` may hold part of the checkpoint. Resuming from the same checkpoint again restores it whole.
+    Raised on every rank when the resume was collective, with ``rank`` naming the rank it happened on.
+    """
+
+
 class UsageError(DistResumeError, ValueError):
     """An operation cannot run as asked (SRC == DST, DST exists, ...); ``hint`` says what to do instead."""
 
     def __init__(self, message: str, hint: str = "") -> None:
         super().__init__(message)
         self.hint = hint
+
+
+class CheckCommandError(DistResumeError, RuntimeError):
+    """A command under ``dist-resume check`` could not be checked: it failed on its own, wrote no checkpoint, or
+    outlived the timeout. ``run`` names the run (``"reference"``, ``"relaunch 2"``), ``returncode`` is its exit
+    status (None when it was stopped at the timeout) and ``stderr`` holds its last lines."""
+
+    def __init__(self, message: str, *, run: str = "", returncode: int | None = None, stderr: str = "") -> None:
+        super().__init__(message)
+        self.run = run
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+class SimBuildError(DistResumeError, RuntimeError):
+    """Compiling the test accelerator (``dist_resume.testing.sim``) failed; the message carries the compiler's
+    output."""

@@ -21,7 +21,8 @@ def publish(namespace: Mapping[str, Any], names: Iterable[str], module: str) -> 
     """
     for name in names:
         obj = namespace[name]
-        if not (inspect.isclass(obj) or inspect.isfunction(obj)) or not obj.__module__.startswith("dist_resume._"):
+        private = any(part.startswith("_") for part in obj.__module__.split("."))  # dist_resume._x, dist_resume.cli._y
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)) or not private:
             continue
         if inspect.isclass(obj):
             own = inspect.get_annotations(obj)

@@ -1,4 +1,5 @@
-"""Type aliases shared by every layer: paths and ``map_location`` values as torch accepts them."""
+"""Type aliases shared by every layer: paths (local, or a :class:`~dist_resume._core.location.RemotePath` on an object
+store) and ``map_location`` values as torch accepts them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from .location import RemotePath
+
 __all__ = ["PathLike", "MapLocation"]
 
-PathLike: TypeAlias = str | os.PathLike[str]
+PathLike: TypeAlias = str | os.PathLike[str] | RemotePath
 if TYPE_CHECKING:
     import torch
 

@@ -16,28 +16,34 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .._core import torch_errors
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.location import Location, local_path
 from .._core.tree import map_tensors, set_path
 from .._core.types import MapLocation, PathLike
 from .._format.load import rank_map_location
 from .._format.records import check_zip_bytes
+from .._format.safe_open import open_in_folder
 from .._format.sniff import check_walkable, unsafe_error
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
+from .._store.url import location
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 
@@ -46,16 +52,37 @@ __all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device", "DcpR
 
 def is_dcp_folder(path: PathLike) -> bool:
     """True when ``path`` is a folder with a ``.metadata`` file and ``*.distcp`` files. Local."""
-    folder = Path(path)
-    return (folder / _METADATA).is_file() and any(folder.glob("*.distcp"))
+    folder = location(path)
+    return (folder / _METADATA).is_file() and any(p.name.endswith(".distcp") for p in folder.iterdir())
+
+
+class _FolderFiles(FileSystem):
+    """torch's FileSystem that opens a DCP folder's files as :func:`open_in_folder` does: a regular file inside the
+    folder, never a link, FIFO or device node (``.metadata`` may name any file); objects on a store by ranges.
+    ``root`` is the path torch's reader joins the file names to (for a folder on a store, a stand-in naming it)."""
+
+    def __init__(self, folder: Location, root: Path) -> None:
+        super().__init__()
+        self._folder, self._root = folder, root
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        where = Path(path)
+        if mode != "rb" or where.parent != self._root:
+            raise CheckpointCorruptError(f"DCP folder {str(self._folder)!r}: {str(where)!r} is not a file inside it")
+        with open_in_folder(self._folder, where.name) as stream:
+            yield cast(io.IOBase, stream)
 
 
 class DcpReader(FileSystemReader):
-    """torch's FileSystemReader, reading ``.metadata`` through the allowlist."""
+    """torch's FileSystemReader, reading ``.metadata`` through the allowlist and the data files as regular files
+    inside the folder."""
 
-    def __init__(self, path: Path, weights_only: bool) -> None:
-        super().__init__(path)
+    def __init__(self, path: Location, weights_only: bool) -> None:
+        # torch's reader joins its path and each file's name; on a store only the name travels (_FolderFiles opens it)
+        super().__init__(path if isinstance(path, Path) else Path(path.name))
         self._folder, self._weights_only = path, weights_only
+        self.fs = _FolderFiles(path, Path(self.path))
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         """One entry's bytes, checked like a torch file before torch.load sees them: torch's zip reader trusts
@@ -82,7 +109,7 @@ class DcpReader(FileSystemReader):
 class DcpPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor entries load with ``torch.load(weights_only=True)``."""
 
-    def __init__(self, folder: Path, weights_only: bool) -> None:
+    def __init__(self, folder: Location, weights_only: bool) -> None:
         super().__init__()
         self._folder = folder
         self._weights_only = weights_only
@@ -119,7 +146,7 @@ def _empty_state(metadata: Metadata) -> dict[str, Any]:
     return root
 
 
-def _unreadable(folder: Path, err: BaseException) -> CheckpointCorruptError:
+def _unreadable(folder: Location, err: BaseException) -> CheckpointCorruptError:
     detail = (str(err).splitlines() or [""])[0][:200]
     return CheckpointCorruptError(
         f"cannot read DCP folder {str(folder)!r} ({type(err).__name__}: {detail}); a .distcp file is missing "
@@ -128,8 +155,9 @@ def _unreadable(folder: Path, err: BaseException) -> CheckpointCorruptError:
 
 
 def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
-    """The whole nested state a DCP folder holds, on CPU, read by torch's DCP reader in this process. Local."""
-    folder = Path(path)
+    """The whole nested state a DCP folder holds, on CPU, read by torch's DCP reader in this process. Local. A
+    folder on an object store (a sharded checkpoint's) is read by ranges."""
+    folder = location(path)
     if not is_dcp_folder(folder):
         raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {_METADATA} and *.distcp files)")
     state = _empty_state(read_dcp_metadata(folder, weights_only=weights_only))
@@ -161,7 +189,7 @@ def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, An
     return check_walkable(state, f"DCP folder {str(folder)!r}")
 
 
-def folder_device(map_location: MapLocation, folder: Path) -> torch.device:
+def folder_device(map_location: MapLocation, folder: Location) -> torch.device:
     """The one device a folder's tensors go to: ``map_location`` as a device (None: this rank's). Local."""
     if isinstance(map_location, dict) or callable(map_location):
         raise CheckpointError(
@@ -184,7 +212,7 @@ def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: 
         >>> dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id="ckpt")
         >>> parts = read_dcp("ckpt", map_location="cpu")
     """
-    folder = Path(path)
+    folder = local_path(location(path), "reading a DCP folder")
     device = folder_device(map_location, folder)
     state = load_dcp_state(folder, weights_only=weights_only)
     if device.type != "cpu":

@@ -1,69 +1,45 @@
-"""A DCP folder's ``.metadata``: unpickled through an allowlist of DCP's own classes, then checked for sense.
+"""A DCP folder's ``.metadata``: unpickled through an allowlist of DCP's own classes, then checked against the folder.
 
 torch's DCP reader trusts ``.metadata`` completely: it unpickles it with plain ``pickle`` and allocates
-every tensor it describes before reading a byte of data. Here the opcodes are checked first (the C
-unpickler allocates a memo index or a counted length before it reads the bytes), globals are
-limited to DCP's metadata classes, and the result is checked before anything is allocated from it:
-tensor sizes within the bytes the folder holds, planner paths of plain keys, storage entries that are
-offsets into the folder's files.
+every tensor it describes before reading a byte of data. Here the file is opened as a regular file inside its folder
+(:mod:`~dist_resume._format.safe_open`), the opcodes are checked first (the C unpickler allocates a memo index or a
+counted length before it reads the bytes), globals are limited to DCP's metadata classes
+(:data:`~dist_resume._format.dcp_peek.ALLOWED`, shared with the torch-free reader), and the result is checked
+(:func:`~dist_resume._format.dcp_view.view_problem`) before anything is allocated from it: every chunk inside its
+tensor, every element covered exactly once, each chunk's bytes stored in one of the folder's data files and inside it,
+planner paths that are places in one nested state.
 """
 
 from __future__ import annotations
 
 import enum
 import io
-import math
 import pickle
-import pickletools
-import struct
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
+from .._core.location import Location
 from .._core.text import article
 from .._core.types import PathLike
+from .._format.dcp_peek import ALLOWED, DAMAGED_PICKLE, check_opcodes
+from .._format.dcp_view import BadMetadata, view_of, view_problem
+from .._format.safe_open import folder_entries, read_in_folder
+from .._store.url import location
 
-__all__ = ["METADATA", "read_dcp_metadata"]
+__all__ = ["METADATA", "MAX_METADATA", "read_dcp_metadata", "data_file_sizes"]
 
 METADATA: Final = ".metadata"
-_ALLOWED: Final = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-_MEMO_OPS: Final = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
-_MAX_PATH_INDEX: Final = 1 << 20  # a list position in a planner path (optimizer param ids, groups)
-
-
-def _check_opcodes(data: bytes) -> None:
-    """Every counted length fits in the file (genops reads, never allocates) and every memo index is one a
-    sane pickle could have written (the C unpickler grows its memo table to a damaged index at once)."""
-    count = 0
-    for op, arg, _ in pickletools.genops(data):
-        count += 1
-        if op.name in _MEMO_OPS and isinstance(arg, int) and not 0 <= arg <= count:
-            raise ValueError(f"memo index {arg} at opcode {count}")
+MAX_METADATA: Final = 1 << 30  # 1 GiB: a million chunk entries; more is no save torch wrote
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
     """What ``getattr`` may do in DCP metadata: some Python releases pickle an enum member (DCP's
     ``_MEM_FORMAT_ENCODING``) as ``getattr(EnumClass, "NAME")``; only an allowed enum's member comes back."""
-    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__name__ in _ALLOWED.get(cls.__module__, ())
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__name__ in ALLOWED.get(cls.__module__, ())
     if not (allowed and isinstance(name, str) and name in cls.__members__):
         raise _NotMetadata(f"getattr({cls!r}, {name!r}) is not part of DCP metadata")
     return cls[name]
@@ -75,7 +51,7 @@ class _NotMetadata(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if name == "getattr" and module in ("builtins", "__builtin__"):
             return _enum_member
@@ -84,14 +60,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _NotMetadata(f"global '{module}.{name}' is not part of DCP metadata")
 
 
-def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
-    """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes. Local."""
-    meta_path = Path(path) / METADATA
+def data_file_sizes(folder: Location) -> dict[str, int]:
+    """The regular files of a DCP folder (links and special files left out: never read) but ``.metadata``, with
+    their sizes: what its storage entries may name. Local."""
+    return {e.name: e.size for e in folder_entries(folder) if e.regular and e.name != METADATA}
+
+
+def read_dcp_metadata(path: PathLike, *, weights_only: bool = True, sizes: Mapping[str, int] | None = None) -> Metadata:
+    """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes and checked against the
+    folder's data files (``sizes``: name -> bytes, e.g. a sharded folder's manifest's shards; None: the folder's
+    regular files). Local."""
+    folder = location(path)
+    meta_path = folder / METADATA
     try:
-        data = meta_path.read_bytes()
+        data = read_in_folder(folder, METADATA, MAX_METADATA)
         # every counted length must fit in the file: the C unpickler allocates a BINBYTES8/FRAME length
         # it reads before it reads the bytes (8 damaged bytes ask for exabytes); genops reads, never allocates
-        _check_opcodes(data)
+        check_opcodes(data)
         f = io.BytesIO(data)
         metadata = _MetadataUnpickler(f).load() if weights_only else pickle.load(f)
     except FileNotFoundError as err:
@@ -100,67 +85,21 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True) -> Metadata:
         raise UnsafeCheckpointError(
             f"checkpoint {str(meta_path)!r} cannot be loaded safely: {err}; if you trust the folder, pass weights_only=False"
         ) from err
-    except pickle.UnpicklingError as err:
-        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
-    except (
-        EOFError,
-        ValueError,
-        TypeError,
-        AttributeError,
-        KeyError,
-        IndexError,
-        OverflowError,
-        MemoryError,
-        struct.error,
-    ) as err:  # MemoryError: from a file of a few KB, only a damaged count asks for that much
-        raise CheckpointCorruptError(f"{str(meta_path)!r} is damaged ({err}); the save was interrupted") from err
+    except DAMAGED_PICKLE as err:
+        raise _damaged(meta_path, f"{type(err).__name__}: {err}") from err
     if not isinstance(metadata, Metadata):
         raise NotACheckpointError(f"{str(meta_path)!r} holds {article(type(metadata).__name__)}, not DCP Metadata")
-    _check_structure(metadata, Path(path), meta_path)
+    try:
+        problem = view_problem(view_of(metadata), data_file_sizes(folder) if sizes is None else sizes)
+    except BadMetadata as err:
+        problem = str(err)
+    if problem is not None:
+        raise _damaged(meta_path, problem)
     return metadata
 
 
-def _damaged(meta_path: Path, what: str) -> CheckpointCorruptError:
+def _damaged(meta_path: Location, what: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"{str(meta_path)!r} is damaged ({what}); the save was interrupted or the copy is bad"
+        f"{str(meta_path)!r} is damaged ({what[:300]}); the save was interrupted or the copy is bad: resume from an "
+        "earlier checkpoint"
     )
-
-
-def _check_structure(metadata: Metadata, folder: Path, meta_path: Path) -> None:
-    """What the reader will allocate and index from ``metadata`` makes sense for this folder's files."""
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(entries, dict):
-        raise _damaged(meta_path, "no state_dict_metadata mapping")
-    stored = sum(p.stat().st_size for p in folder.glob("*.distcp"))
-    for fqn, md in entries.items():
-        if not isinstance(fqn, str):
-            raise _damaged(meta_path, f"an entry named {fqn!r}, not a str")
-        if isinstance(md, TensorStorageMetadata):
-            size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
-            if not (isinstance(size, tuple) and all(isinstance(n, int) and n >= 0 for n in size)):
-                raise _damaged(meta_path, f"tensor {fqn!r} has size {size!r}")
-            if not isinstance(dtype, torch.dtype):
-                raise _damaged(meta_path, f"tensor {fqn!r} has dtype {dtype!r}")
-            if math.prod(size) * dtype.itemsize > stored + (1 << 20):
-                raise _damaged(meta_path, f"tensor {fqn!r} of size {tuple(size)} is larger than the folder's data")
-        elif not isinstance(md, BytesStorageMetadata):
-            raise NotACheckpointError(
-                f"DCP entry {fqn!r} is {article(type(md).__name__)}; only tensors and objects load"
-            )
-    planner_data = getattr(metadata, "planner_data", None) or {}
-    if not isinstance(planner_data, dict):
-        raise _damaged(meta_path, "planner_data is not a mapping")
-    for fqn, path in planner_data.items():
-        if (
-            not isinstance(path, (tuple, list))
-            or not path
-            or not all(isinstance(k, str) or (type(k) is int and 0 <= k < _MAX_PATH_INDEX) for k in path)
-        ):
-            raise _damaged(meta_path, f"the planner path of {fqn!r} is {path!r}")
-    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        relative = getattr(info, "relative_path", None)
-        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
-            raise _damaged(meta_path, f"storage entry {index!r} has offset {offset!r} and length {length!r}")
-        if not isinstance(relative, str) or "/" in relative or relative.startswith("."):
-            raise _damaged(meta_path, f"storage entry {index!r} names the file {relative!r}")

@@ -8,14 +8,15 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import NotACheckpointError
-from .._core.text import preview
+from .._core.errors import NotACheckpointError, UsageError
+from .._core.location import Location, RemotePath, local_path
+from .._core.text import article, preview
 from .._core.types import MapLocation, PathLike
 from .._format.manifest import MANIFEST, TRAIN_STATE
 from .._layout.layout import CheckpointParts, Layout
+from .._store.url import location
 from .hf_folders import has_weights, read_accelerate, read_hf, read_model_weights, trainer_progress
 from .safetensors_read import SAFETENSORS_SUFFIX, is_safetensors
 from .sharded import read_sharded
@@ -47,18 +48,18 @@ _ACCELERATE_FILES: Final = re.compile(r"^(optimizer|scheduler|sampler)(_\d+)?\.b
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _names(folder: Path) -> set[str]:
+def _names(folder: Location) -> set[str]:
     return {p.name for p in folder.iterdir() if p.is_file()}
 
 
-def _entries(folder: Path) -> list[str]:
+def _entries(folder: Location) -> list[str]:
     return [p.name for p in folder.iterdir()]
 
 
 def is_manager_folder(path: PathLike) -> bool:
     """True when ``path`` is a folder holding ``CheckpointManager`` checkpoints (``ckpt_<step>.pt`` files,
     ``ckpt_<step>.dcp/`` folders) or their temporaries. Local."""
-    folder = Path(path)
+    folder = location(path)
     return folder.is_dir() and any(_OWN_FOLDER.match(n) for n in _entries(folder))
 
 
@@ -70,11 +71,11 @@ def detect_folder(path: PathLike) -> Layout | None:
     (``manifest.json`` or ``train_state.pt`` next to DCP's files) is ``Layout.SHARDED``, complete or not: its
     reader and its integrity check say what is missing.
     """
-    folder = Path(path)
+    folder = location(path)
     if not folder.is_dir():
         return None
     names = _names(folder)
-    if MANIFEST in names or TRAIN_STATE in names:
+    if {MANIFEST, TRAIN_STATE} & set(_entries(folder)):  # whatever they are (a FIFO, a link): its reader says
         return Layout.SHARDED
     if any(_OWN_FOLDER.match(n) for n in _entries(folder)):
         return None
@@ -93,12 +94,28 @@ def foreign_kind(path: PathLike) -> Layout | None:
     Local; reads a folder's listing or a file's first bytes. A ``CheckpointManager`` folder, a torch
     file and anything unrecognised yield None.
     """
-    p = Path(path)
+    p = location(path)
+    if isinstance(p, RemotePath):
+        return _remote_kind(p)
     if p.is_dir():
         return detect_folder(p)
     if p.is_file() and (p.suffix == SAFETENSORS_SUFFIX or is_safetensors(p)):
         return Layout.SAFETENSORS
     return None
+
+
+def _remote_kind(p: RemotePath) -> Layout | None:
+    """:func:`foreign_kind` on an object store, where dist_resume reads its own checkpoints only (files and
+    sharded checkpoint folders): any other layout is a :class:`UsageError` saying to copy it to local disk."""
+    kind = Layout.SAFETENSORS if p.suffix == SAFETENSORS_SUFFIX else detect_folder(p) if p.is_dir() else None
+    if kind in (None, Layout.SHARDED):
+        return kind
+    assert kind is not None
+    raise UsageError(
+        f"{str(p)!r} is {article(repr(kind.value))} checkpoint on an object store, and dist_resume reads those from "
+        "local disk only (its own checkpoints, files and sharded folders, it reads from a store)",
+        hint="copy it to local disk first (e.g. with the store's own CLI), then pass the local path",
+    )
 
 
 def read_foreign_folder(
@@ -119,13 +136,13 @@ def read_foreign_folder(
         >>> parts.step, sorted(parts.model)[:1]
         (500, ['bert.embeddings.LayerNorm.bias'])
     """
-    folder = Path(path)
+    folder = location(path)
     kind = detect_folder(folder) if layout is None else layout
     opts: dict[str, Any] = {"map_location": map_location, "mmap": mmap, "weights_only": weights_only}
     if kind is Layout.HF_TRAINER:
-        return read_hf(folder, opts)
+        return read_hf(local_path(folder, "reading an HF Trainer folder"), opts)
     if kind is Layout.ACCELERATE:
-        return read_accelerate(folder, opts)
+        return read_accelerate(local_path(folder, "reading an Accelerate folder"), opts)
     if kind is Layout.DCP:
         from .dcp import read_dcp  # torch.distributed.checkpoint costs ~1 s to import
 
@@ -135,7 +152,7 @@ def read_foreign_folder(
     raise unrecognised_folder(folder)
 
 
-def checkpoint_subfolders(folder: Path) -> list[Path]:
+def checkpoint_subfolders(folder: Location) -> list[Location]:
     """The folders directly inside ``folder`` that are checkpoints (foreign or ``CheckpointManager``), oldest first.
 
     Local. An HF Trainer ``output_dir`` holds ``checkpoint-N/`` folders: they sort by N.
@@ -150,7 +167,7 @@ def checkpoint_subfolders(folder: Path) -> list[Path]:
     return sorted(subs, key=lambda p: (int(m.group(1)) if (m := _HF_STEP_DIR.match(p.name)) else -1, p.name))
 
 
-def unrecognised_folder(folder: Path) -> NotACheckpointError:
+def unrecognised_folder(folder: Location) -> NotACheckpointError:
     """The error for a folder no reader recognises: what it holds, and which folders dist_resume reads. Local.
 
     A folder that holds checkpoint folders one level down (an HF Trainer ``output_dir``) says so and

@@ -17,6 +17,7 @@ from typing import Any, Final
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.text import preview
 from .._format.load import load_torch_file
+from .._format.safe_open import open_checkpoint_file
 from .._layout.layout import CheckpointParts, Layout, is_state_dict
 from .safetensors_read import read_safetensors
 
@@ -108,8 +109,9 @@ def _read_sharded(folder: Path, index_name: str, opts: dict[str, Any]) -> dict[s
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        with open_checkpoint_file(path) as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointCorruptError(f"cannot read {str(path)!r} as JSON ({err}); the file is damaged") from err
 
 

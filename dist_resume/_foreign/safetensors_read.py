@@ -18,9 +18,12 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.location import local_path
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
 from .._format.load import rank_map_location
+from .._format.safe_open import open_checkpoint_file
+from .._store.url import location
 
 __all__ = ["SAFETENSORS_SUFFIX", "is_safetensors", "read_safetensors_header", "read_safetensors"]
 
@@ -53,15 +56,22 @@ DTYPES: Final[dict[str, torch.dtype]] = {
 def is_safetensors(path: PathLike) -> bool:
     """True when the file's first bytes look like a safetensors header (a length, then ``{``). Local."""
     try:
-        with open(path, "rb") as f:
+        p = _local(path)
+        with open_checkpoint_file(p) as f:
             head = f.read(9)
-            size = Path(path).stat().st_size
+            size = p.stat().st_size
     except OSError:
         return False
     if len(head) < 9 or head[8:9] != b"{":
         return False
     n = int.from_bytes(head[:8], "little")
     return 0 < n <= min(_MAX_HEADER, size - 8)
+
+
+def _local(path: PathLike) -> Path:
+    """``path`` as a local path: a safetensors file is read from local disk only (one on a store is refused earlier,
+    by :func:`~dist_resume._foreign.folders.foreign_kind`)."""
+    return local_path(location(path), "reading a safetensors file")
 
 
 def _bad(path: Path, what: str) -> CheckpointCorruptError:
@@ -76,10 +86,10 @@ def read_safetensors_header(path: PathLike) -> tuple[int, dict[str, Any], dict[s
 
     Raises :class:`CheckpointCorruptError` when a length, offset, dtype or shape does not fit the file.
     """
-    p = Path(path)
+    p = _local(path)
     try:
         size = p.stat().st_size
-        with open(p, "rb") as f:
+        with open_checkpoint_file(p) as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise _bad(p, f"the file has {size} bytes, fewer than the 8-byte header length")
@@ -164,8 +174,9 @@ def read_safetensors(
     device = rank_map_location(map_location) if map_location is None or isinstance(map_location, int) else None
     device = device or torch.device(map_location)  # type: ignore[arg-type]
     data_start, entries, metadata = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        if mmap and Path(path).stat().st_size > 0:
+    p = _local(path)
+    with open_checkpoint_file(p) as f:
+        if mmap and p.stat().st_size > 0:
             buffer: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
         else:
             buffer = bytearray(f.read())

@@ -23,28 +23,23 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 
-from .._core.errors import CheckpointCorruptError, CheckpointWriteError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointWriteError
+from .._core.location import Location
 from .._core.text import preview
 from .._core.tree import map_tensors
 from .._core.types import MapLocation, PathLike
 from .._core.version import __version__
 from .._format.load import load_torch_file
-from .._format.manifest import (
-    MANIFEST,
-    SHARD_FILE,
-    TRAIN_STATE,
-    FileEntry,
-    Manifest,
-    manifest_problems,
-    read_manifest,
-)
+from .._format.manifest import MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, read_manifest
+from .._format.sharded_files import manifest_problems, rank_share
+from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state, optimizer_by_name
+from .._store.url import location
 
 __all__ = [
     "DCP_PARTS",
@@ -53,12 +48,12 @@ __all__ = [
     "join_payload",
     "new_manifest",
     "checked_manifest",
+    "checked_layout",
     "load_sharded_payload",
     "read_sharded",
 ]
 
 DCP_PARTS: Final = (Key.MODEL, Key.OPTIMIZER, Key.EMA)  # the payload entries saved through DCP
-SHARDED_LAYOUT: Final = "sharded_layout"  # train_state.pt's record of what DCP does not keep
 
 
 def _names_of(optimizer: Mapping[str, Any]) -> list[str]:
@@ -108,21 +103,45 @@ def _ordered(state: Mapping[str, Any], keys: list[str] | None, metadata: Any) ->
     return out
 
 
-def _optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
+def _optimizer(saved: Any, where: str) -> dict[str, Any]:
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not (
+        isinstance(saved, Mapping)
+        and isinstance(saved.get("state", {}), Mapping)
+        and isinstance(groups, list)
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)
+    ):
+        raise CheckpointCorruptError(
+            f"{where}: its optimizer entry is not an optimizer state dict (param_groups of lists of params); the "
+            "folder is damaged: resume from an earlier checkpoint"
+        )
     by_ids = normalize_optimizer_state({"state": saved.get("state", {}), "param_groups": saved["param_groups"]})
     state = by_ids["state"]
     return {**by_ids, "state": {k: state[k] for k in sorted(state, key=lambda k: (type(k) is not int, str(k)))}}
 
 
-def join_payload(dcp_state: Mapping[str, Any], train_state: Mapping[str, Any]) -> dict[str, Any]:
-    """The payload :func:`split_payload` split (full tensors where DCP gave them), in its original key order."""
-    layout = train_state.get(SHARDED_LAYOUT) or {}
+def checked_layout(train_state: Any, where: str) -> Mapping[str, Any]:
+    """``train_state``'s ``sharded_layout`` entry, every field typed (what :func:`join_payload` reads), or
+    :class:`CheckpointCorruptError` naming ``where`` (the train state file). Local."""
+    problem = layout_problem(train_state)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{where} is damaged: {problem}; it is not the train state of a sharded checkpoint as a save writes it: "
+            "resume from an earlier checkpoint"
+        )
+    return dict(train_state[SHARDED_LAYOUT])
+
+
+def join_payload(dcp_state: Mapping[str, Any], train_state: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The payload :func:`split_payload` split (full tensors where DCP gave them), in its original key order;
+    ``where`` names the folder in an error."""
+    layout = checked_layout(train_state, f"{where}: {TRAIN_STATE}")
     parts: dict[str, Any] = {k: v for k, v in train_state.items() if k != SHARDED_LAYOUT}
     for key in DCP_PARTS:
         if key not in dcp_state:
             continue
         if key == Key.OPTIMIZER:
-            parts[key] = _optimizer(dcp_state[key])
+            parts[key] = _optimizer(dcp_state[key], where)
         else:
             parts[key] = _ordered(dcp_state[key], layout.get(f"{key}_keys"), layout.get(f"{key}_metadata"))
     order = [k for k in layout.get("order", ()) if k in parts]
@@ -159,10 +178,13 @@ def new_manifest(
     )
 
 
-def checked_manifest(folder: Path) -> Manifest:
-    """The folder's manifest, every file it lists there with its size (CRCs are ``verify``'s). Local."""
+def checked_manifest(folder: Location, share: tuple[int, int] | None = None) -> Manifest:
+    """The folder's manifest, every file it lists there with its size and nothing else, ``.metadata`` describing the
+    listed shards (CRCs are ``verify``'s); ``share`` ``(rank, world_size)``: this rank's part of the CRC-32 check the
+    ranks split (:func:`~dist_resume._format.manifest.rank_share`). Local."""
     manifest, _ = read_manifest(folder)
-    problems = manifest_problems(folder, manifest, verify=False)
+    mine = None if share is None else rank_share(manifest, *share)
+    problems = manifest_problems(folder, manifest, verify=mine is not None, share=mine)
     if problems:
         raise CheckpointCorruptError(
             f"sharded checkpoint {str(folder)!r} differs from its {MANIFEST}: "
@@ -180,16 +202,15 @@ def load_sharded_payload(path: PathLike, *, weights_only: bool = True) -> dict[s
     """
     from .dcp import load_dcp_state  # torch.distributed.checkpoint costs ~1 s to import
 
-    folder = Path(path)
+    folder = location(path)
     manifest = checked_manifest(folder)
     train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
-    if not isinstance(train_state, Mapping) or SHARDED_LAYOUT not in train_state:
-        raise NotACheckpointError(f"{str(folder / TRAIN_STATE)!r} is not the train state of a sharded checkpoint")
+    checked_layout(train_state, repr(str(folder / TRAIN_STATE)))
     dcp_state = load_dcp_state(folder, weights_only=weights_only)
     absent = [c for c in manifest.contents if c not in dcp_state]
     if absent:
         raise CheckpointCorruptError(f"sharded checkpoint {str(folder)!r}: its DCP files hold no {absent}")
-    return join_payload(dcp_state, train_state)
+    return join_payload(dcp_state, train_state, f"sharded checkpoint {str(folder)!r}")
 
 
 def read_sharded(path: PathLike, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
@@ -200,7 +221,7 @@ def read_sharded(path: PathLike, *, map_location: MapLocation = None, weights_on
     """
     from .dcp import folder_device
 
-    folder = Path(path)
+    folder = location(path)
     payload = load_sharded_payload(folder, weights_only=weights_only)
     device = folder_device("cpu" if map_location is None else map_location, folder)
     if device.type != "cpu":

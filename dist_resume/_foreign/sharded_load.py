@@ -18,21 +18,23 @@ import dataclasses
 import io
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import IO, Any, Final, cast
 
 import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
+from .._core.location import Location
 from .._core.tree import set_path
 from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
 from .._format.records import check_zip_stream
+from .._format.safe_open import open_in_folder
 from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
-from .sharded import SHARDED_LAYOUT, checked_manifest, join_payload
+from .._store.url import location
+from .sharded import checked_layout, checked_manifest, join_payload
 
 __all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]
 
@@ -43,7 +45,7 @@ def _get(root: Any, path: tuple[Any, ...]) -> Any:
     return root
 
 
-def _dcp_skeleton(folder: Path, weights_only: bool) -> tuple[dict[str, Any], dict[int, str]]:
+def _dcp_skeleton(folder: Location, weights_only: bool) -> tuple[dict[str, Any], dict[int, str]]:
     """The DCP state's structure with meta tensors, its objects read; ``{id(meta tensor): DCP key}``."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -98,7 +100,7 @@ _PARTLY: Final = (
 )
 
 
-def _unreadable(folder: Path, err: BaseException, partly: bool = False) -> CheckpointCorruptError:
+def _unreadable(folder: Location, err: BaseException, partly: bool = False) -> CheckpointCorruptError:
     detail = (str(err).splitlines() or [""])[0][:200]
     held = _PARTLY if partly else ""
     return CheckpointCorruptError(
@@ -107,22 +109,27 @@ def _unreadable(folder: Path, err: BaseException, partly: bool = False) -> Check
     )
 
 
-def read_sharded_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
+def read_sharded_skeleton(
+    path: PathLike, *, weights_only: bool = True, share: tuple[int, int] | None = None
+) -> tuple[CheckpointParts, dict[int, str]]:
     """A sharded checkpoint folder as :class:`CheckpointParts` whose DCP tensors are meta stand-ins, and
     ``{id(stand-in): DCP key}`` to load each into its destination later (:func:`load_into_shards`). Local.
 
-    The manifest is checked first (every file there with its size); the train state is read whole (it is small).
+    The folder is checked first (:func:`~dist_resume._foreign.sharded.checked_manifest`: every file there with its
+    size, nothing else, ``.metadata`` describing the shards); with ``share`` ``(rank, world_size)`` this rank also
+    checks the CRC-32s of its part of the files, so that the ranks together check every byte the fill will read
+    before anything changes. The train state is read whole (it is small).
     """
-    folder = Path(path)
-    manifest = checked_manifest(folder)
+    folder = location(path)
+    manifest = checked_manifest(folder, share)
     train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
-    if not isinstance(train_state, Mapping) or SHARDED_LAYOUT not in train_state:
-        raise NotACheckpointError(f"{str(folder / TRAIN_STATE)!r} is not the train state of a sharded checkpoint")
+    checked_layout(train_state, repr(str(folder / TRAIN_STATE)))
     dcp_state, keys = _dcp_skeleton(folder, weights_only)
     absent = [c for c in manifest.contents if c not in dcp_state]
     if absent:
         raise CheckpointCorruptError(f"sharded checkpoint {str(folder)!r}: its DCP files hold no {absent}")
-    parts = split_checkpoint(join_payload(dcp_state, train_state), source=f"sharded checkpoint {str(folder)!r}")
+    where = f"sharded checkpoint {str(folder)!r}"
+    parts = split_checkpoint(join_payload(dcp_state, train_state, where), source=where)
     files = sorted(p.name for p in folder.iterdir() if p.is_file())
     meta = {**parts.meta, "source_layout": Layout.SHARDED.value, "files": files}
     return dataclasses.replace(parts, layout=Layout.SHARDED, meta=meta), keys
@@ -156,7 +163,7 @@ class _Range(io.RawIOBase):
         return int(self._base.readinto(view)) if left else 0
 
 
-def _shard_reader(folder: Path, weights_only: bool) -> Any:
+def _shard_reader(folder: Location, weights_only: bool) -> Any:
     """DCP's reader (``.metadata`` through the allowlist) reading each saved chunk in place: every entry's zip
     directory is checked first, then ``torch.load(weights_only=True)`` builds the chunk, which is copied into its
     destination and let go before the next one is read. At most one saved chunk is held at a time."""
@@ -176,7 +183,7 @@ def _shard_reader(folder: Path, weights_only: bool) -> Any:
             for req in plan.items:
                 by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
             for name, reqs in by_file.items():
-                with open(folder / name, "rb") as stream:
+                with open_in_folder(folder, name) as stream:
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                         self._read_one(stream, name, req, planner)
             done: Future[None] = Future()
@@ -213,7 +220,7 @@ def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[Che
     from .dcp import is_dcp_folder
     from .dcp_metadata import METADATA
 
-    folder = Path(path)
+    folder = location(path)
     if not is_dcp_folder(folder):
         raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {METADATA} and *.distcp files)")
     state, keys = _dcp_skeleton(folder, weights_only)
@@ -235,7 +242,7 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    folder = Path(path)
+    folder = location(path)
     try:
         with warnings.catch_warnings():  # one process (convert, tests): DCP says it reads alone; it may
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -15,15 +15,16 @@ import io
 import pickle
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.location import Location, looked_up
 from .._core.security import warn_if_unsafe_torch
 from .._core.types import PathLike
+from .._store.url import location
 from .records import Record
 from .small_records import read_checked_records
 from .sniff import check_walkable, unsafe_error
@@ -47,7 +48,7 @@ class StorageInfo:
 class ArchiveContents:
     """The structure of a checkpoint with meta tensors in place of data, and where the data lives."""
 
-    path: Path
+    path: Location
     archive_name: str
     records: list[Record]
     pickle_size: int
@@ -73,7 +74,7 @@ class ArchiveContents:
         self._keepalive.append(storage)
 
 
-def _name(path: Path) -> str:
+def _name(path: Location) -> str:
     return repr(str(path))
 
 
@@ -111,7 +112,7 @@ class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
         return typed
 
 
-def read_archive(path: PathLike) -> ArchiveContents:
+def read_archive(path: PathLike | Location) -> ArchiveContents:
     """Unpickle a checkpoint's structure with meta tensors in place of data. Local; reads only ``data.pkl``.
 
     Refuses what ``torch.load(weights_only=True)`` refuses (with the global's name), before any of
@@ -125,7 +126,7 @@ def read_archive(path: PathLike) -> ArchiveContents:
         >>> contents.obj["w"].shape, contents.storages["0"].location
         (torch.Size([2, 3]), 'cpu')
     """
-    p = Path(path)
+    p = looked_up(location(path))
     checked = read_checked_records(p, keep_pickle=True)  # every small record's CRC, data.pkl's included
     data = checked.pickle or b""
     contents = ArchiveContents(p, checked.archive_name, checked.records, len(data), None, {})

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointWriteError
+from .._core.location import Location, RemotePath
 from .._core.types import PathLike
+from .._store.upload import upload
+from .._store.url import location
 
 __all__ = [
     "TEMP_NAME",
@@ -38,12 +41,14 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def remove_path(path: Path) -> None:
+def remove_path(path: Location) -> None:
     """Delete a file or a whole folder tree; a symlink goes as a link. Local.
 
     ``shutil.rmtree`` never follows a symlink inside the tree (it unlinks it), so nothing outside ``path``
-    is touched. A path that is already gone is fine."""
-    if path.is_dir() and not path.is_symlink():
+    is touched. A path that is already gone is fine. On a store: the object, or every object under the prefix."""
+    if isinstance(path, RemotePath):
+        path.remove_tree()
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -101,7 +106,7 @@ def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
             continue
 
 
-def write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
+def write_error(dest: Location, err: BaseException) -> CheckpointWriteError:
     """The :class:`CheckpointWriteError` for a failed write of ``dest``: the cause (disk full, ...) and the fix."""
     if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
         what, fix = _WRITE_ERRORS[err.errno]
@@ -110,13 +115,41 @@ def write_error(dest: Path, err: BaseException) -> CheckpointWriteError:
         what, fix = err.strerror or str(err), "fix the cause"
     else:
         what, fix = (str(err).splitlines() or [""])[0], "fix the cause"
+    left = "the upload was aborted" if isinstance(dest, RemotePath) else "no temporary file was left behind"
     return CheckpointWriteError(
-        f"saving {str(dest)!r} failed: {what}; the previous checkpoint (if any) is untouched and no temporary "
-        f"file was left behind; {fix}, then save again"
+        f"saving {str(dest)!r} failed: {what}; the previous checkpoint (if any) is untouched and {left}; {fix}, "
+        "then save again"
     )
 
 
-def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
+def _not_pickled(dest: Location, err: BaseException) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
+        "keep lambdas, open files and other unpicklable objects out of state dicts and extra. "
+        "The previous checkpoint (if any) is untouched"
+    )
+
+
+def _upload(dest: RemotePath, write: Callable[[Any], None]) -> RemotePath:
+    """:func:`atomic_write` of an object: a streamed upload, visible only once complete (see :mod:`dist_resume._store.upload`)."""
+    recorder: _RecordingFile | None = None
+
+    def record(f: Any) -> None:
+        nonlocal recorder
+        recorder = _RecordingFile(f)
+        write(recorder)
+
+    try:
+        upload(dest, record)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise _not_pickled(dest, err) from err
+    except Exception as err:  # the store's errors (OSError subclasses from s3fs, botocore's own), torch's RuntimeError
+        cause = recorder.error if recorder is not None and recorder.error is not None else err
+        raise write_error(dest, cause) from cause
+    return dest
+
+
+def atomic_write(path: PathLike | Location, write: Callable[[Any], None]) -> Location:
     """Write ``path`` through a temporary file in the same folder, fsync it, then ``os.replace`` it in.
 
     Local. A reader sees the old file or the new one, never a partial one: the rename is the
@@ -128,12 +161,17 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
     names the cause; a process killed mid-write leaves a ``.<name>.<hex>.tmp`` file
     (:data:`TEMP_NAME`) that :class:`CheckpointManager` removes on its next save.
 
+    An object on a store (a URL) is uploaded straight to its name, streamed: the upload's last request commits it,
+    so a reader sees the old object or the new one, never a partial one, and a killed upload leaves nothing visible.
+
     Example::
 
         >>> dist_resume._format.atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
         PosixPath('w.pt')
     """
-    dest = Path(path)
+    dest = location(path)
+    if isinstance(dest, RemotePath):
+        return _upload(dest, write)
     folder = dest.parent
     if not folder.is_dir():
         raise CheckpointWriteError(
@@ -155,11 +193,7 @@ def atomic_write(path: PathLike, write: Callable[[Any], None]) -> Path:
         cause = recorder.error if recorder is not None and recorder.error is not None else err
         raise write_error(dest, cause) from cause
     except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
-        raise CheckpointWriteError(
-            f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
-            "keep lambdas, open files and other unpicklable objects out of state dicts and extra. "
-            "The previous checkpoint (if any) is untouched"
-        ) from err
+        raise _not_pickled(dest, err) from err
     finally:
         if tmp_name is not None:
             try:

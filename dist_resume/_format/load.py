@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import re
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -16,6 +19,7 @@ from .._core.errors import (
     EnvironmentMismatchError,
     NotACheckpointError,
 )
+from .._core.location import Location, RemotePath
 from .._core.security import warn_if_unsafe_torch
 from .._core.torch_compat import allowing_plain_globals
 from .._core.torch_errors import (
@@ -28,9 +32,11 @@ from .._core.torch_errors import (
 from .._core.types import MapLocation, PathLike
 from .._dist.accelerator import current_accelerator
 from .._dist.env import rank_device
-from .records import verify_zip
+from .._sim import sim_tags_note
+from .._store.ranges import RangeFile
 from .small_records import read_checked_records
 from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
+from .zip_verify import verify_zip
 
 __all__ = ["rank_map_location", "load_torch_file"]
 
@@ -72,15 +78,25 @@ def _visible(device_type: str) -> str:
     return f"0 visible {device_type} device(s)" + (f" (its accelerator is {acc.type})" if acc else "")
 
 
-def _corrupt(path: Path, err: BaseException) -> CheckpointCorruptError:
+def _corrupt(path: Location, err: BaseException) -> CheckpointCorruptError:
     return CheckpointCorruptError(
         f"checkpoint {str(path)!r} is damaged or truncated ({error_summary(err)}); "
         "most likely a save that was interrupted: resume from an earlier checkpoint"
     )
 
 
+@contextlib.contextmanager
+def _opened(p: Location) -> Iterator[Path | IO[bytes]]:
+    """What torch.load reads: a local path (which it may map), or an object read by ranges."""
+    if not isinstance(p, RemotePath):
+        yield p
+        return
+    with RangeFile(p) as f:
+        yield cast(IO[bytes], f)
+
+
 def load_torch_file(
-    path: PathLike,
+    path: PathLike | Location,
     *,
     map_location: MapLocation = None,
     mmap: bool = True,
@@ -98,6 +114,8 @@ def load_torch_file(
     every record's, tensor data included (reads the file once more). A mismatch raises
     :class:`CheckpointCorruptError` before anything is unpickled.
 
+    An object on a store (a URL) is read by ranges into memory (``mmap`` does not apply: nothing local to map).
+
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
@@ -108,6 +126,8 @@ def load_torch_file(
     if verify:  # refuses the legacy format, which has no checksums
         verify_zip(p)
     legacy = file_kind(p) is FileKind.LEGACY
+    remote = isinstance(p, RemotePath)
+    mmap = mmap and not remote
     if legacy and mmap:
         raise NotACheckpointError(
             f"checkpoint {str(p)!r} uses torch's legacy (pre-1.6) format, which cannot be memory-mapped; "
@@ -121,8 +141,8 @@ def load_torch_file(
     if map_location is None or isinstance(map_location, int):
         map_location = rank_map_location(map_location)
     try:
-        with allowing_plain_globals():  # argparse.Namespace (``args``) carries no code
-            obj = torch.load(p, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
+        with allowing_plain_globals(), _opened(p) as source:  # argparse.Namespace (``args``) carries no code
+            obj = torch.load(source, map_location=map_location, mmap=mmap, weights_only=weights_only)  # type: ignore[arg-type]
     except pickle.UnpicklingError as err:
         if classify_load_error(err) is LoadFailure.UNSAFE:
             raise unsafe_error(p, err) from err
@@ -143,9 +163,11 @@ def load_torch_file(
                     f"cannot load checkpoint {str(p)!r} onto map_location={map_location!r}: this process has "
                     f"{_visible(torch.device(map_location).type)}; use dist_resume.rank_map_location()"
                 ) from err
+            sim = sim_tags_note(re.findall(r"\bsim:\d+", str(err)) + (["sim"] if "SIM device" in str(err) else []))
             raise CheckpointError(
                 f"checkpoint {str(p)!r} was saved on an accelerator and map_location={map_location!r} does not "
                 "move every storage to a device this process has; use dist_resume.rank_map_location()"
+                + (f"; {sim}" if sim else "")
             ) from err
         if failure is LoadFailure.NOT_TORCH_ARCHIVE:
             raise NotACheckpointError(

@@ -3,24 +3,29 @@
 A sharded checkpoint (what an FSDP2 run saves by default) is one folder: torch's DCP files (``.metadata``
 and each writing rank's ``__<rank>_<n>.distcp``), ``train_state.pt`` (the non-tensor state: scheduler,
 scaler, step, per-rank RNG, sampler position, metadata) and, written last, ``manifest.json``. The folder
-counts as a checkpoint only when its manifest parses and every file it lists is there with its size
-(and, checked with ``verify``, its CRC-32). The manifest is JSON so that tools without torch can read it.
+counts as a checkpoint only when its manifest parses, every file it lists is there with its size (and, checked with
+``verify``, its CRC-32), it holds no other file, and ``.metadata`` describes what the listed shards hold
+(:mod:`.sharded_files` checks the folder against its manifest). The manifest is JSON so that tools without torch can
+read it.
 
-Torch-free: this module imports nothing but the standard library and the error classes.
+Torch-free: this module imports nothing but the standard library, the error classes, the torch-free path types and
+store layer, and the modules beside it.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import re
-import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .._core.types import PathLike
+from .._store.url import location
+from .safe_open import check_name, open_in_folder, read_in_folder
 
 __all__ = [
     "SHARDED_FORMAT",
@@ -29,13 +34,12 @@ __all__ = [
     "TRAIN_STATE",
     "DCP_METADATA",
     "SHARD_FILE",
+    "REQUIRED",
     "FileEntry",
-    "FileProblem",
     "Manifest",
     "file_crc32",
     "file_entry",
     "read_manifest",
-    "manifest_problems",
 ]
 
 SHARDED_FORMAT: Final = "dist_resume.sharded"
@@ -46,12 +50,19 @@ DCP_METADATA: Final = ".metadata"
 SHARD_FILE: Final = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
 _CHUNK: Final = 4 << 20
 _MAX_MANIFEST: Final = 64 << 20  # a manifest lists files: megabytes at most even for thousands of ranks
+_MAX_INT: Final = (1 << 63) - 1  # steps, sizes, ranks: what an int64 holds
+_MAX_TEXT: Final = 4096  # a save id, a version, a mesh dimension's name
+_MAX_ITEMS: Final = 1 << 20  # files in one folder, dimensions of a mesh, entries of the DCP state
+_MAX_TIME: Final = 1e11  # saved_at: seconds since 1970, good until the year 5138
+REQUIRED: Final = (".metadata", "train_state.pt")  # every sharded folder holds these (and its shards)
 
 
-def file_crc32(path: str | os.PathLike[str]) -> int:
-    """The CRC-32 (zlib's) of a whole file, read in 4 MiB chunks. Local."""
+def file_crc32(path: PathLike) -> int:
+    """The CRC-32 (zlib's) of a whole file, read in 4 MiB chunks; a link or special file is refused (as
+    :func:`~dist_resume._format.safe_open.open_in_folder` refuses it). Local."""
     crc = 0
-    with open(path, "rb") as f:
+    p = location(path)
+    with open_in_folder(p.parent, p.name) as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -118,40 +129,45 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and check a manifest; :class:`CheckpointCorruptError` naming ``where`` for anything off."""
+        """Parse and check a manifest; :class:`CheckpointCorruptError` naming ``where`` for anything off: not UTF-8
+        JSON, nested past Python's limit, NaN or infinity, a field missing or of another type, an integer outside
+        int64, a file name that is not a name inside the folder."""
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:
-            raise _damaged(where, f"it is not JSON ({err})") from err
+            body = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise _damaged(where, f"it is not JSON ({type(err).__name__}: {str(err)[:200]})") from err
         if not isinstance(body, dict) or body.get("format") != SHARDED_FORMAT:
             raise _damaged(where, f"it has no format {SHARDED_FORMAT!r}")
         if body.get("format_version") != SHARDED_VERSION:
             raise NotACheckpointError(
-                f"{where} is format version {body.get('format_version')!r}; this dist_resume reads version "
+                f"{where} is format version {str(body.get('format_version'))[:40]}; this dist_resume reads version "
                 f"{SHARDED_VERSION}: upgrade dist_resume"
             )
         try:
-            files = tuple(_entry(f) for f in body["files"])
+            files = tuple(_entry(f) for f in _items(body["files"]))
             names = [f.name for f in files]
             if len(set(names)) != len(names) or MANIFEST in names:
                 raise ValueError("a file is listed twice, or the manifest lists itself")
+            absent = [n for n in REQUIRED if n not in names]
+            if absent:
+                raise ValueError(f"it lists no {absent}")
             shape, dims = body["mesh_shape"], body["mesh_dim_names"]
             manifest = cls(
                 _opt_int(body["step"]),
                 _opt_int(body["epoch"]),
                 _int(body["world_size"]),
-                None if shape is None else tuple(_int(n) for n in shape),
-                None if dims is None else tuple(_str(n) for n in dims),
+                None if shape is None else tuple(_int(n) for n in _items(shape)),
+                None if dims is None else tuple(_str(n) for n in _items(dims)),
                 _int(body["writers"]),
-                tuple(_str(c) for c in body["contents"]),
+                tuple(_str(c) for c in _items(body["contents"])),
                 files,
                 _str(body["save_id"]),
-                float(body["saved_at"]),
+                _time(body["saved_at"]),
                 _str(body["torch_version"]),
                 _str(body["dist_resume_version"]),
             )
         except (KeyError, TypeError, ValueError) as err:
-            raise _damaged(where, f"{type(err).__name__}: {err}") from err
+            raise _damaged(where, f"{type(err).__name__}: {str(err)[:200]}") from err
         return manifest
 
 
@@ -161,9 +177,19 @@ def _damaged(where: str, what: str) -> CheckpointCorruptError:
     )
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest holds")
+
+
+def _items(value: Any) -> list[Any]:
+    if not isinstance(value, list) or len(value) > _MAX_ITEMS:
+        raise ValueError(f"{str(value)[:60]} is not a list")
+    return value
+
+
 def _int(value: Any) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative int")
+    if type(value) is not int or not 0 <= value <= _MAX_INT:
+        raise ValueError(f"{str(value)[:60]} is not an int from 0 to 2**63-1")
     return value
 
 
@@ -171,83 +197,47 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else _int(value)
 
 
+def _time(value: Any) -> float:
+    if type(value) not in (int, float) or not (math.isfinite(value) and abs(value) <= _MAX_TIME):
+        raise ValueError(f"saved_at {str(value)[:60]} is not a time in seconds")
+    return float(value)
+
+
 def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a str")
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ValueError(f"{str(value)[:60]!r} is not a str of at most {_MAX_TEXT} characters")
     return value
 
 
 def _entry(value: Any) -> FileEntry:
+    if not isinstance(value, dict):
+        raise ValueError(f"a file entry is {type(value).__name__}, not an object")
     name = _str(value["name"])
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"file name {name!r} is not a name inside the folder")
+    bad_name = check_name(name)
+    if bad_name is not None:
+        raise ValueError(f"file name {bad_name}, not a name inside the folder")
     crc = _str(value["crc32"])
     if not re.fullmatch(r"[0-9a-f]{8}", crc):
-        raise ValueError(f"crc32 {crc!r} is not 8 hex digits")
+        raise ValueError(f"crc32 {crc[:20]!r} is not 8 hex digits")
     return FileEntry(name, _int(value["size"]), int(crc, 16), _int(value["rank"]))
 
 
-def read_manifest(folder: str | os.PathLike[str]) -> tuple[Manifest, bytes]:
+def read_manifest(folder: PathLike) -> tuple[Manifest, bytes]:
     """The folder's :class:`Manifest` and the manifest's bytes (what a digest covers). Local; reads one small file.
 
     A folder without ``manifest.json`` raises :class:`NotACheckpointError` (its save never finished, or it
     was copied in part); one whose manifest does not parse :class:`CheckpointCorruptError`.
     """
-    path = Path(folder) / MANIFEST
-    where = f"checkpoint {str(Path(folder))!r}"
+    root = location(folder)
+    where = f"checkpoint {str(root)!r}"
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_MANIFEST + 1)
-    except FileNotFoundError as err:
+        data = read_in_folder(root, MANIFEST, _MAX_MANIFEST)
+    except CheckpointNotFoundError as err:
         raise NotACheckpointError(
             f"{where} has no {MANIFEST}: its save did not finish (a killed save is never renamed to this name, "
             "so the folder was copied or edited in part); it does not count as a checkpoint: resume from an "
             "earlier one, or copy the whole folder again"
         ) from err
     except OSError as err:
-        raise CheckpointCorruptError(f"cannot read {str(path)!r}: {err.strerror or err}") from err
-    if len(data) > _MAX_MANIFEST:
-        raise _damaged(f"{where}: {MANIFEST}", f"larger than {_MAX_MANIFEST} bytes")
+        raise CheckpointCorruptError(f"cannot read {str(root / MANIFEST)!r}: {err.strerror or err}") from err
     return Manifest.from_json(data, f"{where}: {MANIFEST}"), data
-
-
-@dataclass(frozen=True, slots=True)
-class FileProblem:
-    """A file of the folder that differs from the manifest: missing, another size, or (``crc``) another CRC-32."""
-
-    name: str
-    problem: str
-    crc: bool = False
-
-
-def manifest_problems(folder: str | os.PathLike[str], manifest: Manifest, *, verify: bool) -> list[FileProblem]:
-    """How the folder's files differ from ``manifest``: each listed file must be a regular file of the listed size,
-    and with ``verify`` have the listed CRC-32 (reads every file once). Local. Files the manifest does not list
-    are no part of the checkpoint and are not looked at."""
-    root = Path(folder)
-    problems = []
-    for entry in manifest.files:
-        path = root / entry.name
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            problems.append(FileProblem(entry.name, "is missing"))
-            continue
-        except OSError as err:
-            problems.append(FileProblem(entry.name, f"cannot be read ({err.strerror or err})"))
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(FileProblem(entry.name, "is not a regular file"))
-        elif st.st_size != entry.size:
-            problems.append(FileProblem(entry.name, f"holds {st.st_size} bytes, the manifest says {entry.size}"))
-        elif verify:
-            try:
-                crc = file_crc32(path)
-            except OSError as err:
-                problems.append(FileProblem(entry.name, f"cannot be read ({err.strerror or err})"))
-                continue
-            if crc != entry.crc32:
-                problems.append(
-                    FileProblem(entry.name, f"CRC-32 {crc:08x}, the manifest says {entry.crc32:08x}", crc=True)
-                )
-    return problems

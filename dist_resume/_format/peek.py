@@ -22,10 +22,11 @@ import pickle
 import pickletools
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
+from .._core.location import Location
 from .._core.types import PathLike
+from .._store.url import location
 from .records import Record
 from .small_records import read_checked_records
 
@@ -102,7 +103,7 @@ class TensorStub:
 class Peeked:
     """What :func:`peek_archive` read: the unpickled structure (tensors as stubs) and the archive's records."""
 
-    path: Path
+    path: Location
     archive_name: str
     records: list[Record]
     obj: Any
@@ -233,7 +234,7 @@ def peek_archive(path: PathLike) -> Peeked:
         >>> peeked.obj["step"], peeked.obj["w"].shape, peeked.obj["w"].storage.dtype
         (3, (2, 3), 'float32')
     """
-    p = Path(path)
+    p = location(path)
     checked = read_checked_records(p, keep_pickle=True)
     data = checked.pickle or b""
     _check_opcodes(data)

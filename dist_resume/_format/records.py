@@ -1,43 +1,37 @@
-"""The records of a torch zip checkpoint and their integrity, without unpickling anything.
+"""The records of a torch zip checkpoint, without unpickling anything.
 
-:func:`read_records` reads the central directory and every local header (no record data);
-:func:`verify_archive` checks the archive's structure and the CRC-32 of every record, which
-``torch.load`` never does.
+:func:`read_records` reads the central directory and every local header (no record data) and checks what torch's C++
+reader would trust blindly; :mod:`~dist_resume._format.zip_verify` checks the archive's structure and the CRC-32 of
+every record, which ``torch.load`` never does.
 """
 
 from __future__ import annotations
 
 import io
-import mmap
 import struct
 import zipfile
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
-from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
-from .._core.text import preview
+from .._core.location import Location, RemotePath
 from .._core.types import PathLike
+from .._store.ranges import open_binary, prefetch
 from .sniff import FileKind, check_file, file_kind
 
 __all__ = [
     "LOCAL_HEADER",
     "LOCAL_SIGNATURE",
     "Record",
-    "FindingKind",
-    "ArchiveFinding",
     "read_records",
     "check_zip_bytes",
     "check_zip_stream",
-    "verify_zip",
 ]
 
 LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 LOCAL_SIGNATURE: Final = 0x04034B50
-_CRC_CHUNK: Final = 16 << 20
+_ENDS: Final = 256 << 10  # an object's directory is read with its first and last bytes (data.pkl, the directory)
+_HEADER_READ: Final = 1024  # a local header, its name and (torch's alignment padding) its extra field
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,33 +47,25 @@ class Record:
     compress_type: int
 
 
-class FindingKind(Enum):
-    """What kind of integrity problem an :class:`ArchiveFinding` reports."""
-
-    UNREADABLE = "unreadable"  # the archive's structure cannot be read (truncated, damaged directory)
-    DUPLICATE_RECORD = "duplicate_record"
-    NO_VERSION = "no_version"  # the 'version' record torch.save always writes is absent
-    CRC_MISMATCH = "crc_mismatch"
-    UNDECOMPRESSABLE = "undecompressable"  # a compressed record that does not inflate or fails its CRC
-
-
-@dataclass(frozen=True, slots=True)
-class ArchiveFinding:
-    """One integrity problem: the record it concerns (None for the archive as a whole) and what is wrong."""
-
-    record: str | None
-    problem: str
-    kind: FindingKind
-
-    def __str__(self) -> str:
-        return f"{self.record}: {self.problem}" if self.record else self.problem
-
-
-def _name(path: Path) -> str:
+def _name(path: Location) -> str:
     return repr(str(path))
 
 
-def read_records(path: PathLike) -> tuple[str, list[Record]]:
+def _read_directory(p: Location, size: int) -> list[Record]:
+    """Every record from the central directory and its local header: a local file read in place; an object by
+    ranges, its two ends in one batch and then every local header in another."""
+    if not isinstance(p, RemotePath):
+        with zipfile.ZipFile(p) as zf, open(p, "rb", buffering=0) as f:  # unbuffered: reads only the headers
+            return [_record(f, info, size) for info in zf.infolist()]
+    with open_binary(p, window=_ENDS) as f:
+        prefetch(f, [(0, _ENDS), (size - _ENDS, size)])
+        with zipfile.ZipFile(f) as zf:
+            infos = zf.infolist()
+        prefetch(f, [(i.header_offset, i.header_offset + LOCAL_HEADER.size + _HEADER_READ) for i in infos])
+        return [_record(f, info, size) for info in infos]
+
+
+def read_records(path: PathLike | Location) -> tuple[str, list[Record]]:
     """The archive name and the records of a torch zip checkpoint, in file order. Reads no record data.
 
     Reads the central directory and each record's local header only, and checks what torch's C++
@@ -96,9 +82,7 @@ def read_records(path: PathLike) -> tuple[str, list[Record]]:
         )
     size = p.stat().st_size
     try:
-        with zipfile.ZipFile(p) as zf, open(p, "rb", buffering=0) as f:  # unbuffered: reads only the headers
-            infos = zf.infolist()
-            records = [_record(f, info, size) for info in infos]
+        records = _read_directory(p, size)
     except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
         # zipfile raises UnicodeDecodeError for a name flagged UTF-8 that is not, NotImplementedError for
         # a "zip file version" it does not know: both are damage in a file torch.save wrote
@@ -192,87 +176,3 @@ def _record(f: Any, info: zipfile.ZipInfo, size: int) -> Record:
     return Record(
         name, info.header_offset, data_offset, info.compress_size, info.file_size, info.CRC, info.compress_type
     )
-
-
-def verify_zip(
-    path: PathLike, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
-) -> list[ArchiveFinding]:
-    """Check one torch zip file's structure and the CRC-32 of every record (the public face is ``verify_archive``)."""
-    p = Path(path)
-    try:
-        archive_name, records = read_records(p)
-    except CheckpointCorruptError as err:
-        findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
-    else:
-        findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
-    if findings and strict:
-        raise integrity_failure(
-            _name(p),
-            findings,
-            "the file was damaged after it was written (disk, copy or "
-            "transfer): resume from an earlier checkpoint or copy it again",
-        )
-    return findings
-
-
-def integrity_failure(name: str, findings: list[ArchiveFinding], advice: str) -> CheckpointCorruptError:
-    """The one refusal for a checkpoint whose integrity check found ``findings``: the first three, then ``advice``."""
-    shown = preview(findings, 3, sep="; ", quote=False)
-    return CheckpointCorruptError(f"checkpoint {name} failed its integrity check: {shown}; {advice}")
-
-
-def _structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:
-    findings = []
-    seen: set[str] = set()
-    for r in records:
-        if r.name in seen:
-            findings.append(ArchiveFinding(r.name, "appears twice in the archive", FindingKind.DUPLICATE_RECORD))
-        seen.add(r.name)
-    if f"{archive_name}/version" not in seen:
-        findings.append(ArchiveFinding(None, "the archive has no 'version' record", FindingKind.NO_VERSION))
-    return findings
-
-
-def _crc_findings(
-    path: Path, records: list[Record], progress: Callable[[int, int], None] | None
-) -> list[ArchiveFinding]:
-    findings = []
-    total, done = sum(r.compress_size for r in records), 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        data = memoryview(view)
-        try:
-            for r in records:
-                if r.compress_type != zipfile.ZIP_STORED:
-                    problem = _compressed_problem(path, r)
-                    if problem:
-                        findings.append(ArchiveFinding(r.name, problem, FindingKind.UNDECOMPRESSABLE))
-                    done += r.compress_size
-                    continue
-                crc = 0
-                for start in range(r.data_offset, r.data_offset + r.compress_size, _CRC_CHUNK):
-                    end = min(start + _CRC_CHUNK, r.data_offset + r.compress_size)
-                    crc = zlib.crc32(data[start:end], crc)
-                    if progress is not None:
-                        progress(done + end - r.data_offset, total)
-                done += r.compress_size
-                if crc != r.crc:
-                    findings.append(
-                        ArchiveFinding(
-                            r.name,
-                            f"CRC32 mismatch (recorded {r.crc:#010x}, data {crc:#010x}): its bytes changed",
-                            FindingKind.CRC_MISMATCH,
-                        )
-                    )
-        finally:
-            data.release()
-    return findings
-
-
-def _compressed_problem(path: Path, record: Record) -> str | None:
-    try:
-        with zipfile.ZipFile(path) as zf, zf.open(record.name) as member:
-            while member.read(_CRC_CHUNK):
-                pass
-    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError, OSError) as err:
-        return f"cannot be decompressed or fails its CRC32 ({type(err).__name__}: {err})"
-    return None

@@ -13,11 +13,13 @@ from __future__ import annotations
 import zipfile
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointCorruptError
+from .._core.location import Location, looked_up
 from .._core.types import PathLike
+from .._store.ranges import open_binary, prefetch
+from .._store.url import location
 from .records import Record, read_records
 
 __all__ = ["CheckedRecords", "read_checked_records", "check_small_records"]
@@ -32,11 +34,11 @@ class CheckedRecords:
     pickle: bytes | None
 
 
-def _name(path: Path) -> str:
+def _name(path: Location) -> str:
     return repr(str(path))
 
 
-def read_checked_records(path: PathLike, *, keep_pickle: bool = False) -> CheckedRecords:
+def read_checked_records(path: PathLike | Location, *, keep_pickle: bool = False) -> CheckedRecords:
     """:func:`~.records.read_records`, then the CRC-32 of every record that is not tensor data.
 
     Local. A mismatch raises :class:`CheckpointCorruptError` naming the file and the record, before
@@ -50,18 +52,21 @@ def read_checked_records(path: PathLike, *, keep_pickle: bool = False) -> Checke
         >>> read_checked_records("ckpt.pt").archive_name
         'ckpt'
     """
-    p = Path(path)
+    p = looked_up(location(path))
     archive_name, records = read_records(p)
     return CheckedRecords(archive_name, records, check_small_records(p, archive_name, records, keep_pickle))
 
 
 def check_small_records(
-    path: Path, archive_name: str, records: list[Record], keep_pickle: bool = False
+    path: Location, archive_name: str, records: list[Record], keep_pickle: bool = False
 ) -> bytes | None:
-    """The CRC-32 check of :func:`read_checked_records` on records already read; ``data.pkl``'s bytes if kept."""
+    """The CRC-32 check of :func:`read_checked_records` on records already read; ``data.pkl``'s bytes if kept.
+    An object's small records are fetched in one batch of ranges."""
     tensor_data, pickle_name = f"{archive_name}/data/", f"{archive_name}/data.pkl"
     kept: bytes | None = None
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
+        small = [r for r in records if not r.name.startswith(tensor_data)]
+        prefetch(f, [(r.data_offset, r.data_offset + r.compress_size) for r in small])
         for r in records:
             if r.name.startswith(tensor_data):
                 continue
@@ -84,7 +89,7 @@ def check_small_records(
     return kept
 
 
-def _record_bytes(path: Path, f: Any, record: Record) -> bytes:
+def _record_bytes(path: Location, f: Any, record: Record) -> bytes:
     """The uncompressed bytes of one record (:func:`~.records.read_records` checked its bounds)."""
     f.seek(record.data_offset)
     raw: bytes = f.read(record.compress_size)

@@ -4,7 +4,6 @@ can be walked, and refusals worded once."""
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import TypeVar
 
 from .._core.errors import (
@@ -14,7 +13,10 @@ from .._core.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
+from .._core.location import Location, RemotePath
 from .._core.types import PathLike
+from .._store.url import location
+from .safe_open import open_checkpoint_file
 
 __all__ = ["FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
 
@@ -33,9 +35,9 @@ class FileKind(Enum):
     UNKNOWN = "unknown"
 
 
-def file_kind(path: Path) -> FileKind:
+def file_kind(path: Location) -> FileKind:
     """The :class:`FileKind` of ``path``, from its first 16 bytes. Local."""
-    with open(path, "rb") as f:
+    with open_checkpoint_file(path) as f:  # a FIFO or device node is refused, never opened for reading
         head = f.read(16)
     if not head:
         return FileKind.EMPTY
@@ -48,10 +50,16 @@ def file_kind(path: Path) -> FileKind:
     return FileKind.UNKNOWN
 
 
-def check_file(path: PathLike) -> Path:
-    """Raise the right :class:`CheckpointError` when ``path`` cannot be a checkpoint; return it as a Path."""
-    p = Path(path)
-    if not p.exists():
+def check_file(path: PathLike) -> Location:
+    """Raise the right :class:`CheckpointError` when ``path`` cannot be a checkpoint; return it as a Path (or the
+    :class:`~dist_resume._core.location.RemotePath` of a URL)."""
+    p = location(path)
+    try:  # an object's stat is asked once, then known to every read of it
+        p = p.looked_up() if isinstance(p, RemotePath) else p
+        present = isinstance(p, RemotePath) or p.exists()
+    except FileNotFoundError:
+        present = False
+    if not present:
         hint = f" (the folder {str(p.parent)!r} does not exist either)" if not p.parent.exists() else ""
         raise CheckpointNotFoundError(f"checkpoint {str(p)!r} does not exist{hint}; check the path")
     if p.is_dir():
@@ -93,7 +101,7 @@ def check_walkable(obj: _T, subject: str) -> _T:
     return obj
 
 
-def unsafe_error(path: Path | str, err: BaseException) -> UnsafeCheckpointError:
+def unsafe_error(path: Location | str, err: BaseException) -> UnsafeCheckpointError:
     """The one refusal message: what ``torch.load(weights_only=True)`` refused in ``path``, and what to do.
 
     Used by the torch-file loader, the archive reader and DCP's entry reader alike; ``path`` is a
@@ -125,5 +133,5 @@ def unsafe_error(path: Path | str, err: BaseException) -> UnsafeCheckpointError:
     else:
         what = "torch.load(weights_only=True) refuses an object in it"
         fix = "if you trust the file, pass weights_only=False; never do so for a file from an unknown source"
-    subject = f"checkpoint {str(path)!r}" if isinstance(path, Path) else path
+    subject = path if isinstance(path, str) else f"checkpoint {str(path)!r}"
     return UnsafeCheckpointError(f"{subject} cannot be loaded safely: {what}; {fix}")

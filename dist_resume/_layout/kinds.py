@@ -58,7 +58,9 @@ def as_int(value: Any) -> int | None:
         value = value.item()
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)) and float(value).is_integer():
+    if isinstance(value, int):  # float() of one past 1e308 would overflow
+        return value
+    if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
 

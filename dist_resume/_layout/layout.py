@@ -101,15 +101,24 @@ def _is_lightning(obj: Mapping[str, Any]) -> bool:
 
 
 def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] | None) -> CheckpointParts:
-    meta = obj.get(Key.META) or {}
+    meta = obj.get(Key.META)
+    meta = {} if meta is None else meta  # (not `or {}`: the truth value of what a damaged file holds may raise)
     if not isinstance(meta, Mapping):
         raise NotACheckpointError(
             f"{source} is marked as a dist_resume checkpoint but its {Key.META!r} entry is "
             f"{type(meta).__name__}, not a mapping (the file is damaged or was edited)"
         )
     meta = dict(meta)
-    if not isinstance(obj.get(Key.MODEL), Mapping):
+    _check_meta(meta, source)
+    model = obj.get(Key.MODEL)
+    if not isinstance(model, Mapping):
         raise NotACheckpointError(f"{source} is marked as a dist_resume checkpoint but has no model state")
+    if odd := [k for k in model if not isinstance(k, str)]:
+        raise NotACheckpointError(
+            f"{source} is marked as a dist_resume checkpoint but its model state has keys that are not strings "
+            f"({preview(map(repr, odd), quote=False)}): the file is damaged or was edited; resume from another "
+            "checkpoint"
+        )
     parts = CheckpointParts(
         Layout.TOOLKIT,
         obj[Key.MODEL],
@@ -128,6 +137,26 @@ def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] |
     if not part_keys:
         return parts
     return replace(parts, **overrides(obj, part_keys, source), keys={**parts.keys, **part_keys})
+
+
+# what save_checkpoint writes under "meta" and the readers read: each entry's type (None allowed for every one)
+_META_TYPES: Final = {
+    **dict.fromkeys(("step", "epoch", "world_size"), (int,)),
+    **dict.fromkeys(("torch_version", "dist_resume_version", "model_class", "optimizer_class"), (str,)),
+    "saved_at": (int, float),
+}
+
+
+def _check_meta(meta: Mapping[str, Any], source: str) -> None:
+    """Refuse a ``meta`` entry of another type than save_checkpoint writes (the readers would trip on it later)."""
+    for key, types in _META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise NotACheckpointError(
+                f"{source} is marked as a dist_resume checkpoint but its {Key.META!r} entry {key!r} is "
+                f"{article(type(value).__name__)}, not {article(types[0].__name__)} (the file is damaged or was "
+                "edited); resume from another checkpoint"
+            )
 
 
 def split_checkpoint(

@@ -11,8 +11,10 @@ Caveats, in the docstring of :class:`~dist_resume.CheckpointManager` too:
   then do work across clients) or be local to one client (``local_lock=flock``/``all`` mounts,
   older clients, some FUSE filesystems): there two hosts can both "hold" it. Where that matters,
   keep one job per folder by other means too (the scheduler's job dependencies).
-- A child created with ``fork`` while the lock is held (a DataLoader worker forked by rank 0)
-  shares the open file description, so the lock lives until that child exits as well.
+- A child created with ``fork`` while the lock is held (a DataLoader worker forked by rank 0) would share the
+  open file description, and keep the lock after its parent died: every forked child closes its copy at once
+  (``os.register_at_fork``), so the lock dies with the process that took it. A descriptor passed on some other way
+  (``subprocess``'s ``pass_fds``) still holds it: a refusal then names the live processes that hold the file open.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import socket
 import stat
 import time
+import weakref
 from pathlib import Path
 from typing import Final
 
@@ -34,8 +37,70 @@ LOCK_NAME: Final = ".dist_resume.lock"
 _NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _holder(fd: int) -> str:
-    """Who holds the lock, as the holder wrote it into the file (best effort)."""
+_HELD: weakref.WeakSet[FolderLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def _close_in_child() -> None:
+    """In a forked child: close every lock descriptor inherited from the parent (the parent keeps the lock)."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _open_by(path: Path) -> list[str]:
+    """The live processes of this host that hold ``path`` open, as ``pid N (command)`` (from ``/proc``; best effort)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    found = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{entry.name}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                found.append(f"pid {entry.name} ({_command(entry.name)})")
+                break
+    return found
+
+
+def _command(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read(200).split(b"\0")
+    except OSError:
+        return "?"
+    return " ".join(w.decode("utf-8", "replace") for w in words if w)[:80] or "?"
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True  # another user's process, or a pid we cannot read: say nothing of it
+    return True
+
+
+def _holder(fd: int, path: Path) -> str:
+    """Who holds the lock: as the holder wrote it into the file, checked against the live processes (best effort)."""
     try:
         text = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
     except OSError:
@@ -49,10 +114,18 @@ def _holder(fd: int) -> str:
         since = ", since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(fields.get("since", ""))))
     except ValueError:
         pass
-    mine = host == socket.gethostname() and pid == str(os.getpid())
+    here = host == socket.gethostname()
+    mine = here and pid == str(os.getpid())
     who = f"host {host}, pid {pid}{since}"
     if mine:
         return f"another CheckpointManager in this very process ({who}): reuse that manager, or close() it first"
+    if here and not _alive(pid):
+        holders = _open_by(path)
+        live = ", ".join(holders) if holders else "a process this user cannot see"
+        return (
+            f"{live}: the lock was taken by {who}, which has exited, and a process that inherited its lock file "
+            "still holds it; stop that process (a leftover worker of the old job?)"
+        )
     return f"{who}: another job is saving into this folder (a relaunch while the old allocation still runs?)"
 
 
@@ -83,7 +156,7 @@ class FolderLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            holder = _holder(fd)
+            holder = _holder(fd, self.path)
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CheckpointWriteError(
@@ -103,6 +176,7 @@ class FolderLock:
         except OSError:
             pass  # the lock holds without the note (a full disk must not stop a save that may still fit)
         self._fd = fd
+        _HELD.add(self)
 
     def _open(self) -> int:
         """The lock file, opened without following a symlink, and only if it is a regular file of one link.
@@ -136,6 +210,7 @@ class FolderLock:
     def release(self) -> None:
         """Drop the lock (no-op if not held). Local."""
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is None:
             return
         try:

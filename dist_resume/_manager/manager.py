@@ -1,15 +1,16 @@
 """Checkpoint folders: the manager that saves numbered checkpoints into one, rotates and resumes.
 
-What a folder holds and which checkpoint counts is :mod:`~dist_resume._source.listing`'s;
-cleaning up and rotating after a save is :mod:`~dist_resume._manager.rotation`'s.
+What a folder holds and which checkpoint counts is :mod:`~dist_resume._source.listing`'s; how a run starts is
+:mod:`~dist_resume._manager.start`'s; the steps of one save are :mod:`~dist_resume._manager.folder_save`'s, and
+cleaning up and rotating after a save :mod:`~dist_resume._manager.rotation`'s.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -17,15 +18,15 @@ from .._checkpoint.objects import LiveObjects, TrainingObjects, data_position
 from .._checkpoint.options import ResumeOptions
 from .._checkpoint.restore import ResumeResult, checked_options
 from .._core.errors import CheckpointWriteError
+from .._core.location import Location
 from .._core.log import logger
 from .._core.types import PathLike
-from .._dist.comm import run_on_rank0
-from .._save.async_save import AsyncSave, wait_pending, write_in_background
-from .._save.save import prepare_payload, write_checkpoint
-from .._save.sharded import writes_folder
-from .._source.listing import checkpoint_name, latest_checkpoint, numbered_checkpoints, sharded_checkpoint_name
+from .._save.async_save import AsyncSave
+from .._source.listing import latest_checkpoint, numbered_checkpoints
+from .._store.url import location
+from .folder_save import SaveTarget, save_into, save_into_async
+from .lease import PrefixLease, writer_lock
 from .lock import FolderLock
-from .rotation import remove_leftovers, rotate_out
 from .start import start_run
 
 if sys.version_info >= (3, 11):
@@ -36,10 +37,8 @@ else:  # typing_extensions comes with torch
 __all__ = ["CheckpointManager"]
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int (it names the file), got {step!r}")
-    return step
+def _release(lock: FolderLock | PrefixLease) -> None:
+    lock.release()
 
 
 class CheckpointManager:
@@ -65,17 +64,23 @@ class CheckpointManager:
     crash-safe; the default 2 also keeps a fallback for a checkpoint damaged later (disk, copy).
     ``latest()`` returns the newest checkpoint that passes the integrity check.
 
+    ``folder`` may be a URL (``s3://bucket/run``, ``gs://``, ``az://``, any fsspec protocol; see
+    docs/checkpoint-folders.md): each checkpoint is then one object, uploaded as a stream and visible only once
+    complete, resumed by ranged reads straight into the tensors. ``storage_options`` (fsspec's: credentials,
+    ``endpoint_url``, ...) and ``cache_dir`` (a local folder keeping copies of the objects read) apply to a URL only;
+    credentials and endpoints otherwise come the standard way (``AWS_*``, ``AWS_ENDPOINT_URL``, ...).
+
     One writer per folder: :meth:`resume` and the first ``save``/``save_async`` take an exclusive lock
     on the folder (``fcntl.flock`` on ``<folder>/.dist_resume.lock``, on global rank 0, the rank that
     writes) and hold it until :meth:`close` (or the end of a ``with`` block, or the manager being
     garbage-collected). Another manager, in another job or in this process, that resumes or saves
     into the folder meanwhile gets a :class:`~dist_resume.errors.CheckpointWriteError` naming the folder
     and the holder (host, pid) before it reads or writes anything: a second job stops before it trains.
-    The kernel drops the lock when its holder dies, even by SIGKILL, so there is never a stale lock.
-    Reading (``latest()``, ``checkpoints()``, :func:`resume` of the folder, the CLI) never takes it.
-    Caveats: on NFS ``flock`` may be local to one client (``local_lock`` mounts, old clients), so two
-    hosts could both hold it; and a process forked while the lock is held (e.g. a DataLoader worker of
-    rank 0 started with ``fork``) keeps it held until it exits too.
+    The kernel drops the lock when its holder dies, even by SIGKILL (a process it forked, such as a DataLoader
+    worker, does not inherit it), so there is never a stale lock. Reading (``latest()``, ``checkpoints()``,
+    :func:`resume` of the folder, the CLI) never takes it. On NFS ``flock`` may be local to one client. On an
+    object store the lock is a lease object, ``<folder>/.dist_resume.lease``, renewed while it is held and ignored
+    once expired (a job killed leaves it for at most a minute).
 
     Example::
 
@@ -100,6 +105,8 @@ class CheckpointManager:
         keep_last: int = 2,
         options: ResumeOptions | None = None,
         full_state: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         **objects: Unpack[TrainingObjects],
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -109,15 +116,15 @@ class CheckpointManager:
                 "use 2 or more to keep a fallback in case the newest file is damaged later"
             )
         data_position(objects, saving=False, where="CheckpointManager()")  # unknown names fail here, not at a save
-        self.folder = Path(folder)
+        self.folder = location(folder, storage_options=storage_options, cache_dir=cache_dir)
         self.keep_last = keep_last
         self.full_state = bool(full_state)
         self.options = checked_options(options)
         self._objects: dict[str, Any] = dict(objects)
-        self._lock = FolderLock(self.folder)
+        self._lock = writer_lock(self.folder)
         self._pending: AsyncSave | None = None
         # the lock is released when the manager is garbage-collected, as on close()
-        self._finalizer = weakref.finalize(self, FolderLock.release, self._lock)
+        self._finalizer = weakref.finalize(self, _release, self._lock)
 
     def __repr__(self) -> str:
         full = ", full_state=True" if self.full_state else ""
@@ -152,11 +159,12 @@ class CheckpointManager:
             self._lock.release()
 
     @property
-    def lock_path(self) -> Path:
-        """The lock file, ``<folder>/.dist_resume.lock`` (present once a manager has resumed or saved here)."""
+    def lock_path(self) -> Location:
+        """The lock file, ``<folder>/.dist_resume.lock`` (present once a manager has resumed or saved here), or on
+        an object store the lease, ``<folder>/.dist_resume.lease`` (present while a manager holds it)."""
         return self._lock.path
 
-    def checkpoints(self) -> list[Path]:
+    def checkpoints(self) -> list[Location]:
         """Every file in the folder named like a checkpoint (``ckpt_<step>.pt``), oldest step first.
 
         Local; looks at names only, so a listed file may still be damaged: :meth:`latest` (or
@@ -227,13 +235,13 @@ class CheckpointManager:
         opts = self.options if options is None else checked_options(options)
         return start_run(self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume)
 
-    def latest(self, *, verify: bool = True) -> Path | None:
+    def latest(self, *, verify: bool = True) -> Location | None:
         """The newest complete checkpoint, or None. Local; see :func:`dist_resume.tools.latest_checkpoint`."""
         return latest_checkpoint(self.folder, verify=verify)
 
     def save(
         self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]
-    ) -> Path:
+    ) -> Location:
         """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
 
         Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
@@ -244,13 +252,7 @@ class CheckpointManager:
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
         live = self._live(objects, saving=True, where="save")
-        path = self._path(live, step)
-        wait_pending()
-        run_on_rank0(self._prepare)
-        build = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
-        write_checkpoint(path, build, step=step, epoch=epoch, model=live.model, full_state=self.full_state)
-        run_on_rank0(lambda: self._rotate(path, step))
-        return path
+        return save_into(self._target(), live, step, epoch=epoch, extra=extra)
 
     def save_async(
         self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]
@@ -261,25 +263,11 @@ class CheckpointManager:
         background thread only after the new checkpoint is durable.
         """
         live = self._live(objects, saving=True, where="save_async")
-        path = self._path(live, step)
-        wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
-        run_on_rank0(self._prepare)
-        build = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
-        self._pending = write_in_background(
-            path,
-            build,
-            step=step,
-            epoch=epoch,
-            after_write=lambda done: self._rotate(done, step),
-            model=live.model,
-            full_state=self.full_state,
-        )
+        self._pending = save_into_async(self._target(), live, step, epoch=epoch, extra=extra)
         return self._pending
 
-    def _path(self, live: LiveObjects, step: int) -> Path:
-        """``ckpt_<step>.pt``, or ``ckpt_<step>.dcp`` for the sharded checkpoint folder of an FSDP2 model."""
-        folder = writes_folder(live.model, self.full_state)
-        return self.folder / (sharded_checkpoint_name if folder else checkpoint_name)(_check_step(step))
+    def _target(self) -> SaveTarget:
+        return SaveTarget(self.folder, self._lock, self.keep_last, self.full_state)
 
     def _live(self, objects: Mapping[str, Any], *, saving: bool, where: str) -> LiveObjects:
         where = f"CheckpointManager.{where}()"
@@ -293,10 +281,3 @@ class CheckpointManager:
                 f"CheckpointManager.resume() takes the folder's write lock before it reads anything, so that a "
                 f"second job on the folder stops before it trains: {err}"
             ) from err
-
-    def _prepare(self) -> None:
-        self._lock.acquire()  # before anything is written or removed
-        remove_leftovers(self.folder)
-
-    def _rotate(self, new: Path, step: int) -> None:
-        rotate_out(self.folder, new, step, self.keep_last)

@@ -7,16 +7,17 @@ restore, so that ``manager.py`` stays free of ``restore``'s imports.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Final
 
 from .._checkpoint.objects import LiveObjects
 from .._checkpoint.options import OptimizerHparams, ResumeOptions
 from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from .._core.location import Location, RemotePath
 from .._core.log import log_rank0
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
@@ -26,6 +27,7 @@ from .._source.consensus import choose_newest, confirm_choice, resolve_source
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
 from .._source.source import Source
+from .._store.url import location
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -40,13 +42,22 @@ class FolderState(enum.Enum):
     NONE_YET = "none yet"  # no such file, or no folder yet under an existing parent
 
 
-def folder_state(folder: Path) -> tuple[FolderState, list[tuple[int, Path]]]:
+def folder_state(folder: Location) -> tuple[FolderState, list[tuple[int, Location]]]:
     """Whether ``folder`` holds files named like checkpoints, and those files (step, path), oldest first.
     Local (rank 0 calls it for everyone).
 
     A missing folder whose parent exists is a first run (the manager creates it to take its lock);
-    a missing parent is a mistyped path and raises :class:`CheckpointNotFoundError`.
+    a missing parent is a mistyped path and raises :class:`CheckpointNotFoundError`. On an object store a prefix
+    with nothing under it is a first run, and a missing bucket the mistyped path.
     """
+    if isinstance(folder, RemotePath) and not folder.exists():
+        bucket = folder.bucket
+        if bucket is not None and not bucket.exists():
+            raise CheckpointNotFoundError(
+                f"checkpoint folder {str(folder)!r} is in the bucket {str(bucket)!r}, which does not exist (or these "
+                "credentials cannot see it): create the bucket for a first run, or fix the URL"
+            )
+        return FolderState.NONE_YET, []
     if not folder.exists():
         parent = folder.absolute().parent
         if not parent.is_dir():
@@ -55,6 +66,7 @@ def folder_state(folder: Path) -> tuple[FolderState, list[tuple[int, Path]]]:
                 "a mistyped path would quietly start from step 0, so this is an error; create the parent "
                 "folder for a first run, or fix the path"
             )
+        _warn_near_miss(folder, parent)
         return FolderState.NONE_YET, []
     if not folder.is_dir():
         raise CheckpointNotFoundError(
@@ -78,7 +90,29 @@ def folder_state(folder: Path) -> tuple[FolderState, list[tuple[int, Path]]]:
     return FolderState.NONE_YET, []
 
 
-def _every_rank_sees(path: Path, what: str) -> None:
+def _warn_near_miss(folder: Location, parent: Location) -> None:
+    """Say at WARNING (printed even without logging set up) when a folder next to the missing ``folder``, named
+    almost like it, holds checkpoints: a mistyped path would otherwise start from step 0 with one INFO line."""
+    try:
+        names = [entry.name for entry in parent.iterdir() if entry.is_dir() and entry.name != folder.name]
+    except OSError:
+        return
+    for name in difflib.get_close_matches(folder.name, names, n=3, cutoff=0.75):
+        numbered = numbered_checkpoints(parent / name)
+        if numbered:
+            log_rank0(
+                logging.WARNING,
+                "checkpoint folder %s does not exist, but %s next to it holds checkpoints (newest: %s): if that is "
+                "the run to continue, fix the path; starting fresh in %s",
+                folder,
+                parent / name,
+                numbered[-1][1].name,
+                folder,
+            )
+            return
+
+
+def _every_rank_sees(path: Location, what: str) -> None:
     """Raise on every rank when some rank does not see ``path``. Collective under torch.distributed."""
     if not is_distributed():
         return
@@ -93,7 +127,7 @@ def _every_rank_sees(path: Path, what: str) -> None:
 
 
 def start_run(
-    folder: Path,
+    folder: Location,
     objects: LiveObjects,
     options: ResumeOptions,
     *,
@@ -123,7 +157,7 @@ def start_run(
     if init_from is None:
         log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
         return None
-    other = Path(init_from)
+    other = location(init_from)
     exists: bool = run_on_rank0(other.exists, fallback=CheckpointError)
     if not exists:
         raise CheckpointNotFoundError(

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
+from .._core.location import Location
 from .._core.log import log_rank0
 from .._core.tree import map_tensors
 from .._core.types import PathLike
@@ -23,6 +24,7 @@ from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
+from .._store.url import location
 from .save import prepare_payload
 from .sharded import begin_sharded, finish_sharded, save_full
 
@@ -63,12 +65,12 @@ def _snapshot(obj: Any) -> tuple[Any, set[torch.device]]:
 class AsyncSave:
     """Handle of a checkpoint being written in the background by :func:`save_checkpoint_async`."""
 
-    def __init__(self, path: Path, thread: threading.Thread | None, *, every_rank: bool = False) -> None:
+    def __init__(self, path: Location, thread: threading.Thread | None, *, every_rank: bool = False) -> None:
         self.path = path
         self._thread = thread
         self._every_rank = every_rank  # a sharded save: every rank writes in a thread of its own
         self._error: BaseException | None = None
-        self._outcome: tuple[Path | None, BaseException | None] | None = None
+        self._outcome: tuple[Location | None, BaseException | None] | None = None
 
     def _start(self, write: Callable[[], None]) -> None:
         """Run ``write`` in a thread; its error, if any, is what :meth:`wait` raises (on every rank)."""
@@ -95,14 +97,14 @@ class AsyncSave:
         """True once :meth:`wait` has returned or raised (its outcome was delivered). Local."""
         return self._outcome is not None
 
-    def _join(self) -> Path:
+    def _join(self) -> Location:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
             raise self._error
         return self.path
 
-    def wait(self) -> Path:
+    def wait(self) -> Location:
         """Block until the checkpoint is durable; return its path or raise the write's error.
 
         Collective under torch.distributed (rank 0 reports its outcome to every rank): call it on
@@ -126,13 +128,14 @@ class AsyncSave:
         return path
 
 
-def wait_pending() -> Path | None:
+def wait_pending() -> Location | None:
     """Wait for the previous asynchronous save, if any (collective like :meth:`AsyncSave.wait`)."""
     with _pending_lock:
         pending = _pending
     return pending.wait() if pending is not None else None
 
 
+@refuses_moved_keywords
 def save_checkpoint_async(
     path: PathLike,
     *,
@@ -173,7 +176,7 @@ def save_checkpoint_async(
     """
     wait_pending()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
-    build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
+    build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     return write_in_background(path, build, step=step, epoch=epoch, model=model, full_state=full_state)
 
 
@@ -189,7 +192,7 @@ def _background_group() -> Any:
 
 
 def _sharded_in_background(
-    dest: Path, build: Callable[[], dict[str, Any]], model: nn.Module, *, step: Any, epoch: Any, after: Any
+    dest: Location, build: Callable[[], dict[str, Any]], model: nn.Module, *, step: Any, epoch: Any, after: Any
 ) -> AsyncSave:
     save = begin_sharded(dest, build, model, step=step, epoch=epoch).staged()
     group = _background_group()
@@ -210,7 +213,7 @@ def write_in_background(
     *,
     step: int | None,
     epoch: int | None = None,
-    after_write: Callable[[Path], None] | None = None,
+    after_write: Callable[[Location], None] | None = None,
     model: nn.Module | None = None,
     full_state: bool = False,
 ) -> AsyncSave:
@@ -218,7 +221,7 @@ def write_in_background(
     rotation) once the file is durable. Local; the caller has waited for the previous save (:func:`wait_pending`).
     An FSDP2 ``model``: collective, every rank writes its shards in a thread (``full_state``: one file, now)."""
     global _pending
-    dest = Path(path)
+    dest = location(path)
     if model is not None and is_sharded(model):
         if full_state:
             written = save_full(dest, build, step=step, epoch=epoch)

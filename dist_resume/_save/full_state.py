@@ -16,13 +16,13 @@ import hashlib
 import logging
 import pickle
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._core.errors import CheckpointWriteError
+from .._core.location import Location
 from .._core.log import log_rank0, logger
 from .._core.shards import is_dtensor, local_of
 from .._core.types import PathLike
@@ -43,7 +43,7 @@ def _signature(tensors: list[torch.Tensor]) -> str:
     return f"{len(spec)}:{hashlib.sha256(pickle.dumps(spec)).hexdigest()[:16]}"
 
 
-def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
+def save_full_state(path: PathLike | Location, state: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Location:
     """Save ``state`` as one torch zip file on global rank 0, tensor by tensor; return its path.
 
     Collective: call it on every rank with states holding the same DTensors in the same order (each rank's
@@ -74,7 +74,7 @@ def save_full_state(path: PathLike, state: Any, *, bucket_bytes: int = DEFAULT_B
     if dist.get_rank() != 0:
         for tensor in tensors:
             send_own_shard(tensor, bucket_bytes=bucket_bytes)
-        result: Path = run_on_rank0(lambda: None, task=f"write {str(path)!r}")
+        result: Location = run_on_rank0(lambda: None, task=f"write {str(path)!r}")
         return result
     return run_on_rank0(lambda: _write_on_rank0(path, state, tensors, bucket_bytes), task=f"write {str(path)!r}")  # type: ignore[no-any-return]
 
@@ -87,7 +87,7 @@ def _stream(f: Any, state: Any, pieces: Any) -> None:
     write_streamed(f.fileno(), state, pieces)
 
 
-def _write_on_rank0(path: PathLike, state: Any, tensors: list[torch.Tensor], bucket_bytes: int) -> Path:
+def _write_on_rank0(path: PathLike | Location, state: Any, tensors: list[torch.Tensor], bucket_bytes: int) -> Location:
     scratch = Scratch(comm_device())
     streams: dict[int, Iterator[torch.Tensor]] = {}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,8 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checkpoint.ema import canonical_ema_state
+from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
+from .._core.location import Location
 from .._core.log import log_rank0
 from .._core.text import article
 from .._core.tree import structure_problem
@@ -23,13 +24,15 @@ from .._core.types import PathLike
 from .._core.version import __version__
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
-from .._exact.data import stateful_data
-from .._exact.sampler import gather_rank_states, merge_rank_states, param_device
+from .._exact.data import loop_epoch, stateful_data
+from .._exact.rank_states import gather_rank_states, merge_rank_states
+from .._exact.rng import param_device
 from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
+from .._store.url import location
 from .sharded import save_full, save_sharded
 
 __all__ = ["save_checkpoint", "write_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
@@ -117,13 +120,17 @@ def build_payload(
 
 def prepare_payload(
     objects: LiveObjects, *, step: int | None, epoch: int | None, extra: Any, rng: bool
-) -> Callable[[], dict[str, Any]]:
-    """The collective part of a save (every rank's RNG/sampler state to rank 0); returns rank 0's payload builder."""
+) -> tuple[Callable[[], dict[str, Any]], int | None]:
+    """The collective part of a save (every rank's RNG state and data position to rank 0); returns rank 0's payload
+    builder and the epoch saved: ``epoch``, or without one the epoch the loop continues in (the data position's)."""
     world_size = dist.get_world_size() if is_distributed() else 1
+    data = objects.data
+    position = data if data is None or isinstance(data, Mapping) else data.state_dict()
+    epoch = loop_epoch(epoch, position, data)
     rank_states = None
-    if rng or objects.data is not None:
+    if rng or position is not None:
         with collective_step("gathering every rank's RNG and sampler state for the checkpoint", CheckpointWriteError):
-            rank_states = gather_rank_states(rng=rng, sampler=objects.data, device=param_device(objects.model))
+            rank_states = gather_rank_states(rng=rng, sampler=position, device=param_device(objects.model))
 
     def build() -> dict[str, Any]:
         rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
@@ -131,7 +138,7 @@ def prepare_payload(
             objects, step=step, epoch=epoch, extra=extra, world_size=world_size, rng=rng_states, sampler=sampler_state
         )
 
-    return build
+    return build, epoch
 
 
 def write_checkpoint(
@@ -142,7 +149,7 @@ def write_checkpoint(
     epoch: int | None,
     model: nn.Module | None = None,
     full_state: bool = False,
-) -> Path:
+) -> Location:
     """Rank 0 builds the payload and writes it atomically; every rank returns its path (or raises rank 0's error).
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
@@ -151,19 +158,20 @@ def write_checkpoint(
     """
     if model is not None and is_sharded(model):
         if full_state:
-            return save_full(Path(path), build, step=step, epoch=epoch)
-        return save_sharded(Path(path), build, model, step=step, epoch=epoch)
+            return save_full(location(path), build, step=step, epoch=epoch)
+        return save_sharded(location(path), build, model, step=step, epoch=epoch)
 
-    def write() -> Path:
+    def write() -> Location:
         payload = build()
         dest = atomic_write(path, lambda f: torch.save(payload, f))
         log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
         return dest
 
-    result: Path = run_on_rank0(write)
+    result: Location = run_on_rank0(write)
     return result
 
 
+@refuses_moved_keywords
 def save_checkpoint(
     path: PathLike,
     *,
@@ -178,7 +186,7 @@ def save_checkpoint(
     extra: Any = None,
     rng: bool = True,
     full_state: bool = False,
-) -> Path:
+) -> Location:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
     Collective under torch.distributed: call it on every rank; global rank 0 writes and every rank
@@ -189,10 +197,12 @@ def save_checkpoint(
 
     For exact resume, ``rng=True`` (the default, as on :func:`resume`) stores every rank's RNG streams
     (python, torch CPU, the rank's own accelerator device, numpy), gathered on rank 0; ``dataloader`` (a
-    ``DataLoader`` whose sampler is a :class:`ResumableDistributedSampler`, that sampler itself, or
-    its state dict, e.g. ``sampler.state_dict(consumed=...)`` when DataLoader workers prefetch) stores
-    the epoch and the position in it, after checking that all ranks agree on it. ``step`` is the
-    number of optimizer steps completed (a resumed loop continues at ``ResumeResult.step``).
+    ``DataLoader`` whose sampler is a :class:`ResumableDistributedSampler`, torchdata's
+    ``StatefulDataLoader``, that sampler itself, or its state dict, ``sampler.state_dict(consumed=...)``)
+    stores the epoch and the position in it of what the loop trained on, after checking that all ranks
+    agree on it (docs/exact-resume.md says what each loader reproduces). ``step`` is the number of
+    optimizer steps completed (a resumed loop continues at ``ResumeResult.step``); without ``epoch``, the
+    epoch saved is the one the loop continues in, from the data position.
 
     ``ema`` (a ``torch.optim.swa_utils.AveragedModel``, ``n_averaged`` included, or any ``nn.Module``
     holding averaged weights) is stored under ``"ema"`` with canonical keys, like the model;
@@ -213,5 +223,5 @@ def save_checkpoint(
         PosixPath('ckpt.pt')
     """
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
-    build = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
+    build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state)

@@ -15,7 +15,9 @@
 A failure on any rank at any step makes every rank raise the same :class:`CheckpointWriteError` (its ``rank`` the
 failing one) and rank 0 removes the temporary folder: nothing is committed, the previous checkpoint stays the
 latest. A process killed mid-save leaves only the temporary folder, which no reader counts and
-``CheckpointManager`` removes on its next save. :func:`save_full` writes one ordinary torch file instead
+``CheckpointManager`` removes on its next save. Into a folder on an object store, where nothing can be renamed, each
+rank stages its files on local disk and uploads them, and the manifest uploaded last commits the folder
+(:mod:`.sharded_remote`). :func:`save_full` writes one ordinary torch file instead
 (``full_state=True``): :func:`~dist_resume._save.full_state.save_full_state`.
 """
 
@@ -35,16 +37,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.errors import CheckpointWriteError, DistResumeError, UsageError
+from .._core.location import Location, RemotePath
 from .._core.log import log_rank0
 from .._core.text import preview
 from .._core.tree import map_tensors
-from .._dist.broadcast import DEFAULT_BUCKET_BYTES, first_failure
+from .._dist.agree import first_failure
+from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
 from .._foreign.sharded import new_manifest, split_payload
 from .._format.atomic import atomic_write, commit_folder, make_temp_folder, remove_path, write_error
 from .._format.manifest import DCP_METADATA, MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, file_entry
 from .._state.sharded import is_sharded, sharded_parameters
 from .full_state import save_full_state
+from .sharded_remote import clear_destination, commit_remote, drop_staging, local_staging, upload_own
 
 __all__ = ["writes_folder", "ShardedSave", "begin_sharded", "finish_sharded", "save_sharded", "save_full"]
 
@@ -57,7 +62,7 @@ def writes_folder(model: nn.Module, full_state: bool) -> bool:
     return not full_state and is_sharded(model)
 
 
-def _agree(error: BaseException | None, value: Any, step: str, dest: Path, group: Any) -> list[Any]:
+def _agree(error: BaseException | None, value: Any, step: str, dest: Location, group: Any) -> list[Any]:
     """Collective: every rank's ``value``, or, when any rank failed, the lowest failing rank's error on every rank."""
     mine = Outcome(value=value) if error is None else Outcome.failed(dist.get_rank(), error)
     with collective_step(f"{step} for {str(dest)!r}", CheckpointWriteError):
@@ -148,8 +153,8 @@ def _commit(tmp: Path, dest: Path, manifest: Manifest) -> None:
 class ShardedSave:
     """A sharded save under way: prepared by :func:`begin_sharded`, written and committed by :func:`finish_sharded`."""
 
-    dest: Path
-    tmp: Path
+    dest: Location
+    tmp: Path  # the temporary folder next to dest; on an object store, this rank's local staging folder
     state: dict[str, Any]  # the DCP state: this rank's shards
     mesh: tuple[tuple[int, ...] | None, tuple[str, ...] | None]
     step: int | None
@@ -166,21 +171,30 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _cleanup(save_tmp: Path) -> None:
-    if dist.get_rank() == 0 and os.path.lexists(save_tmp):  # failed: nothing was committed
+def _cleanup(save_tmp: Path, dest: Location) -> None:
+    if isinstance(dest, RemotePath):  # every rank staged its own files
+        drop_staging(save_tmp)
+    elif dist.get_rank() == 0 and os.path.lexists(save_tmp):  # failed: nothing was committed
         remove_path(save_tmp)
 
 
-def begin_sharded(path: Path, build: Build, model: nn.Module, *, step: int | None, epoch: int | None) -> ShardedSave:
+def begin_sharded(
+    path: Location, build: Build, model: nn.Module, *, step: int | None, epoch: int | None
+) -> ShardedSave:
     """Steps 1 and 2 of a sharded save (see the module): the temporary folder, every rank's payload, the train
-    state. Collective (the default group). On failure every rank raises and the folder is gone."""
-    dest = Path(path)
+    state. Collective (the default group). On failure every rank raises and the folder is gone. On an object store
+    each rank stages its files in a local folder instead (:mod:`.sharded_remote`)."""
+    dest = path
     if dest.suffix in _FILE_SUFFIXES:
         raise UsageError(
             f"an FSDP2 model saves a sharded checkpoint, which is a folder, but {str(dest)!r} is named like a file",
             hint=f"give a folder name (e.g. {dest.stem}.dcp), or pass full_state=True for one ordinary torch file",
         )
-    tmp: Path = run_on_rank0(lambda: make_temp_folder(dest), task=f"create the folder for {str(dest)!r}")
+    if isinstance(dest, RemotePath):
+        run_on_rank0(lambda: clear_destination(dest), task=f"clear {str(dest)!r}")
+        tmp = local_staging(dest)
+    else:
+        tmp = run_on_rank0(lambda: make_temp_folder(dest), task=f"create the folder for {str(dest)!r}")
     rank = dist.get_rank()
     error: BaseException | None = None
     state: dict[str, Any] = {}
@@ -198,25 +212,27 @@ def begin_sharded(path: Path, build: Build, model: nn.Module, *, step: int | Non
     try:
         _agree(error, None, "preparing the save", dest, None)
     except BaseException:
-        _cleanup(tmp)
+        _cleanup(tmp, dest)
         raise
     return ShardedSave(dest, tmp, state, _mesh_of(model), step, epoch)
 
 
-def finish_sharded(save: ShardedSave, group: Any = None) -> Path:
+def finish_sharded(save: ShardedSave, group: Any = None) -> Location:
     """Steps 3 to 5 of a sharded save (see the module): every rank's shards, the manifest, the rename. Collective
     on ``group`` (a process group of every rank; None: the default one). On failure every rank raises the same
     :class:`CheckpointWriteError` and the temporary folder is gone."""
     try:
         return _finish(save, dist.get_rank(), group)
     finally:
-        _cleanup(save.tmp)
+        _cleanup(save.tmp, save.dest)
 
 
-def _finish(save: ShardedSave, rank: int, group: Any) -> Path:
+def _finish(save: ShardedSave, rank: int, group: Any) -> Location:
     error: BaseException | None = None
     try:
         files = _own_files(save.tmp, rank, train_state=rank == 0) if _dcp_write(save.tmp, save.state, group) else []
+        if isinstance(save.dest, RemotePath):
+            upload_own(save.tmp, save.dest, files)
     except Exception as err:
         error, files = err, []
     reports = _agree(error, files, "writing the shards", save.dest, group)
@@ -226,7 +242,10 @@ def _finish(save: ShardedSave, rank: int, group: Any) -> Path:
         entries, list(save.state), step=save.step, epoch=save.epoch, world_size=world, mesh=save.mesh
     )
     dest = save.dest
-    run_on_rank0(lambda: _commit(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)
+    if isinstance(dest, RemotePath):
+        run_on_rank0(lambda: commit_remote(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)
+    else:
+        run_on_rank0(lambda: _commit(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)
     log_rank0(
         logging.INFO,
         "saved sharded checkpoint %s (step %s, %d ranks, %d files, %d bytes)",
@@ -239,7 +258,7 @@ def _finish(save: ShardedSave, rank: int, group: Any) -> Path:
     return dest
 
 
-def save_sharded(path: Path, build: Build, model: nn.Module, *, step: int | None, epoch: int | None) -> Path:
+def save_sharded(path: Location, build: Build, model: nn.Module, *, step: int | None, epoch: int | None) -> Location:
     """Write the sharded checkpoint folder ``path`` from every rank's shards; return its path (see the module).
 
     Collective: call it on every rank. ``build()`` runs on every rank (DTensor leaves everywhere; rank 0's
@@ -249,13 +268,13 @@ def save_sharded(path: Path, build: Build, model: nn.Module, *, step: int | None
     return finish_sharded(begin_sharded(path, build, model, step=step, epoch=epoch))
 
 
-def save_full(path: Path, build: Build, *, step: int | None, epoch: int | None) -> Path:
+def save_full(path: Location, build: Build, *, step: int | None, epoch: int | None) -> Location:
     """One ordinary torch file from an FSDP2 model (``full_state=True``), gathered tensor by tensor. Collective.
 
     Every rank builds its payload (agreed before anything streams); rank 0 writes the file atomically through
     :func:`save_full_state`, holding at most one bucket beyond its own shards.
     """
-    dest = Path(path)
+    dest = path
     error: BaseException | None = None
     payload: dict[str, Any] = {}
     try:

@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -19,11 +17,13 @@ from .._core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
+from .._core.location import Location
 from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
+from .._store.url import location
 from .integrity import CheckpointInfo, checkpoint_identity
 from .listing import find_latest
 from .source import Source
@@ -31,7 +31,7 @@ from .source import Source
 __all__ = ["ViewStatus", "RankView", "choose_newest", "confirm_choice", "resolve_source", "resolve_checkpoint"]
 
 
-def choose_newest(folder: Path, numbered: list[tuple[int, Path]] | None = None) -> CheckpointInfo:
+def choose_newest(folder: Location, numbered: list[tuple[int, Location]] | None = None) -> CheckpointInfo:
     """Rank 0's choice: the newest complete checkpoint, or an error that says why there is none. Local.
 
     ``numbered``: the folder's listing, when the caller has it already (the folder is listed once)."""
@@ -47,7 +47,7 @@ def choose_newest(folder: Path, numbered: list[tuple[int, Path]] | None = None) 
         )
     if checkpoint_subfolders(folder):  # the parent of checkpoints (an HF output_dir): a wrong path, not a first run
         raise unrecognised_folder(folder)
-    others = sorted(os.listdir(folder))
+    others = sorted(p.name for p in folder.iterdir())
     found = f"; it holds {preview(others, quote=False)}" if others else " (it is empty)"
     raise CheckpointNotFoundError(
         f"checkpoint folder {str(folder)!r} holds no checkpoint named ckpt_<step>.pt or ckpt_<step>.dcp{found}; start from "
@@ -84,7 +84,7 @@ class RankView:
         return f"rank {rank} sees {self.path!r} with {self.size} bytes, digest {self.digest[:12]}"
 
 
-def _view(path: Path) -> RankView:
+def _view(path: Location) -> RankView:
     """What this rank sees at ``path`` (a file, or a sharded checkpoint folder)."""
     try:
         if not path.exists():
@@ -102,7 +102,7 @@ _AGREE_HINT = (
 )
 
 
-def _agree(folder: Path) -> tuple[CheckpointInfo, Path]:
+def _agree(folder: Location) -> tuple[CheckpointInfo, Location]:
     chosen: CheckpointInfo = run_on_rank0(
         lambda: choose_newest(folder),
         fallback=CheckpointConsensusError,
@@ -112,7 +112,7 @@ def _agree(folder: Path) -> tuple[CheckpointInfo, Path]:
     return chosen, confirm_choice(folder, chosen)
 
 
-def confirm_choice(folder: Path, chosen: CheckpointInfo) -> Path:
+def confirm_choice(folder: Location, chosen: CheckpointInfo) -> Location:
     """Every rank checks that it sees ``chosen`` (rank 0's choice) in its own ``folder``; this rank's path to it.
 
     Collective under torch.distributed (one object all-gather); a rank that sees another file, or none,
@@ -139,7 +139,7 @@ def confirm_choice(folder: Path, chosen: CheckpointInfo) -> Path:
     return mine
 
 
-def _decide(path: Path, *, agree: bool, broadcast: bool) -> Source:
+def _decide(path: Location, *, agree: bool, broadcast: bool) -> Source:
     """The source at ``path``; for a ``CheckpointManager`` folder its newest complete checkpoint, agreed on by
     every rank when ``agree`` (collective), else chosen by this rank."""
     layout = foreign_kind(path)  # a .safetensors file or an HF Trainer / Accelerate / DCP folder; asked once
@@ -163,7 +163,7 @@ def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
     (under torch.distributed) only global rank 0 looks at the filesystem, and every rank receives its
     decision: the others need not see the path at all.
     """
-    p = Path(path)
+    p = location(path)
     if broadcast and is_distributed():
         decided: Source = run_on_rank0(
             lambda: _decide(p, agree=False, broadcast=True),
@@ -174,7 +174,7 @@ def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
     return _decide(p, agree=is_distributed(), broadcast=False)
 
 
-def resolve_checkpoint(path: PathLike) -> Path:
+def resolve_checkpoint(path: PathLike) -> Location:
     """The file (or foreign folder) to resume from: ``path`` itself, or for a checkpoint folder the newest
     complete checkpoint in it.
 

@@ -12,18 +12,23 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 from .._core.errors import CheckpointError, NotACheckpointError
+from .._core.location import Location, local_path, looked_up
 from .._core.types import PathLike
 from .._foreign.folders import foreign_kind, trainer_progress
 from .._foreign.safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
+from .._foreign.sharded import checked_layout
 from .._format.archive import read_archive
-from .._format.manifest import TRAIN_STATE, FileProblem, manifest_problems, read_manifest
-from .._format.records import ArchiveFinding, FindingKind, integrity_failure, read_records, verify_zip
+from .._format.manifest import TRAIN_STATE, read_manifest
+from .._format.records import read_records
+from .._format.safe_open import open_checkpoint_file
+from .._format.sharded_files import FileProblem, manifest_problems
 from .._format.sniff import FileKind, file_kind
+from .._format.zip_verify import ArchiveFinding, FindingKind, integrity_failure, verify_zip
 from .._layout.layout import FORMAT_NAME, Key, Layout
+from .._store.url import location
 
 __all__ = [
     "CheckpointInfo",
@@ -47,7 +52,7 @@ class CheckpointInfo:
     covers each of its files.
     """
 
-    path: Path
+    path: Location
     step: int | None
     size: int
     digest: str
@@ -102,7 +107,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
         >>> dist_resume.tools.inspect_checkpoint(path).step
         3
     """
-    p = Path(path)
+    p = looked_up(location(path))
     foreign = foreign_kind(p)
     if foreign is Layout.SHARDED or (p.is_dir() and p.suffix == ".dcp"):  # ckpt_<step>.dcp: ours, complete or not
         return _inspect_sharded(p, verify)
@@ -137,7 +142,7 @@ def _findings(problems: list[FileProblem]) -> list[ArchiveFinding]:
     ]
 
 
-def _inspect_sharded(p: Path, verify: bool) -> CheckpointInfo:
+def _inspect_sharded(p: Location, verify: bool) -> CheckpointInfo:
     manifest, raw = read_manifest(p)
     problems = manifest_problems(p, manifest, verify=verify)
     if problems:
@@ -146,6 +151,7 @@ def _inspect_sharded(p: Path, verify: bool) -> CheckpointInfo:
     meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
     if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
         raise NotACheckpointError(f"{str(p / TRAIN_STATE)!r} carries no dist_resume metadata")
+    checked_layout(obj, repr(str(p / TRAIN_STATE)))
     if meta.get("step") != manifest.step:
         raise NotACheckpointError(
             f"sharded checkpoint {str(p)!r}: its manifest says step {manifest.step}, its train state step "
@@ -160,7 +166,7 @@ def checkpoint_identity(path: PathLike) -> tuple[int, str]:
 
     A torch file: its size and :func:`archive_digest`. A sharded checkpoint folder: the manifest's size and
     digest, once every file it lists is there with its size (reads the manifest and stats each file)."""
-    p = Path(path)
+    p = looked_up(location(path))
     if not p.is_dir():
         return p.stat().st_size, archive_digest(p)
     manifest, raw = read_manifest(p)
@@ -170,13 +176,13 @@ def checkpoint_identity(path: PathLike) -> tuple[int, str]:
     return manifest.size, hashlib.sha256(raw).hexdigest()
 
 
-def source_files(path: PathLike) -> list[Path]:
+def source_files(path: PathLike) -> list[Location]:
     """The files a checkpoint source consists of: the file itself, or a folder's files by name. Local."""
-    p = Path(path)
+    p = location(path)
     return sorted((f for f in p.iterdir() if f.is_file()), key=lambda f: f.name) if p.is_dir() else [p]
 
 
-def _inspect_foreign(p: Path, layout: Layout, verify: bool) -> CheckpointInfo:
+def _inspect_foreign(p: Location, layout: Layout, verify: bool) -> CheckpointInfo:
     if verify:
         verify_source(p)
     files = source_files(p)
@@ -188,14 +194,14 @@ def _inspect_foreign(p: Path, layout: Layout, verify: bool) -> CheckpointInfo:
             digest.update(archive_digest(f).encode())
         elif f.suffix == SAFETENSORS_SUFFIX:
             read_safetensors_header(f)  # a damaged header raises here, naming the file
-            with open(f, "rb") as fh:
+            with open_checkpoint_file(f) as fh:
                 digest.update(fh.read(int.from_bytes(fh.read(8), "little")))
-    step = trainer_progress(p)[0] if layout is Layout.HF_TRAINER else None
+    step = trainer_progress(local_path(p, "an HF Trainer folder"))[0] if layout is Layout.HF_TRAINER else None
     sizes = tuple((f.name, f.stat().st_size) for f in files)
     return CheckpointInfo(p, step, sum(n for _, n in sizes), digest.hexdigest(), layout.value, sizes)
 
 
-def _is_zip(f: Path) -> bool:
+def _is_zip(f: Location) -> bool:
     try:
         return file_kind(f) is FileKind.ZIP
     except OSError:
@@ -221,7 +227,7 @@ def verify_archive(
         >>> verify_archive("ckpt.pt")
         []
     """
-    p = Path(path)
+    p = location(path)
     if p.is_dir() or p.suffix == SAFETENSORS_SUFFIX:
         return verify_source(p, strict=strict)
     return verify_zip(p, strict=strict, progress=progress)
@@ -241,7 +247,7 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
         >>> verify_source("out/checkpoint-500")
         []
     """
-    p = Path(path)
+    p = location(path)
     if foreign_kind(p) is Layout.SHARDED:
         findings = _findings(manifest_problems(p, read_manifest(p)[0], verify=True))
         if findings and strict:

@@ -8,27 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final
 
-import torch
 import torch.distributed as dist
 
+from .._core.errors import CheckpointError
+from .._core.location import Location, RemotePath
 from .._core.log import log_rank0
 from .._core.text import preview
-from .._core.tree import iter_tensors
 from .._core.types import MapLocation
-from .._dist.broadcast import DEFAULT_BUCKET_BYTES, broadcast_loaded
+from .._dist.broadcast import DEFAULT_BUCKET_BYTES, Incoming, receive_structure
+from .._dist.env import is_distributed
 from .._foreign.folders import read_foreign_folder
 from .._foreign.safetensors_read import read_safetensors
 from .._format.load import load_torch_file
+from .._format.ranged import RangedArchive, open_ranged
+from .._format.zip_verify import verify_zip
 from .._layout.layout import CheckpointParts, Layout
+from .consensus import choose_newest
 from .integrity import verify_source
-from .source import Source
+from .listing import RELISTS
+from .source import Source, SourceKind
 
-__all__ = ["SourceContents", "ReceivingPlan", "read_source", "read_broadcast", "parts_to_fields", "parts_from_fields"]
+__all__ = ["SourceContents", "read_source", "read_broadcast", "parts_to_fields", "parts_from_fields"]
 
 _MORE: Final = (("more_models", "model"), ("more_optimizers", "optimizer"), ("more_schedulers", "scheduler"))
 
@@ -36,17 +40,19 @@ _MORE: Final = (("more_models", "model"), ("more_optimizers", "optimizer"), ("mo
 @dataclass(frozen=True)
 class SourceContents:
     """A :class:`Source` as read: ``obj`` (a torch file's object) or ``parts`` (a foreign source, split already);
-    whether its tensors map the file (what is kept must be copied out), and whether it is collective (every rank
-    holds rank 0's contents, so the ranks must agree on its validation before any of them changes anything)."""
+    whether its tensors map the file (what is kept must be copied out), whether it is collective (every rank
+    holds rank 0's contents, so the ranks must agree on its validation before any of them changes anything), and
+    ``ranged``: an object on a store whose tensors in ``obj`` are stand-ins, their data read on demand."""
 
     source: Source
     obj: Any = None
     parts: CheckpointParts | None = None
     mmapped: bool = False
     collective: bool = False
+    ranged: RangedArchive | None = None
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Location:
         return self.source.path
 
 
@@ -57,14 +63,46 @@ def read_source(
     mmap: bool = True,
     weights_only: bool = True,
     verify: bool = False,
+    ranged: bool = False,
 ) -> SourceContents:
     """Read ``source`` on this rank. Local.
 
     A torch file goes through :func:`~dist_resume._format.load.load_torch_file` (``map_location`` None: this
     rank's device); a ``.safetensors`` file and a foreign folder through their readers (``map_location`` None:
-    the CPU). ``verify=True`` first checks every torch file's CRC-32s and every safetensors header.
+    the CPU). ``verify=True`` first checks every torch file's CRC-32s and every safetensors header. With ``ranged``
+    a torch file on an object store is read as its structure, its tensors stand-ins whose data the contents'
+    ``ranged`` archive reads later (``weights_only=False`` reads it whole instead).
+
+    A folder's newest checkpoint chosen by this process alone (no process group) that a writer's rotation deletes
+    before it is read is chosen again from a new listing (:data:`~dist_resume._source.listing.RELISTS` times at
+    most): a reader racing a writer reads the newest checkpoint there is, never fails for the one it missed.
     """
+    for _ in range(RELISTS - 1):
+        try:
+            return _read_one(source, map_location, mmap, weights_only, verify, ranged)
+        except (CheckpointError, OSError):
+            if source.kind is not SourceKind.FOLDER_NEWEST or source.folder is None or is_distributed():
+                raise
+            if _still_there(source.path):
+                raise
+        chosen = choose_newest(source.folder)
+        source = Source.newest(chosen.path, source.folder, chosen.layout, broadcast=source.broadcast)
+    return _read_one(source, map_location, mmap, weights_only, verify, ranged)
+
+
+def _still_there(path: Location) -> bool:
+    return path.exists() if isinstance(path, RemotePath) else os.path.lexists(path)
+
+
+def _read_one(
+    source: Source, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool, ranged: bool
+) -> SourceContents:
     p = source.path
+    if ranged and source.layout is None and isinstance(p, RemotePath) and weights_only:
+        if verify:
+            verify_zip(p)  # one pass over the object, by ranges
+        archive = open_ranged(p)
+        return SourceContents(source, obj=archive.obj, ranged=archive)
     if source.layout is None:
         obj = load_torch_file(p, map_location=map_location, mmap=mmap, weights_only=weights_only, verify=verify)
         return SourceContents(source, obj=obj, mmapped=mmap)
@@ -81,21 +119,6 @@ def read_source(
         if more:
             log_rank0(logging.INFO, "%s holds more than one %s: the first is read, not %s", p, what, preview(more, 4))
     return SourceContents(source, parts=parts, mmapped=mmap)
-
-
-class ReceivingPlan(Protocol):
-    """What :func:`read_broadcast`'s ``prepare`` builds before the data moves (a validated restore plan)."""
-
-    def destinations(self) -> dict[int, torch.Tensor]:
-        """``{id(tensor prepare saw): existing tensor}`` for data that may land straight in place."""
-        ...
-
-    def rebind(self: P, arrived: Mapping[int, torch.Tensor]) -> P:
-        """The same, pointing at ``arrived[id(tensor prepare saw)]``: the tensors holding the data now."""
-        ...
-
-
-P = TypeVar("P", bound=ReceivingPlan)
 
 
 def parts_to_fields(parts: CheckpointParts) -> dict[str, Any]:
@@ -116,26 +139,28 @@ def read_broadcast(
     mmap: bool,
     weights_only: bool,
     verify: bool,
-    prepare: Callable[[SourceContents], P],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> tuple[SourceContents, P]:
-    """Global rank 0 reads ``source`` (decided already, the same on every rank); all ranks get its contents.
+) -> tuple[SourceContents, Incoming]:
+    """Global rank 0 reads ``source`` (decided already, the same on every rank); every rank gets its structure.
 
-    Collective. Only rank 0 touches the filesystem, so the other ranks need not see the file.
-    ``prepare`` runs once on every rank after the structure has arrived and before any tensor data
-    moves: on rank 0's real object (rank 0) or on stand-ins whose tensors are on the meta device (the
-    others). It may validate, collectively. On the other ranks the data then lands in its result's
-    :meth:`~ReceivingPlan.destinations` (fresh CPU tensors elsewhere). Returns what was read and
-    ``prepare``'s result rebound to the tensors holding the data.
+    Collective. Only rank 0 touches the filesystem, so the other ranks need not see the file; a failure reading it
+    raises on every rank. A checkpoint on an object store is read by rank 0 by ranges as it is sent (its contents'
+    tensors are stand-ins on rank 0 too; ``ranged`` reads them), never copied whole. The contents' tensors are rank 0's own there and meta stand-ins elsewhere: validate on them,
+    then move the data with :meth:`~dist_resume._dist.broadcast.Incoming.send` (the returned ``Incoming``), into the
+    destinations each rank chooses.
     """
     rank0 = dist.get_rank() == 0
     view: tuple[Any, Any] | None = None  # rank 0: (a torch file's object, a foreign source's parts as fields)
     failure: Exception | None = None
+    ranged: RangedArchive | None = None  # rank 0, a checkpoint on a store: its data read by ranges as it is sent
     if rank0:  # read before the collective, so that it is not a callback from _dist into this layer
         try:
-            read = read_source(source, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify)
+            read = read_source(
+                source, map_location="cpu", mmap=mmap, weights_only=weights_only, verify=verify, ranged=True
+            )
             view = (read.obj, None if read.parts is None else parts_to_fields(read.parts))
-        except Exception as err:  # every rank raises it, from broadcast_loaded
+            ranged = read.ranged
+        except Exception as err:  # every rank raises it, from receive_structure
             failure = err
 
     def load() -> tuple[Any, Any]:
@@ -144,20 +169,8 @@ def read_broadcast(
         assert view is not None  # rank 0 read it or failed; the others never call load
         return view
 
-    mmapped = mmap and rank0  # the others receive into memory of their own
-    seen: list[tuple[Any, P]] = []  # (the object prepare saw, its result): broadcast_loaded keeps no result
-
-    def as_contents(arrived: tuple[Any, Any]) -> SourceContents:
-        parts = None if arrived[1] is None else parts_from_fields(arrived[1])
-        return SourceContents(source, obj=arrived[0], parts=parts, mmapped=mmapped, collective=True)
-
-    def prepare_view(arrived: tuple[Any, Any]) -> dict[int, torch.Tensor]:
-        prepared = prepare(as_contents(arrived))
-        seen.append((arrived, prepared))
-        return prepared.destinations() if not rank0 else {}
-
-    arrived_view = broadcast_loaded(load, bucket_bytes=bucket_bytes, prepare=prepare_view)
-    ((prepared_view, prepared),) = seen
-    # both objects are rank 0's structure, one holding what prepare saw, the other the data: pair them in order
-    pairs = zip(iter_tensors(prepared_view), iter_tensors(arrived_view), strict=True)
-    return as_contents(arrived_view), prepared.rebind({id(old): new for old, new in pairs})
+    incoming = receive_structure(load, bucket_bytes=bucket_bytes, lazy=ranged)
+    obj, fields = incoming.obj
+    parts = None if fields is None else parts_from_fields(fields)
+    mapped = mmap and rank0 and ranged is None
+    return SourceContents(source, obj=obj, parts=parts, mmapped=mapped, collective=True, ranged=ranged), incoming

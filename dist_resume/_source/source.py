@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from pathlib import Path
 
+from .._core.location import Location
 from .._core.types import PathLike
 from .._foreign.folders import foreign_kind, is_manager_folder, unrecognised_folder
 from .._format.load import load_torch_file
 from .._layout.layout import Layout
+from .._store.url import location
 
 __all__ = ["SourceKind", "Source", "local_source"]
 
@@ -34,19 +35,19 @@ class Source:
     (global rank 0 reads it and the others receive it through torch.distributed)."""
 
     kind: SourceKind
-    path: Path
+    path: Location
     layout: Layout | None = None
-    folder: Path | None = None
+    folder: Location | None = None
     broadcast: bool = False
 
     @classmethod
-    def at(cls, path: Path, layout: Layout | None, *, broadcast: bool = False) -> Source:
+    def at(cls, path: Location, layout: Layout | None, *, broadcast: bool = False) -> Source:
         """A torch file (``layout`` None) or a foreign source of ``layout``."""
         kind = SourceKind.FILE if layout is None else SourceKind.FOREIGN
         return cls(kind, path, layout, broadcast=broadcast)
 
     @classmethod
-    def newest(cls, path: Path, folder: Path, layout: str, *, broadcast: bool = False) -> Source:
+    def newest(cls, path: Location, folder: Location, layout: str, *, broadcast: bool = False) -> Source:
         """The checkpoint chosen in a ``CheckpointManager`` folder: a torch file, or a sharded checkpoint folder
         (``layout``: the chosen :class:`~dist_resume._source.integrity.CheckpointInfo`'s)."""
         sharded = Layout.SHARDED if layout == Layout.SHARDED.value else None
@@ -62,7 +63,7 @@ def local_source(path: PathLike) -> Source:
     :class:`NotACheckpointError`, naming its files and the known folders, or the checkpoint folders it
     holds one level down (an HF Trainer ``output_dir``).
     """
-    p = Path(path)
+    p = location(path)
     layout = foreign_kind(p)
     if layout is None and p.is_dir():
         if is_manager_folder(p) or not any(p.iterdir()):  # check_file's error says what to pass instead

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from .._core.errors import EnvironmentMismatchError
 from ._common import ExitCode, ProgressBar, UsageError, human_bytes, print_json, report_error
 
-__all__ = ["cmd_inspect", "cmd_convert", "cmd_verify", "cmd_list", "cmd_env", "part_keys_arg"]
+__all__ = ["cmd_inspect", "cmd_convert", "cmd_verify", "cmd_list", "cmd_env", "cmd_check", "part_keys_arg"]
 
 
 def part_keys_arg(items: Sequence[str] | None) -> dict[str, str] | None:
@@ -126,3 +126,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         report_error("env", EnvironmentMismatchError(report["problems"][0]))
         return ExitCode.INPUT
     return ExitCode.OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ._check import main_check
+
+    return main_check(args)

@@ -10,7 +10,7 @@ import torch
 
 from .._core.text import preview, shown
 from .._layout.layout import CheckpointParts
-from .._state.optim_keys import GROUP_BOOKKEEPING
+from .._state.optim_keys import GROUP_BOOKKEEPING, optimizer_form_problem
 from .._state.prefix import canonical_key
 
 __all__ = ["same_bits", "max_abs_diff", "compare_values", "key_difference", "compare_parts"]
@@ -159,7 +159,7 @@ def _compare_models(a: Mapping[str, Any], b: Mapping[str, Any], report: Report) 
 def _param_order(groups: list[Any]) -> list[tuple[str, Any]]:
     """(label, saved id) for every parameter: its canonical name when every group has names, else ``param N``."""
     named = all(isinstance(g, Mapping) and "param_names" in g for g in groups)
-    pids = [pid for g in groups for pid in g.get("params", [])]
+    pids = [pid for g in groups for pid in g["params"]]
     if named:
         names = [canonical_key(n) for g in groups for n in g["param_names"]]
         if len(names) == len(pids):
@@ -182,7 +182,7 @@ def _compare_optimizers(a: Any, b: Any, report: Report) -> None:
         if (a is None) != (b is None):
             report.not_compared.append(f"optimizer (only {'B' if a is None else 'A'} has one)")
         return
-    if not all(isinstance(o, Mapping) and "state" in o and "param_groups" in o for o in (a, b)):
+    if optimizer_form_problem(a) or optimizer_form_problem(b):  # not Optimizer.state_dict()'s form: as plain values
         report.compare("optimizer", "-", a, b)
         return
     ga, gb = list(a["param_groups"]), list(b["param_groups"])

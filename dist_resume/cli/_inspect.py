@@ -11,15 +11,17 @@ import datetime
 import zipfile
 import zlib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, read_archive
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
+from .._sim import sim_tags_note
 from .._source.source import local_source
 from .._state.prefix import canonical_key, prefix_style
+from .._store.ranges import open_binary
+from .._store.url import location
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
 from ._inspect_render import render_inspect
@@ -40,7 +42,7 @@ SCHEMA = f"{SCHEMA_PREFIX}/inspect/1"
 def _archive_info(contents: ArchiveContents) -> dict[str, Any]:
     small = {}
     try:
-        with zipfile.ZipFile(contents.path) as zf:
+        with open_binary(contents.path) as f, zipfile.ZipFile(f) as zf:
             for name in (".format_version", ".storage_alignment", "byteorder", "version"):
                 full = f"{contents.archive_name}/{name}"
                 if any(r.name == full for r in contents.records):
@@ -83,6 +85,9 @@ def _report(path: PathLike, files: list[dict[str, Any]], tags: dict[str, dict[st
             "devices (every rank on the same device, or an error on a host without them); load with "
             "map_location=dist_resume.rank_map_location() or dist_resume.load_checkpoint()"
         )
+    sim = sim_tags_note(tags)
+    if sim:
+        warnings.append(sim)
     return {
         "schema": SCHEMA,
         "path": str(path),
@@ -165,8 +170,9 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
     name its parts). A sharded checkpoint folder (an FSDP2 save) is checked whole first (every file its manifest
     lists, with its size and CRC-32; a damaged one raises naming the file) and ``sharded`` says how it was written.
     """
-    sharded = check_sharded(Path(path))
-    layout = local_source(path).layout
+    where = location(path)
+    sharded = check_sharded(where)
+    layout = local_source(where).layout
     if layout is not None:
         if part_keys:
             raise UsageError(
@@ -174,15 +180,15 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
                 f"(layout {layout.value!r}) whose files name its parts",
                 hint="run `dist-resume inspect` without --part",
             )
-        source = read_foreign_source(Path(path), layout)
+        source = read_foreign_source(where, layout)
         report = _report(path, source.files, source.device_tags)
         parts = source.parts
         report.update(not_read=source.not_read, tensor_data=source.tensor_data, sharded=sharded)
         report["tensors"] = summarize_tensors((parts.model, parts.optimizer, parts.ema), source.storage_of)
         _fill_parts(report, parts, source.storage_of)
         return report
-    contents = read_archive(path)
-    report = _report(path, [{"name": Path(path).name, "size": contents.path.stat().st_size}], device_tags(contents))
+    contents = read_archive(where)
+    report = _report(path, [{"name": where.name, "size": contents.path.stat().st_size}], device_tags(contents))
     report.update(
         archive=_archive_info(contents),
         tensors=summarize_tensors(contents.obj, contents.storage_of),

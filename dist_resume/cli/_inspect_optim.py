@@ -17,6 +17,7 @@ from .._state.optim_keys import (
     NOT_HYPERPARAMETERS,
     check_state_keys,
     normalize_optimizer_state,
+    optimizer_form_problem,
     unfit_state_keys,
 )
 from .._state.optim_match import FACTORED_KEYS
@@ -61,15 +62,6 @@ def optimizer_kind(groups: list[Any]) -> str | None:
     return min(best)[2] if best else None
 
 
-def _is_optimizer_state(opt: Any) -> bool:
-    return (
-        isinstance(opt, Mapping)
-        and isinstance(opt.get("state"), Mapping)
-        and isinstance(opt.get("param_groups"), (list, tuple))
-        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in opt["param_groups"])
-    )
-
-
 def describe_optimizer(
     opt: Any, storage_of: StorageOf, model: Mapping[str, Any], meta: Mapping[str, Any], warnings: list[str]
 ) -> dict[str, Any] | None:
@@ -80,8 +72,12 @@ def describe_optimizer(
     """
     if opt is None:
         return None
-    if not _is_optimizer_state(opt):
-        warnings.append("the optimizer entry is not an optimizer state dict (no 'state' / 'param_groups')")
+    problem = optimizer_form_problem(opt)
+    if problem is not None:
+        warnings.append(
+            f"the optimizer entry {problem}: it is not an optimizer state dict as Optimizer.state_dict() writes it, "
+            "and resume refuses it (OptimizerStateMismatchError)"
+        )
         return {"kind": None}
     _state_key_warning(opt, warnings)
     opt = normalize_optimizer_state(opt)  # what resume reads: digit strings as ids, DSD's names as positions

@@ -23,6 +23,7 @@ from typing import Any, Final, TypeAlias
 import torch
 
 from .._core.errors import CheckpointCorruptError, DistResumeError
+from .._core.location import Location, local_path
 from .._core.tree import iter_tensors
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, StorageInfo, read_archive
@@ -125,11 +126,13 @@ class ForeignSource:
     device_tags: dict[str, dict[str, int]]
 
 
-def read_foreign_source(path: Path, layout: Layout) -> ForeignSource:
+def read_foreign_source(path: Location, layout: Layout) -> ForeignSource:
     """Read ``path`` (a foreign ``layout``) for ``inspect``. Local; see the module docstring for what is read."""
     files: list[dict[str, Any]] = [{"name": f.name, "size": f.stat().st_size} for f in source_files(path)]
     if layout is Layout.SAFETENSORS:
-        return ForeignSource(_safetensors_parts(path), files, [], TENSOR_DATA_HEADER, loaded_storage_of, {})
+        return ForeignSource(
+            _safetensors_parts(local_path(path, "inspect")), files, [], TENSOR_DATA_HEADER, loaded_storage_of, {}
+        )
     parts = open_checkpoint(path, map_location="cpu", mmap=True).parts
     if parts is None:  # open_checkpoint yields parts for every foreign source
         raise DistResumeError(f"{str(path)!r} was not read as a {layout.value!r} source")
@@ -168,7 +171,7 @@ def _safetensors_parts(path: Path) -> CheckpointParts:
     return CheckpointParts(Layout.SAFETENSORS, model, meta=meta, keys={"model": path.name})
 
 
-def is_sharded_folder(path: Path) -> bool:
+def is_sharded_folder(path: Location) -> bool:
     """Whether ``path`` is (or was meant to be) a sharded checkpoint folder: it has a manifest, or it is named
     ``ckpt_<step>.dcp`` (one without its manifest is a save that never finished). Local."""
     return path.is_dir() and (
@@ -176,7 +179,7 @@ def is_sharded_folder(path: Path) -> bool:
     )
 
 
-def check_sharded(path: Path) -> dict[str, Any] | None:
+def check_sharded(path: Location) -> dict[str, Any] | None:
     """A sharded checkpoint folder checked whole, and what its manifest says; None for any other path. Local.
 
     Reads every file the manifest lists once (sizes and CRC-32s): a missing manifest, a missing file or one

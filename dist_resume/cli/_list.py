@@ -3,19 +3,19 @@ and the one ``resume`` would pick; for an HF Trainer output folder, its ``checkp
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
+from .._core.location import Location, RemotePath
 from .._core.text import preview
 from .._core.types import PathLike
 from .._format.atomic import TEMP_NAME
 from .._format.manifest import TRAIN_STATE
+from .._manager.lease import LEASE_NAME
 from .._manager.lock import LOCK_NAME
+from .._store.url import location
 from ._common import SCHEMA_PREFIX, human_bytes
 from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
 
@@ -25,20 +25,25 @@ SCHEMA = f"{SCHEMA_PREFIX}/list/1"
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _age(path: Path, now: float) -> tuple[int, float]:
+def _age(path: Location, now: float) -> tuple[int, float]:
     st = path.stat()
     return st.st_size, max(0.0, now - st.st_mtime)
 
 
-def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
-    """One ``ckpt_<step>.pt``: its size, age and metadata, ``valid`` or ``damaged`` with the reason."""
+def _checkpoint(path: Location, verify: bool, now: float) -> dict[str, Any] | None:
+    """One ``ckpt_<step>.pt``: its size, age and metadata, ``valid`` or ``damaged`` with the reason; None when it is
+    gone by the time it is read (a writer's rotation deleted it after the listing: not damage)."""
     from .._format.archive import read_archive
     from .._layout.layout import Key
     from .._source.integrity import inspect_checkpoint
+    from .._source.listing import exists
 
     match = CHECKPOINT_NAME.match(path.name)
     step = int(match.group(1)) if match else None
-    size, age = _age(path, now)
+    try:
+        size, age = _age(path, now)
+    except FileNotFoundError:
+        return None
     entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": None, "world_size": None}
     entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None, "shards": None}
     try:
@@ -49,35 +54,47 @@ def _checkpoint(path: Path, verify: bool, now: float) -> dict[str, Any]:
         entry["epoch"], entry["world_size"], entry["bytes"] = meta.get("epoch"), meta.get("world_size"), info.size
         entry["shards"] = shards_of(path) if path.is_dir() else None
     except (CheckpointError, OSError) as err:
+        if not exists(path):
+            return None
         reason = str(err).replace(f"{str(path)!r}", path.name).replace(str(path), path.name)
         entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
     return entry
 
 
-def _temps(folder: Path, now: float) -> list[dict[str, Any]]:
+def _temps(folder: Location, now: float) -> list[dict[str, Any]]:
     found = []
-    for path in sorted(folder.iterdir()):
-        if TEMP_NAME.match(path.name) and path.is_file():
-            size, age = _age(path, now)
+    leftovers: list[Location] = []
+    if isinstance(folder, RemotePath):  # on a store: sharded folders without their manifest (torch's path)
+        from .._source.listing import uncommitted
+
+        leftovers = uncommitted(folder)
+    for path in sorted([*folder.iterdir(), *leftovers]):
+        if (TEMP_NAME.match(path.name) and path.is_file()) or isinstance(path, RemotePath):
+            try:
+                size, age = _age(path, now)
+            except FileNotFoundError:  # a save in progress renamed it meanwhile
+                continue
             found.append({"name": path.name, "bytes": size, "age_seconds": round(age, 1)})
     return found
 
 
-def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
-    """An HF Trainer ``output_dir``: each ``checkpoint-N/`` with its step (trainer_state.json's global_step)."""
-    from .._foreign.folders import detect_folder
+def _hf_output(folder: Location, now: float) -> list[dict[str, Any]]:
+    """An HF Trainer ``output_dir``: each ``checkpoint-N/`` with its step (trainer_state.json's global_step). Local
+    folders only: dist_resume reads its own checkpoints from an object store, not HF's."""
+    from .._foreign.folders import detect_folder, trainer_progress
 
+    if isinstance(folder, RemotePath):
+        return []
     found = []
     for sub in folder.iterdir():
         match = _HF_STEP_DIR.match(sub.name)
         if not match or not sub.is_dir():
             continue
         step, epoch, reason = int(match.group(1)), None, None
-        try:
-            state = json.loads((sub / "trainer_state.json").read_text())
-            if isinstance(state, Mapping) and type(state.get("global_step")) is int:
-                step, epoch = state["global_step"], state.get("epoch")
-        except (OSError, ValueError) as err:
+        try:  # global_step and the epoch as HF counts it (a regular trainer_state.json only: never a FIFO)
+            progress, _, epoch = trainer_progress(sub)
+            step = step if progress is None else progress
+        except CheckpointError as err:
             reason = f"trainer_state.json unreadable: {type(err).__name__}"
         kind = detect_folder(sub)
         size = sum(p.stat().st_size for p in sub.iterdir() if p.is_file())
@@ -89,7 +106,7 @@ def _hf_output(folder: Path, now: float) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: (e["step"], e["name"]))
 
 
-def _crc_check_newest(folder: Path, checkpoints: list[dict[str, Any]]) -> None:
+def _crc_check_newest(folder: Location, checkpoints: list[dict[str, Any]]) -> None:
     """Mark damaged the newest checkpoints that ``resume`` (which checks every CRC) would skip."""
     from .._source.listing import find_latest
 
@@ -106,9 +123,9 @@ def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> d
     ``verify`` every record's CRC-32), never loads tensor data.
 
     ``fast`` (default) answers without importing torch when every entry is a sound checkpoint of this toolkit
-    (:mod:`._list_fast`); any other folder, or any doubt, is listed by the torch path, so the report is the same.
+    (:mod:`._fast`); any other folder, or any doubt, is listed by the torch path, so the report is the same.
     """
-    folder = Path(path)
+    folder = location(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"folder {str(folder)!r} does not exist")
     if not folder.is_dir():
@@ -123,22 +140,26 @@ def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> d
     return _torch_list(folder, verify, now)
 
 
-def _others(folder: Path) -> list[str]:
+def _others(folder: Location) -> list[str]:
     return sorted(
         p.name
         for p in folder.iterdir()
-        if p.name != LOCK_NAME
+        if p.name not in (LOCK_NAME, LEASE_NAME)
         and not TEMP_NAME.match(p.name)
         and not CHECKPOINT_NAME.match(p.name)
         and not _HF_STEP_DIR.match(p.name)
     )
 
 
-def _torch_list(folder: Path, verify: bool, now: float) -> dict[str, Any]:
+def _torch_list(folder: Location, verify: bool, now: float) -> dict[str, Any]:
     from .._foreign.folders import detect_folder
-    from .._source.listing import numbered_checkpoints
+    from .._source.listing import RELISTS, numbered_checkpoints
 
-    checkpoints = [_checkpoint(p, verify, now) for _, p in numbered_checkpoints(folder)]
+    for _ in range(RELISTS):  # a checkpoint gone meanwhile (a writer rotated it out): the folder listed again
+        rows = [_checkpoint(p, verify, now) for _, p in numbered_checkpoints(folder)]
+        if None not in rows:
+            break
+    checkpoints = [row for row in rows if row is not None]
     others = _others(folder)
     kind = "checkpoint-manager" if checkpoints else "empty" if not others else "no checkpoints"
     if not checkpoints and (hf := _hf_output(folder, now)):
@@ -150,7 +171,7 @@ def _torch_list(folder: Path, verify: bool, now: float) -> dict[str, Any]:
     return _report(folder, verify, now, checkpoints, kind)
 
 
-def _report(folder: Path, verify: bool, now: float, checkpoints: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+def _report(folder: Location, verify: bool, now: float, checkpoints: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     others = _others(folder)
     valid = [e for e in checkpoints if e["status"] == "valid"]
     pick = valid[-1]["name"] if valid else None
@@ -179,7 +200,7 @@ def _report(folder: Path, verify: bool, now: float, checkpoints: list[dict[str, 
     }
 
 
-def _subfolders(folder: Path) -> list[Path]:
+def _subfolders(folder: Location) -> list[Location]:
     from .._foreign.folders import checkpoint_subfolders
 
     return checkpoint_subfolders(folder)
@@ -222,7 +243,7 @@ def render_list(report: dict[str, Any]) -> str:
     if report["pick"] is not None:
         picked = next(e for e in rows if e["name"] == report["pick"])
         if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder
-            where = Path(report["folder"]) / report["pick"]
+            where = location(report["folder"]) / report["pick"]
             lines.append(f"newest complete: {report['pick']} (step {picked['step']}): resume from {where}")
         else:
             lines.append(f"resume would pick: {report['pick']} (step {picked['step']})")

@@ -4,34 +4,48 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
+from .._core.errors import UsageError
+from .._core.location import Location
 from .._core.version import __version__
-from ._commands import cmd_convert, cmd_env, cmd_inspect, cmd_list, cmd_verify
+from .._store.url import location
+from ._commands import cmd_check, cmd_convert, cmd_env, cmd_inspect, cmd_list, cmd_verify
 
 __all__ = ["PROG", "EPILOG", "build_parser"]
 
 PROG = "dist-resume"
 EPILOG = """\
 exit status:
-  0  success (verify: the checkpoints are equal)
-  1  verify: the checkpoints differ (the differences are listed)
+  0  success (verify: the checkpoints are equal; check: the resume is exact)
+  1  verify: the checkpoints differ; check: the resume is not exact (the differences are listed)
   2  usage or input error: bad arguments; a missing, empty, truncated, damaged, unsafe or
-     unrecognised checkpoint; SRC == DST; DST exists without --force; inconsistent torchrun variables
+     unrecognised checkpoint; SRC == DST; DST exists without --force; inconsistent torchrun variables;
+     check: COMMAND without {dir}, failing on its own, writing no checkpoint, or past --timeout
   3  the output could not be written (permissions, disk full, missing folder); DST is untouched
   4  internal error (a bug: please report it with the traceback)
   130 interrupted
 
 dist-resume reads only what torch.load(weights_only=True) accepts and never runs code from a file.
+Every CKPT, SRC, DST, A, B and DIR may be a URL (s3://bucket/run/ckpt_00000100.pt, gs://, az://, any fsspec
+protocol with its package installed: pip install "dist_resume[s3]"); credentials come from the environment.
 --json output carries a "schema" field ("dist-resume/<command>/1") that changes only with the format.
 """
+
+
+def _location(text: str) -> Location:
+    """A path or a URL (``s3://bucket/run``): a URL is never taken for a local path (argparse's ``type=``)."""
+    try:
+        return location(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(f"{err}; {err.hint}" if err.hint else str(err)) from err
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dist-resume``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, convert and compare PyTorch checkpoints; show what torchrun set.",
+        description="Inspect, convert and compare PyTorch checkpoints; show what torchrun set; check that a training "
+        "command resumes exactly.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -63,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device tags, optimizer and its hyper-parameters, metadata, warnings (reads no tensor data)",
         "print the report as JSON (schema dist-resume/inspect/1)",
     )
-    p.add_argument("checkpoint", type=Path, metavar="CKPT")
+    p.add_argument("checkpoint", type=_location, metavar="CKPT")
     p.add_argument(
         "--part",
         action="append",
@@ -79,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor bytes as they are",
         "print a JSON summary (schema dist-resume/convert/1)",
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
-    p.add_argument("dst", type=Path, metavar="DST")
+    p.add_argument("src", type=_location, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
+    p.add_argument("dst", type=_location, metavar="DST")
     p.add_argument(
         "--to",
         choices=["ddp", "single"],
@@ -118,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "exit 0 equal, 1 different",
         "print the report as JSON (schema dist-resume/verify/1)",
     )
-    p.add_argument("a", type=Path, metavar="A")
-    p.add_argument("b", type=Path, metavar="B")
+    p.add_argument("a", type=_location, metavar="A")
+    p.add_argument("b", type=_location, metavar="B")
     p.add_argument(
         "--part",
         action="append",
@@ -133,8 +147,41 @@ def build_parser() -> argparse.ArgumentParser:
         "temporary files left by killed saves, and the one resume would pick; also an HF Trainer output folder",
         "print the report as JSON (schema dist-resume/list/1)",
     )
-    p.add_argument("folder", type=Path, metavar="DIR")
+    p.add_argument("folder", type=_location, metavar="DIR")
     p.add_argument("--verify", action="store_true", help="check the CRC32 of every record (reads every file once)")
+    p = add(
+        "check",
+        cmd_check,
+        "does COMMAND resume exactly? It runs once uninterrupted, then once more stopped K times and relaunched "
+        "(each run in a fresh folder for {dir}); the newest checkpoints, and every step both runs still hold, are "
+        "compared part by part: exit 0 exact, 1 different (with a diagnosis where one is known)",
+        "print the result as JSON (schema dist-resume/check/1)",
+    )
+    p.add_argument("--interrupts", type=int, default=2, metavar="K", help="how many times to stop the run (default 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the moments the stops come at (default 0)")
+    p.add_argument(
+        "--signal",
+        type=str.upper,
+        choices=["KILL", "TERM"],
+        default="KILL",
+        help="KILL (default): SIGKILL to the whole process tree, as a preemption; TERM: SIGTERM to the command's "
+        "process group (torchrun forwards it), SIGKILL 30 s later",
+    )
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="the longest one run of COMMAND may take")
+    p.add_argument(
+        "--device",
+        choices=["sim"],
+        help="sim: every Python process of COMMAND runs on the test accelerator (simulated devices on the CPU, "
+        "sim:LOCAL_RANK; dist_resume.testing.sim)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep both checkpoint folders and the logs; print their paths")
+    p.add_argument(
+        "command_argv",  # not "command": that is the subcommand's name (report_error says it)
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="the training command, {dir} where it takes its checkpoint folder (e.g. -- torchrun --standalone "
+        "--nproc_per_node=2 train.py --ckpt {dir})",
+    )
     add(
         "env",
         cmd_env,

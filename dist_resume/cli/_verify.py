@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import UsageError
 from .._core.text import preview
 from .._core.types import PathLike
 from ._common import SCHEMA_PREFIX
-from ._fast import fast_verify
+from ._fast_verify import fast_verify
 
 if TYPE_CHECKING:
     from .._layout.layout import CheckpointParts
 
-__all__ = ["verify_checkpoints", "render_verify"]
+__all__ = ["verify_checkpoints", "render_verify", "read_parts"]
 
 SCHEMA = f"{SCHEMA_PREFIX}/verify/1"
 
@@ -54,7 +53,7 @@ def verify_checkpoints(
     holds them. Both files are memory-mapped on the CPU; tensors are compared bitwise, a chunk at a time. A
     sharded checkpoint folder (an FSDP2 save) is first checked against its manifest (every file's size and CRC-32).
 
-    ``fast`` (default): two equal files of this toolkit are confirmed without torch (:mod:`._fast`); anything
+    ``fast`` (default): two equal files of this toolkit are confirmed without torch (:mod:`._fast_verify`); anything
     else (a difference, another layout, any doubt) is compared by the torch path, so the report is the same.
     """
     if fast and not part_keys:
@@ -65,11 +64,12 @@ def verify_checkpoints(
     from .._layout.detect import check_part_keys
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
+    from .._store.url import location
     from ._compare import compare_parts
     from ._inspect_sources import check_sharded
 
     for side in (a, b):  # a sharded checkpoint folder is checked whole first: damage is said naming the file
-        check_sharded(Path(side))
+        check_sharded(location(side))
     if part_keys:
         check_part_keys(part_keys)
     # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
@@ -103,6 +103,20 @@ def verify_checkpoints(
         "not_compared": report.not_compared,
         "differences": report.differences,
     }
+
+
+def read_parts(path: PathLike) -> CheckpointParts:
+    """A checkpoint's parts as ``verify`` reads them (and ``resume`` finds them): a sharded checkpoint folder checked
+    against its manifest first, a torch file memory-mapped on the CPU and split by :func:`split_checkpoint`, a
+    foreign source split by its reader. Local."""
+    from .._layout.layout import split_checkpoint
+    from .._source.open import open_checkpoint
+    from .._store.url import location
+    from ._inspect_sources import check_sharded
+
+    check_sharded(location(path))
+    contents = open_checkpoint(path, map_location="cpu", mmap=_mmap(path), weights_only=True)
+    return contents.parts or split_checkpoint(contents.obj, source=str(path))
 
 
 def _mmap(path: PathLike) -> bool:

@@ -67,16 +67,17 @@ def _report(base: str, rank: int, fn: Callable[[], Any], check: Callable[[], dic
 
 def _small_buckets() -> None:
     """Every rank: stream the broadcast checkpoint in buckets of BUCKET_BYTES."""
-    original = sources.broadcast_loaded  # type: ignore[attr-defined]  # the name _source.read imported
+    original = sources.receive_structure  # type: ignore[attr-defined]  # the name _source.read imported
 
     def small(load: Any, **kwargs: Any) -> Any:
         return original(load, **{**kwargs, "bucket_bytes": BUCKET_BYTES})
 
-    sources.broadcast_loaded = small  # type: ignore[assignment,attr-defined]
+    sources.receive_structure = small  # type: ignore[assignment,attr-defined]
 
 
 def _die_at_bucket(n: int) -> None:
-    """This rank dies instead of taking part in the ``n``-th bucket of the checkpoint data."""
+    """This rank dies instead of taking part in the ``n``-th bucket of the checkpoint data (counted over the streams:
+    the small states' first, then the tensors written into the live ones)."""
     send = broadcast._send_tensors
     real = dist.broadcast
 
@@ -86,8 +87,9 @@ def _die_at_bucket(n: int) -> None:
             _die()
         return real(*args, **kwargs)
 
+    counting.calls = 0  # type: ignore[attr-defined]  # counted over every stream (the small states', then the rest)
+
     def streaming(*args: Any, **kwargs: Any) -> Any:
-        counting.calls = 0  # type: ignore[attr-defined]
         dist.broadcast = counting
         try:
             return send(*args, **kwargs)

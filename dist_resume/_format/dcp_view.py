@@ -1,0 +1,288 @@
+"""What a DCP ``.metadata`` promises, checked against the folder's files before a byte of data is read.
+
+torch's DCP reader trusts ``.metadata`` completely: it allocates every tensor it describes, reads each chunk from the
+file and offset it names, and fills only the elements some chunk covers (an element no chunk covers keeps whatever
+memory held). :func:`view_of` turns a ``Metadata`` (torch's, or :mod:`.dcp_peek`'s stand-ins: the same walk) into a
+:class:`DcpView` of plain values, every field typed first; :func:`view_problem` says what in it cannot be the truth
+about a folder holding ``sizes``: a chunk outside its tensor, chunks that do not cover every element exactly once,
+a chunk larger than the bytes stored for it, an entry stored in a file the folder does not hold or past its end, an
+entry without stored bytes, planner paths that cannot all be places in one nested state.
+
+Torch-free: this module imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .dcp_peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
+
+__all__ = ["BadMetadata", "Chunk", "TensorEntry", "Stored", "DcpView", "view_of", "view_problem", "metadata_problem"]
+
+MAX_PATH_INDEX: Final = 1 << 20  # a list position in a planner path (optimizer param ids, groups)
+_MAX_DEPTH: Final = 64  # planner paths: a state dict nests a handful of levels
+_MAX_DIMS: Final = 64
+_MAX_CELLS: Final = 1 << 22  # a coverage grid larger than this is refused as too fragmented to be a real save
+_SLACK: Final = 1 << 20  # a compressed entry may hold more elements than its bytes: bounded by the folder's bytes
+
+Dims = tuple[int, ...]
+Place = tuple[str | int, ...]
+
+
+class BadMetadata(ValueError):
+    """``.metadata`` holds something that cannot be DCP's metadata (the message says what)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One saved piece of a tensor: where it starts and its extent in each dimension."""
+
+    offsets: Dims
+    sizes: Dims
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    size: Dims
+    itemsize: int
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Where an entry's bytes are: the file, the offset, the length; ``transformed``: compressed or otherwise encoded."""
+
+    file: str
+    offset: int
+    length: int
+    transformed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DcpView:
+    """``.metadata`` as plain values: each tensor, each object entry, every entry's place in the nested state, and
+    the stored bytes of each (tensor chunk: ``(fqn, offsets)``; object: ``(fqn, None)``)."""
+
+    tensors: dict[str, TensorEntry]
+    objects: tuple[str, ...]
+    places: dict[str, Place]
+    stored: dict[tuple[str, Dims | None], Stored]
+
+    @property
+    def files(self) -> set[str]:
+        return {s.file for s in self.stored.values()}
+
+    @property
+    def top_level(self) -> set[str | int]:
+        return {place[0] for place in self.places.values()}
+
+
+def _kind(obj: Any) -> str:
+    return str(getattr(obj, "kind", None) or type(obj).__name__)
+
+
+def _dims(value: Any, what: str) -> Dims:
+    if not isinstance(value, tuple) or len(value) > _MAX_DIMS or not all(type(n) is int and n >= 0 for n in value):
+        raise BadMetadata(f"{what} is {value!r}, not a tuple of sizes")
+    return tuple(value)
+
+
+def _tensor(fqn: str, md: Any) -> TensorEntry:
+    size = _dims(getattr(md, "size", None), f"the size of tensor {fqn!r}")
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    itemsize = getattr(dtype, "itemsize", None)
+    if type(dtype).__name__ not in ("dtype", "Dtype") or type(itemsize) is not int or itemsize < 1:
+        raise BadMetadata(f"tensor {fqn!r} has the dtype {dtype!r}")
+    raw = getattr(md, "chunks", None)
+    if not isinstance(raw, list):
+        raise BadMetadata(f"tensor {fqn!r} has chunks {type(raw).__name__}, not a list")
+    chunks = []
+    for chunk in raw:
+        if _kind(chunk) != "ChunkStorageMetadata":
+            raise BadMetadata(f"tensor {fqn!r} has a chunk that is {_kind(chunk)}")
+        offsets = _dims(getattr(chunk, "offsets", None), f"a chunk offset of {fqn!r}")
+        sizes = _dims(getattr(chunk, "sizes", None), f"a chunk size of {fqn!r}")
+        chunks.append(Chunk(offsets, sizes))
+    return TensorEntry(size, itemsize, tuple(chunks))
+
+
+def _place(fqn: str, path: Any) -> Place:
+    if path is None:
+        return (fqn,)
+    if (
+        not isinstance(path, (tuple, list))
+        or not path
+        or len(path) > _MAX_DEPTH
+        or not all(type(k) is str or (type(k) is int and 0 <= k < MAX_PATH_INDEX) for k in path)
+        or type(path[0]) is not str
+        or ".".join(map(str, path)) != fqn  # DCP's key of a nested entry is its path joined by dots
+    ):
+        raise BadMetadata(f"the planner path of {fqn!r} is {str(path)[:100]}")
+    return tuple(path)
+
+
+def _stored(index: Any, info: Any) -> tuple[tuple[str, Dims | None], Stored]:
+    fqn, at = getattr(index, "fqn", None), getattr(index, "offset", None)
+    if _kind(index) != "MetadataIndex" or type(fqn) is not str:
+        raise BadMetadata(f"a storage key {index!r}")
+    offsets = None if at is None else _dims(at, f"the storage offset of {fqn!r}")
+    name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+    transforms = getattr(info, "transform_descriptors", None)
+    if (
+        _kind(info) != "_StorageInfo"
+        or type(name) is not str
+        or not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0)
+        or not (
+            transforms is None or (isinstance(transforms, (list, tuple)) and all(type(t) is str for t in transforms))
+        )
+    ):
+        raise BadMetadata(f"the storage entry of {fqn!r} is {info!r}")
+    return (fqn, offsets), Stored(name, offset, length, bool(transforms))
+
+
+def view_of(metadata: Any) -> DcpView:
+    """``metadata`` (a DCP ``Metadata`` or its stand-in) as a :class:`DcpView`, every field typed; :class:`BadMetadata`
+    naming the first field that is not what DCP writes. Local."""
+    entries = getattr(metadata, "state_dict_metadata", None)
+    planner = getattr(metadata, "planner_data", None)
+    storage = getattr(metadata, "storage_data", None)
+    if _kind(metadata) != "Metadata" or not isinstance(entries, dict):
+        raise BadMetadata(f"it holds {_kind(metadata)} without a state_dict_metadata mapping")
+    if planner is not None and not isinstance(planner, dict):
+        raise BadMetadata(f"planner_data is {type(planner).__name__}, not a mapping")
+    if not isinstance(storage, dict):
+        raise BadMetadata(f"storage_data is {type(storage).__name__}, not a mapping")
+    tensors: dict[str, TensorEntry] = {}
+    objects: list[str] = []
+    places: dict[str, Place] = {}
+    for fqn, md in entries.items():
+        if type(fqn) is not str:
+            raise BadMetadata(f"an entry named {fqn!r}, not a str")
+        if _kind(md) == "TensorStorageMetadata":
+            tensors[fqn] = _tensor(fqn, md)
+        elif _kind(md) == "BytesStorageMetadata":
+            objects.append(fqn)
+        else:
+            raise BadMetadata(f"entry {fqn!r} is {_kind(md)}; only tensors and objects load")
+        places[fqn] = _place(fqn, (planner or {}).get(fqn))
+    stored = dict(_stored(index, info) for index, info in storage.items())
+    return DcpView(tensors, tuple(objects), places, stored)
+
+
+def _tree_problem(places: Mapping[str, Place]) -> str | None:
+    """Whether every entry can take its place in one nested state: no place inside another's value, no two entries
+    at one place, and the keys below any one place all names or all list positions."""
+    leaves: dict[Place, str] = {}
+    inner: dict[Place, type] = {}
+    for fqn, place in places.items():
+        if place in leaves or place in inner:
+            return f"entries {leaves.get(place, '?')!r} and {fqn!r} share the place {place!r}"
+        leaves[place] = fqn
+        for depth in range(1, len(place)):
+            prefix, key = place[:depth], place[depth]
+            if prefix in leaves:
+                return f"entry {fqn!r} is placed inside entry {leaves[prefix]!r}"
+            if inner.setdefault(prefix, type(key)) is not type(key):
+                return f"the keys below {prefix!r} mix names and list positions ({fqn!r})"
+    return None
+
+
+def _covers(entry: TensorEntry) -> str | None:
+    """Whether the chunks lie inside the tensor and cover each of its elements exactly once."""
+    ndim = len(entry.size)
+    for chunk in entry.chunks:
+        if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
+            return f"a chunk of {len(chunk.sizes)} dimensions in a tensor of {ndim}"
+        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size)):
+            return f"the chunk at {chunk.offsets} of extent {chunk.sizes} lies outside its size {entry.size}"
+    total = math.prod(entry.size)
+    held = sum(math.prod(c.sizes) for c in entry.chunks)
+    if held != total:
+        return f"its chunks hold {held} elements, the tensor {total}"
+    boxes = [c for c in entry.chunks if math.prod(c.sizes)]
+    return None if _disjoint(boxes, entry.size) else "two of its chunks overlap (and so some element is in none)"
+
+
+def _disjoint(boxes: list[Chunk], size: Dims) -> bool:
+    """No two boxes share an element (their volumes sum to the tensor's, so disjoint means an exact cover)."""
+    if len(boxes) < 2:
+        return True
+    split = [d for d in range(len(size)) if any(b.sizes[d] != size[d] for b in boxes)]
+    if len(split) <= 1:  # slabs along one dimension (FSDP's Shard(0)): sorted, each must end where the next starts
+        d = split[0] if split else 0
+        ordered = sorted(boxes, key=lambda b: b.offsets[d])
+        return all(a.offsets[d] + a.sizes[d] <= b.offsets[d] for a, b in itertools.pairwise(ordered))
+    cuts = [
+        sorted({0, n, *(b.offsets[d] for b in boxes), *(b.offsets[d] + b.sizes[d] for b in boxes)})
+        for d, n in enumerate(size)
+    ]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        return False
+    seen: set[tuple[int, ...]] = set()
+    for box in boxes:
+        ranges = [range(cut.index(o), cut.index(o + s)) for cut, o, s in zip(cuts, box.offsets, box.sizes)]
+        for cell in _product(ranges):
+            if cell in seen:
+                return False
+            seen.add(cell)
+    return True
+
+
+def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
+    cells: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        cells = [c + (i,) for c in cells for i in r]
+    return cells
+
+
+def view_problem(view: DcpView, sizes: Mapping[str, int]) -> str | None:
+    """What in ``view`` cannot be the truth about a folder whose data files (``.distcp``) are ``sizes`` (name: bytes);
+    None when everything adds up. Local."""
+    tree = _tree_problem(view.places)
+    if tree is not None:
+        return tree
+    for key, stored in view.stored.items():
+        if stored.file not in sizes:
+            return f"the bytes of {key[0]!r} are in {stored.file!r}, which is not one of the folder's data files"
+        if stored.offset + stored.length > sizes[stored.file]:
+            return (
+                f"the bytes of {key[0]!r} run past the end of {stored.file!r} ({stored.offset} + {stored.length} > "
+                f"{sizes[stored.file]} bytes)"
+            )
+    for fqn in view.objects:
+        if (fqn, None) not in view.stored:
+            return f"object {fqn!r} has no stored bytes"
+    everything = sum(sizes.values()) + _SLACK
+    for fqn, entry in view.tensors.items():
+        cover = _covers(entry)
+        if cover is not None:
+            return f"tensor {fqn!r} of size {entry.size}: {cover}"
+        for chunk in entry.chunks:
+            at = view.stored.get((fqn, chunk.offsets))
+            if at is None:
+                return f"the chunk of {fqn!r} at {chunk.offsets} has no stored bytes"
+            need = math.prod(chunk.sizes) * entry.itemsize
+            if need > (everything if at.transformed else at.length):
+                return f"the chunk of {fqn!r} at {chunk.offsets} needs {need} bytes, {at.length} are stored"
+    return None
+
+
+def metadata_problem(data: bytes, sizes: Mapping[str, int], contents: Iterable[str]) -> str | None:
+    """What is wrong with the ``.metadata`` bytes ``data`` of a sharded checkpoint folder whose shards are ``sizes``
+    and whose DCP state holds ``contents`` (the manifest's), read without torch; None when nothing is. Local."""
+    try:
+        view = view_of(peek_dcp_metadata(data))
+    except NotMetadata as err:
+        return f"{err}: not what torch.distributed.checkpoint writes"
+    except BadMetadata as err:
+        return str(err)
+    except DAMAGED_PICKLE as err:
+        return f"it is not a pickle DCP wrote ({type(err).__name__}: {str(err)[:100]})"
+    problem = view_problem(view, sizes)
+    if problem is None and view.top_level != set(contents):
+        return f"it holds the entries {sorted(map(str, view.top_level))}, the manifest {sorted(contents)}"
+    return problem
