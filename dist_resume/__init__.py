@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
     from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
     from ._exact.sampler import ResumableDistributedSampler
+    from ._exact.samples import sample_seed
     from ._format.load import rank_map_location
     from ._layout.layout import Layout
     from ._manager.manager import CheckpointManager
@@ -75,6 +76,7 @@ __all__ = [
     "load_rng_state_dict",
     "seed_rng",
     "derive_seed",
+    "sample_seed",
     # errors (the rest in dist_resume.errors)
     "DistResumeError",
 ]
@@ -89,6 +91,7 @@ _HOMES: Final = {
     **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
     "ResumableDistributedSampler": "._exact.sampler",
+    "sample_seed": "._exact.samples",
     "rank_map_location": "._format.load",
     "Layout": "._layout.layout",
     "CheckpointManager": "._manager.manager",

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The multi-GPU CI job, and its launch flow on the test accelerator in every CI run (.ci/run).
 #
-# launch/train.py under torchrun, one process per device, each on <type>:LOCAL_RANK with the device type's backend:
-# an uninterrupted run; a kill-and-resume run through launch/elastic.sh (the last rank SIGKILLs itself, torchrun
-# restarts the group, training resumes) that must end bitwise equal to it; a single-device run continued by every
-# device with --init-from (single card -> DDP).
+# launch/train.py under torchrun, one process per device, each on <type>:LOCAL_RANK with the device type's backend,
+# checked by `dist-resume check`: an uninterrupted run, then one stopped twice (SIGKILL to the whole process tree) and
+# relaunched, whose checkpoints must be bitwise equal to the uninterrupted run's at every step both folders hold.
 #   With CUDA GPUs: first the CUDA tests (pytest -m "cuda or multigpu": the accelerator tests' CUDA variants), then
-#   the flow on cuda with nccl (from 2 GPUs) and --amp.
-#   Without: the flow alone on the test accelerator (tests/accelerator: 2 simulated "sim" devices, simgloo; built here
-#   on first use), fewer steps; the accelerator tests themselves run in the main suite. Where it cannot be built (no
-#   C++ compiler or ninja) the flow runs on 2 CPU processes with gloo and says why.
+#   the check on cuda with nccl (from 2 GPUs) and --amp; a kill-and-resume run through launch/elastic.sh (the last rank
+#   SIGKILLs itself, torchrun restarts the group, training resumes) whose newest checkpoint `dist-resume verify` finds
+#   equal to the check's uninterrupted run's; a single-device run continued by every device with --init-from (single
+#   card -> DDP).
+#   Without: the check alone on the test accelerator (dist_resume.testing.sim: 2 simulated "sim" devices, simgloo;
+#   built once, here or by the suite, and reused), `--device sim` booting it in every process of the launch; torchrun
+#   restarts on sim and single card -> DDP are the suite's (tests/dist/test_ddp_accelerator.py). Where it cannot be
+#   built (no C++ compiler or ninja) the check runs on 2 CPU processes with gloo and the script says why.
 # Results go to JUnit XML in $CI_OUT: junit-cuda.xml (pytest, with GPUs) and junit-launch.xml (the flow, one test
 # case per step, log tails on failure).
 #
@@ -34,11 +37,13 @@ read -r -a torchrun <<<"$TORCHRUN"
 read -r accel count <<<"$("$PY" -c 'import torch
 a = torch.accelerator.current_accelerator(check_available=True)
 print(a.type if a else "none", torch.accelerator.device_count())')"
-plugin=() single_env=()
+# 192 steps of 16 samples a rank, a checkpoint every 32 (6 of them, 0.1-0.3 s apart on sim: two stops, each between two
+# checkpoints, and the three newest compared); 256 samples on GPUs (8 steps an epoch on 2 ranks), 128 on sim or CPU (4)
+check_device=() single_env=()
 if [ "$accel" != "none" ]; then
     device="$accel" nproc="${NPROC:-$count}"
-    # 24 steps of 16 samples, 256 samples (8 steps an epoch on 2 ranks); the last rank dies after step 11
-    train=(--steps 24 --save-every 8 --num-samples 256) kill_at=11 resume_at=8 single_steps=8
+    # the last rank of the elastic run dies after step 43; torchrun restarts the group, which resumes from step 32
+    train=(--steps 192 --save-every 32 --num-samples 256) kill_at=43 resume_at=32 single_steps=32
     [ "$accel" = cuda ] && train+=(--amp) single_env=(CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-0}")
 elif sim_env="$(PYTHONPATH=. "$PY" -c 'import shlex, sys
 from tests import accelerator as a
@@ -46,22 +51,20 @@ reason = a.unavailable_reason()
 if reason:
     sys.exit(reason)
 print(" ".join(f"export {k}={shlex.quote(v)};" for k, v in a.worker_env(2).items()))')"; then
-    # the test accelerator: its built library, device count and PYTHONPATH for every process (builds once, cached)
+    # the test accelerator's built library (built once, cached: tests/accelerator/.build), for every process
     eval "$sim_env"
-    device=sim nproc="${NPROC:-2}" plugin=(--plugin tests.accelerator.plugin)
-    # as short as still proves it: 12 steps, 128 samples (4 steps an epoch on 2 ranks), killed after step 6
-    train=(--steps 12 --save-every 4 --num-samples 128) kill_at=6 resume_at=4 single_steps=4
-    single_env=(DIST_RESUME_SIM_DEVICES=1)
+    device=sim nproc="${NPROC:-2}" check_device=(--device sim)
+    train=(--steps 192 --save-every 32 --num-samples 128)
 else  # sys.exit(reason) printed why on stderr
     echo "ci_multigpu: the test accelerator is unavailable (above); the flow runs on the CPU"
     device=cpu nproc="${NPROC:-2}"
-    train=(--steps 12 --save-every 4 --num-samples 128) kill_at=6 resume_at=4 single_steps=4
+    train=(--steps 192 --save-every 32 --num-samples 128)
 fi
 backend=$(case "$device" in cuda) echo nccl ;; sim) echo simgloo ;; cpu) echo gloo ;; *) echo "its own" ;; esac)
 echo "ci_multigpu: accelerator $accel ($count device(s)); flow on $device with $nproc process(es), backend $backend;" \
     "JUnit in $OUT"
 
-train+=(--device "$device" --batch-size 16 --log-every 4 --timeout 120 ${plugin[@]+"${plugin[@]}"})
+train+=(--device "$device" --batch-size 16 --log-every 16 --timeout 120)
 ckpt() { printf '%s/ckpt_%08d.pt' "$1" "$2"; }
 RESULTS="$WORK/results.tsv"
 : >"$RESULTS"
@@ -80,40 +83,44 @@ step() {  # step NAME COMMAND...: run it, log to $OUT/NAME.log, record the outco
     fi
 }
 
-reference() {  # fresh folders: nothing to resume at first; every rank on its own device
-    "${torchrun[@]}" --standalone --nproc_per_node="$nproc" launch/train.py "${train[@]}" \
-        --ckpt-dir "$WORK/ref" --dump-final "$WORK/ref.pt" --dump-losses "$WORK/ref_losses" | tee "$WORK/ref.out"
-    grep -q "rank 0 of $nproc on $device" "$WORK/ref.out"
-    "$PY" - "$WORK/ref_losses" "$device" "$nproc" <<'EOF'
+check() {  # dist-resume check: an uninterrupted run, one stopped twice and relaunched, the checkpoints compared
+    local rc=0
+    TMPDIR="$WORK" "$PY" -m dist_resume check --json --keep --timeout 300 ${check_device[@]+"${check_device[@]}"} -- \
+        "${torchrun[@]}" --standalone --nproc_per_node="$nproc" launch/train.py "${train[@]}" --ckpt-dir '{dir}' \
+        --dump-losses '{dir}-losses' >"$WORK/check.json" || rc=$?
+    "$PY" - "$WORK/check.json" "$device" "$nproc" "$rc" <<'EOF'
 import json, sys
 from pathlib import Path
-folder, device, nproc = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-where = {json.loads(line)["device"] for f in folder.glob("rank*.jsonl") for line in f.read_text().splitlines()}
+path, device, nproc, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if rc not in (0, 1):
+    sys.exit(f"dist-resume check could not check the launch (exit {rc}): its error is above")
+result = json.loads(Path(path).read_text())
+work = Path(result["folders"]["reference"]).parent
+# every rank on its own device, in every launch: what train.py --dump-losses wrote beside each checkpoint folder
+where = {json.loads(line)["device"] for f in work.glob("*-losses/rank*.jsonl") for line in f.read_text().splitlines()}
 want = {f"{device}:{i}" for i in range(nproc)} if device != "cpu" else {"cpu"}
 if where != want:
     sys.exit(f"the ranks trained on {sorted(where)}, expected {sorted(want)}")
-print(f"trained on {sorted(where)}")
+walls = result["wall_seconds"]
+print(f"{'exact' if result['exact'] else 'DIFFERENT'}: interrupted {result['interrupts']['done']} of "
+      f"{result['interrupts']['asked']} times on {sorted(where)}; steps compared {[s['step'] for s in result['steps']]}; "
+      f"check {walls['total']:.1f} s, its uninterrupted run {walls['reference']:.1f} s")
+if not result["exact"]:
+    sys.exit(f"the resume is not exact: {result['first_difference']}\n{result['diagnosis']}")
 EOF
 }
 
 kill_and_resume() {  # the last rank SIGKILLs itself after step $kill_at; torchrun restarts; resume from $resume_at
     MAX_RESTARTS=2 NPROC_PER_NODE="$nproc" TORCHRUN="$TORCHRUN" bash launch/elastic.sh "${train[@]}" \
-        --ckpt-dir "$WORK/kr" --kill-at-step "$kill_at" --dump-final "$WORK/kr.pt" | tee "$WORK/kr.out"
+        --ckpt-dir "$WORK/kr" --kill-at-step "$kill_at" | tee "$WORK/kr.out"
     grep -q "SIGKILL at step $kill_at" "$WORK/kr.out"
     grep -q "resumed from $(ckpt "$WORK/kr" "$resume_at")" "$WORK/kr.out"
-}
-
-bitwise_equal() {
-    "$PY" - "$WORK/ref.pt" "$WORK/kr.pt" <<'EOF'
-import sys, torch
-ref, got = (torch.load(p, weights_only=True, map_location="cpu") for p in sys.argv[1:])
-bad = [k for k, v in ref["model"].items() if not torch.equal(v, got["model"][k])]
-for pid, state in ref["optimizer"]["state"].items():
-    bad += [f"optimizer[{pid}][{k}]" for k, v in state.items() if not torch.equal(v, got["optimizer"]["state"][pid][k])]
-if ref["step"] != got["step"] or bad:
-    sys.exit(f"kill-and-resume differs from the uninterrupted run (step {got['step']} vs {ref['step']}): {bad}")
-print(f"bitwise equal after {ref['step']} steps: {len(ref['model'])} model tensors, optimizer state")
-EOF
+    local steps reference
+    steps="$("$PY" -c 'import sys; a = sys.argv[1:]; print(a[a.index("--steps") + 1])' "${train[@]}")"
+    reference="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["folders"]["reference"])' \
+        "$WORK/check.json")"
+    # model, optimizer, scheduler, scaler, step and epoch: bitwise equal to the check's uninterrupted run
+    "$PY" -m dist_resume verify "$(ckpt "$reference" "$steps")" "$(ckpt "$WORK/kr" "$steps")"
 }
 
 single_card() {  # one process that sees one device
@@ -139,14 +146,13 @@ if [ "$accel" = cuda ]; then
     fi
 fi
 
-step reference reference
-step kill_and_resume kill_and_resume
-step bitwise_equal bitwise_equal
+step check check
 if [ "$accel" = cuda ]; then
+    step kill_and_resume kill_and_resume
     step single_card single_card
     step single_to_ddp single_to_ddp
-else  # single card -> DDP both ways on sim is tests/dist/test_ddp_accelerator.py's, in the same CI run
-    echo "== single_card, single_to_ddp: on $device they are the suite's (tests/dist/test_ddp_accelerator.py)"
+else  # torchrun restarts and single card -> DDP on sim are tests/dist/test_ddp_accelerator.py's, in the same CI run
+    echo "== kill_and_resume, single_card, single_to_ddp: on $device they are the suite's (test_ddp_accelerator.py)"
 fi
 
 "$PY" - "$RESULTS" "$OUT" "$device" <<'EOF'

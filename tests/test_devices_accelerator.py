@@ -9,6 +9,7 @@ PrivateUse1 device (FACTS 28), so the wrong order moves with ``accelerator.move`
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], str]] = {
 }
 
 
-def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> dr.ResumeResult:
+def _resume(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, **options: Any
+) -> dr.ResumeResult:
     """The one call into resume: ``options`` are ``ResumeOptions`` fields."""
     return dr.resume(path, model=model, optimizer=optimizer, options=dr.ResumeOptions(**options))
 
@@ -44,7 +47,7 @@ def _trained_on_cpu(
     net = TinyNet()
     opt = make(net.parameters(), **kwargs)
     train_steps(net, opt, BATCHES[:2])
-    return net, opt, dr.save_checkpoint(tmp_path / "ckpt.pt", model=net, optimizer=opt, step=2)
+    return net, opt, Path(dr.save_checkpoint(tmp_path / "ckpt.pt", model=net, optimizer=opt, step=2))
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["foreach=False", "foreach=True"])
@@ -90,13 +93,21 @@ def test_the_seed_bug_in_plain_torch_and_how_the_toolkit_prevents_and_names_it(
     losses = train_steps(net2, opt2, batches_on(BATCHES[2:], device))
     assert losses == pytest.approx(train_steps(src, src_opt, BATCHES[2:]), rel=1e-4, abs=1e-6)
 
-    # resume cannot foresee a later model.to(); check_devices catches it
+    # resume cannot foresee a later model.to(); check_devices catches it, and so does the first step after resume,
+    # with the tensor and the fix instead of torch's message
     net3 = TinyNet(seed=3)
     opt3 = make(net3.parameters(), foreach=foreach)
     _resume(path, net3, opt3)
     accelerator.move(net3)
     with pytest.raises(dr.errors.DeviceMismatchError, match=f"is on cpu, its parameter on {device}"):
         dr.check_devices(net3, opt3)
+    with pytest.raises(dr.errors.DeviceMismatchError) as first_step:
+        train_steps(net3, opt3, batches_on(BATCHES[2:3], device))
+    assert f"optimizer.state[fc.weight][{key!r}] is on cpu, its parameter on {device}" in str(first_step.value)
+    assert "resume after model.to(device)" in str(first_step.value) and SAME_DEVICE not in str(first_step.value)
+    dr.optimizer_to(opt3)  # the fix it names works; the check is gone once a step passed it
+    train_steps(net3, opt3, batches_on(BATCHES[2:], device))
+    assert not opt3._optimizer_step_pre_hooks
 
 
 @pytest.mark.parametrize("flag", ["fused", "capturable"])

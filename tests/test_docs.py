@@ -146,17 +146,30 @@ def test_readme_commands_match_ci_and_train_py():
     demo, tests = _readme_commands()
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci, ".ci/run must run the README's test command verbatim (keep the two in sync)"
-    # the demo command: both launches run launch/single_node.sh with flags train.py accepts
-    launches = [shlex.split(part) for part in demo.split("&&") if "launch/single_node.sh" in part]
-    assert len(launches) == 2
+    # the demo command runs launch/demo.sh: its three launches run launch/single_node.sh with flags train.py accepts,
+    # the first stopped as if preempted, the second resuming it, the third uninterrupted in another folder; then
+    # dist-resume verify compares the two last checkpoints
+    assert demo.endswith("bash launch/demo.sh")
+    script = (REPO / "launch" / "demo.sh").read_text()
+    lines = [
+        line.replace('"$here/single_node.sh"', "launch/single_node.sh")
+        .replace('"$dir"', "demo-ckpt")
+        .replace('"$dir-reference"', "ref")
+        for line in script.splitlines()
+        if line.startswith("bash ")
+    ]
+    launches = [shlex.split(line.split(">")[0]) for line in lines]
+    assert len(launches) == 3 and all(cmd[1] == "launch/single_node.sh" for cmd in launches)
     spec = importlib.util.spec_from_file_location("_docs_train", REPO / "launch" / "train.py")
     assert spec is not None and spec.loader is not None
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    first, second = (train.parse_args(cmd[2:]) for cmd in launches)
-    assert first.stop_after == 60 and first.stop_after < first.steps and second.stop_after is None
-    assert first.ckpt_dir == second.ckpt_dir and first.resume == second.resume == "auto"
-    assert (REPO / "launch" / "single_node.sh").is_file()
+    first, second, reference = (train.parse_args(cmd[2:]) for cmd in launches)
+    assert first.stop_after == 60 and first.stop_after < first.steps == second.steps == reference.steps
+    assert second.stop_after is None and reference.stop_after is None
+    assert first.ckpt_dir == second.ckpt_dir != reference.ckpt_dir and first.resume == second.resume == "auto"
+    step = f"ckpt_{first.steps:08d}.pt"
+    assert f'dist-resume verify "$dir/{step}" "$dir-reference/{step}"' in script
 
 
 PUBLIC_MODULES = (dist_resume, dist_resume.tools, dist_resume.errors)

@@ -16,6 +16,7 @@ import pytest
 
 import dist_resume
 import dist_resume.testing
+import dist_resume.testing.sim
 from dist_resume import errors, tools
 from dist_resume._core import errors as _errors
 
@@ -164,8 +165,19 @@ def test_cli_report_builder_does_not_shadow_the_public_name():
 
 
 def test_testing_module_is_public_and_documented():
-    assert dist_resume.testing.__all__ == ["RankFailure", "run_ranks", "kill_process_group"]
-    assert "Local" in (dist_resume.testing.run_ranks.__doc__ or "") and "Example" in (dist_resume.testing.__doc__ or "")
+    assert dist_resume.testing.__all__[:5] == [
+        "RankFailure",
+        "run_ranks",
+        "kill_process_group",
+        "kill_tree",
+        "check_resume",
+    ]
+    assert {"ResumeCheck", "StepDifference", "Cause"} <= set(dist_resume.testing.__all__)
+    for name in ("run_ranks", "check_resume"):
+        assert "Local" in (getattr(dist_resume.testing, name).__doc__ or "")
+    assert "Example" in (dist_resume.testing.__doc__ or "") and "Example" in (dist_resume.testing.sim.__doc__ or "")
+    for name in dist_resume.testing.__all__:  # reprs, tracebacks and pickles name the public module
+        assert getattr(dist_resume.testing, name).__module__ == "dist_resume.testing", name
 
 
 def _members(obj):

@@ -215,9 +215,9 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     )
     out = _ok(elastic)
     assert "rank 1: SIGKILL at step 11" in out and "exitcode: -9" in out
-    # saved after the last batch of epoch 0: the sampler moves on to epoch 1 when iterated
+    # saved after the last batch of epoch 0: the position saved is the start of epoch 1
     assert "resumed from e/ckpt_00000008.pt (" in out
-    assert "continuing at step 8, epoch 0, sample 256 of 256" in out
+    assert "continuing at step 8, epoch 1, sample 0 of 256" in out
     assert "attempt 1)" in out
     _assert_bitwise_equal(tmp_path / "e.pt", tmp_path / "ref.pt")
     records = _records(tmp_path / "e_losses")
