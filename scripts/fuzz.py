@@ -48,8 +48,8 @@ from _fuzz_mutate import STRUCTURAL_SHARE, mutate_file
 from _fuzz_pool import BAD, Case, Pool, run_all
 from _fuzz_worker import paths_for
 
-# corpus items fuzzed only when --only names them: a run of sharded checkpoints, whose readers (_foreign/sharded*,
-# _format/manifest.py) issue 28's hostile-folders work is making total; its unmutated check and replays always run
+# corpus items fuzzed only when --only names them (their unmutated check and replays always run): none now; the run
+# of sharded checkpoints was one until its readers (_foreign/sharded*, _format/manifest.py) were made total
 OPT_IN: tuple[str, ...] = ()
 
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from dist_resume._foreign.dcp_metadata import _MetadataUnpickler
 from dist_resume._format.dcp_peek import DTYPE_SIZES, peek_dcp_metadata
-from dist_resume._format.dcp_view import metadata_problem, view_of, view_problem
+from dist_resume._format.dcp_view import BadMetadata, metadata_problem, view_of, view_problem
 
 
 class _ByGetattr:
@@ -70,3 +70,19 @@ def test_the_torch_free_reader_sees_what_torch_s_does(tmp_path):
     assert "the manifest ['model']" in str(metadata_problem(data, sizes, ["model"]))
     shrunk = {name: size - 1 for name, size in sizes.items()}
     assert "run past the end" in str(view_problem(real, shrunk))
+
+
+def test_a_storage_entry_that_lost_a_field_is_refused_by_name(tmp_path):
+    """A `.metadata` whose `_StorageInfo` lost a field (seed 7's fuzz run: one flipped byte in a field name): the
+    refusal names the entry, and does not call its `repr`, which raises for a dataclass missing a field."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    assert data.count(b"relative_path") == 1
+    damaged = data.replace(b"relative_path", b"relative_patH")
+    sizes = {p.name: p.stat().st_size for p in tmp_path.glob("*.distcp")}
+    for metadata in (pickle.loads(damaged), peek_dcp_metadata(damaged)):
+        with pytest.raises(BadMetadata, match="the storage entry of 'w' is "):
+            view_of(metadata)
+    assert "the storage entry of 'w'" in str(metadata_problem(damaged, sizes, ["w"]))

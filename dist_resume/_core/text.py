@@ -1,11 +1,12 @@
-"""Wording shared by every message: one preview of a long list, one indefinite article."""
+"""Wording shared by every message: one preview of a long list, one indefinite article, one way to show a value
+read from a file."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["preview", "article", "shown"]
+__all__ = ["preview", "article", "shown", "described"]
 
 
 def preview(items: Iterable[Any], n: int = 5, *, sep: str = ", ", quote: bool = True, count: bool = False) -> str:
@@ -52,3 +53,20 @@ def shown(value: Any) -> str:
     if isinstance(value, tuple) and value and all(isinstance(v, float) for v in value):
         return "(" + ", ".join(f"{v:.6g}" for v in value) + ")"
     return repr(value)
+
+
+def described(value: Any, n: int = 100) -> str:
+    """``repr(value)`` cut to ``n`` characters, for a value unpickled from a damaged file: its ``__repr__`` may itself
+    raise (a dataclass whose fields the file left out), and then the type is named instead.
+
+    Example::
+
+        >>> Info = type("Info", (), {"__repr__": lambda self: self.gone})
+        >>> described("x" * 200)[-5:], described(Info())
+        ('xx...', 'an Info that cannot be shown')
+    """
+    try:
+        text = repr(value)
+    except Exception:  # whatever the damaged object's __repr__ raises
+        return f"{article(type(value).__name__)} that cannot be shown"
+    return text if len(text) <= n else text[: n - 3] + "..."

@@ -8,7 +8,7 @@ about a folder holding ``sizes``: a chunk outside its tensor, chunks that do not
 a chunk larger than the bytes stored for it, an entry stored in a file the folder does not hold or past its end, an
 entry without stored bytes, planner paths that cannot all be places in one nested state.
 
-Torch-free: this module imports nothing but the standard library.
+Torch-free: this module imports nothing but the standard library and :mod:`.._core.text`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .._core.text import described
 from .dcp_peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
 
 __all__ = ["BadMetadata", "Chunk", "TensorEntry", "Stored", "DcpView", "view_of", "view_problem", "metadata_problem"]
@@ -87,7 +88,7 @@ def _kind(obj: Any) -> str:
 
 def _dims(value: Any, what: str) -> Dims:
     if not isinstance(value, tuple) or len(value) > _MAX_DIMS or not all(type(n) is int and n >= 0 for n in value):
-        raise BadMetadata(f"{what} is {value!r}, not a tuple of sizes")
+        raise BadMetadata(f"{what} is {described(value)}, not a tuple of sizes")
     return tuple(value)
 
 
@@ -96,7 +97,7 @@ def _tensor(fqn: str, md: Any) -> TensorEntry:
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     itemsize = getattr(dtype, "itemsize", None)
     if type(dtype).__name__ not in ("dtype", "Dtype") or type(itemsize) is not int or itemsize < 1:
-        raise BadMetadata(f"tensor {fqn!r} has the dtype {dtype!r}")
+        raise BadMetadata(f"tensor {fqn!r} has the dtype {described(dtype)}")
     raw = getattr(md, "chunks", None)
     if not isinstance(raw, list):
         raise BadMetadata(f"tensor {fqn!r} has chunks {type(raw).__name__}, not a list")
@@ -121,14 +122,14 @@ def _place(fqn: str, path: Any) -> Place:
         or type(path[0]) is not str
         or ".".join(map(str, path)) != fqn  # DCP's key of a nested entry is its path joined by dots
     ):
-        raise BadMetadata(f"the planner path of {fqn!r} is {str(path)[:100]}")
+        raise BadMetadata(f"the planner path of {fqn!r} is {described(path)}")
     return tuple(path)
 
 
 def _stored(index: Any, info: Any) -> tuple[tuple[str, Dims | None], Stored]:
     fqn, at = getattr(index, "fqn", None), getattr(index, "offset", None)
     if _kind(index) != "MetadataIndex" or type(fqn) is not str:
-        raise BadMetadata(f"a storage key {index!r}")
+        raise BadMetadata(f"a storage key {described(index)}")
     offsets = None if at is None else _dims(at, f"the storage offset of {fqn!r}")
     name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
     transforms = getattr(info, "transform_descriptors", None)
@@ -140,7 +141,7 @@ def _stored(index: Any, info: Any) -> tuple[tuple[str, Dims | None], Stored]:
             transforms is None or (isinstance(transforms, (list, tuple)) and all(type(t) is str for t in transforms))
         )
     ):
-        raise BadMetadata(f"the storage entry of {fqn!r} is {info!r}")
+        raise BadMetadata(f"the storage entry of {fqn!r} is {described(info)}")
     return (fqn, offsets), Stored(name, offset, length, bool(transforms))
 
 
