@@ -58,6 +58,15 @@ def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _unmap_large_frees() -> None:
+    """Every allocation of 1 MiB or more is its own mapping, returned to the kernel when freed (glibc's threshold is
+    fixed, not raised by the first large free): the sampler then sees what is alive, not what the heap kept. Without
+    it the sharded folder's growth varied from 8.6 to 32.3 MiB between runs of the same code, with load on the
+    machine."""
+    m_mmap_threshold = -3  # glibc's mallopt parameter
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20)
+
+
 def _rss_anon() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -68,6 +77,7 @@ def _rss_anon() -> int:
 
 def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str, Any]:
     """Anonymous-memory growth while a 4-layer checkpoint (width x width weights) loads into a stepped FSDP2 model."""
+    _unmap_large_frees()
     mesh = init_device_mesh("cpu", (world_size,))
     ckpt = Path(folder) / "big.pt"
 
