@@ -48,10 +48,6 @@ from _fuzz_mutate import STRUCTURAL_SHARE, mutate_file
 from _fuzz_pool import BAD, Case, Pool, run_all
 from _fuzz_worker import paths_for
 
-# corpus items fuzzed only when --only names them (their unmutated check and replays always run): none now; the run
-# of sharded checkpoints was one until its readers (_foreign/sharded*, _format/manifest.py) were made total
-OPT_IN: tuple[str, ...] = ()
-
 
 def make_cases(
     corpus: dict[str, Path],
@@ -61,10 +57,9 @@ def make_cases(
     only: frozenset[str] = frozenset(),
     share: float = STRUCTURAL_SHARE,
 ) -> list[Case]:
-    """``n`` seeded cases over the corpus items (those named in ``only``, where given; else every item but the
-    ``OPT_IN`` ones) and their paths (those named in ``only`` too); ``share`` of the torch files' mutations are
-    structure-aware."""
-    names = sorted(name for name in corpus if name in only or (not only & set(corpus) and name not in OPT_IN))
+    """``n`` seeded cases over the corpus items (those named in ``only``, where given; else every item) and their
+    paths (those named in ``only`` too); ``share`` of the torch files' mutations are structure-aware."""
+    names = sorted(name for name in corpus if name in only or not only & set(corpus))
     files = {
         name: [corpus[name] / m for m in members(corpus[name])] if corpus[name].is_dir() else [corpus[name]]
         for name in names
