@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 import dist_resume
 from dist_resume import ResumableDistributedSampler as Sampler
@@ -37,14 +37,21 @@ class Noisy(Dataset[torch.Tensor]):
         return i + torch.rand((), generator=g)
 
 
-def _loader(kind: str, **options: Any) -> DataLoader[torch.Tensor]:
+def _loader(kind: str, batch_sampler: bool = False, **options: Any) -> DataLoader[torch.Tensor]:
+    """``batch_sampler``: batches from torch's ``BatchSampler`` over the sampler (``batch_sampler=``, no
+    ``batch_size=``), which neither the loader's ``sampler`` attribute nor torchdata's state sees."""
     sampler = Sampler(N, num_replicas=1, rank=0, seed=3)
+    batching: dict[str, Any] = (
+        {"batch_sampler": BatchSampler(sampler, BATCH, drop_last=False)}
+        if batch_sampler
+        else {"batch_size": BATCH, "sampler": sampler}
+    )
     if kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(Noisy(), batch_size=BATCH, sampler=sampler, **options)  # type: ignore[no-any-return]
+        return StatefulDataLoader(Noisy(), **batching, **options)  # type: ignore[no-any-return]
     own = options.pop("own", False)
-    return DataLoader(Noisy(own), batch_size=BATCH, sampler=sampler, **options)
+    return DataLoader(Noisy(own), **batching, **options)
 
 
 def _train(make: Callable[[], DataLoader[torch.Tensor]], peek: bool, path: Path, stop: int | None = None) -> list[Any]:
@@ -52,7 +59,7 @@ def _train(make: Callable[[], DataLoader[torch.Tensor]], peek: bool, path: Path,
     when it exists. Each step gives (its samples, one draw of the global stream)."""
     torch.manual_seed(0)
     loader, model = make(), torch.nn.Linear(1, 1)
-    sampler = loader.sampler
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     assert isinstance(sampler, Sampler)
     res = dist_resume.resume(path, model=model, dataloader=loader) if path.exists() else None
     step, seen = ((res.step or 0) if res is not None else 0), []
@@ -84,6 +91,9 @@ CASES = {
     "StatefulDataLoader, num_workers=0": ("stateful", {}),
     "StatefulDataLoader, workers": ("stateful", {"num_workers": 2, "prefetch_factor": 3}),
     "StatefulDataLoader, persistent workers": ("stateful", {"num_workers": 2, "persistent_workers": True}),
+    "batch_sampler=, no generator, num_workers=0": ("plain", {"batch_sampler": True}),
+    "StatefulDataLoader, batch_sampler=, num_workers=0": ("stateful", {"batch_sampler": True}),
+    "StatefulDataLoader, batch_sampler=, workers": ("stateful", {"batch_sampler": True, "num_workers": 2}),
 }
 
 
@@ -97,7 +107,9 @@ def test_a_run_stopped_and_resumed_sees_what_an_uninterrupted_run_sees(tmp_path,
     make = functools.partial(_loader, kind, **options)
     reference = _train(make, peek, tmp_path / "none.pt")
     assert len(reference) == 18
-    noise = kind == "stateful" or not options  # torch's DataLoader gives a resumed epoch's workers other seeds
+    noise = kind == "stateful" or not options.get(
+        "num_workers"
+    )  # torch's DataLoader gives a resumed epoch's workers other seeds
     for stop in (3, 11, 12):
         path = tmp_path / f"stop{stop}.pt"
         first = _train(make, peek, path, stop=stop)
@@ -120,6 +132,33 @@ def test_a_resume_draws_what_the_uninterrupted_run_draws_and_a_worker_stream_is_
         resumed = _train(make, False, path, stop=4) + _train(make, False, path)
         assert [s[:2] for s in resumed] == [s[:2] for s in reference], f"{kind}: samples and the main stream"
         assert (resumed[4][2] == reference[4][2]) is same, f"{kind}: the worker-side draws of the resumed epoch"
+
+
+class Pairs:
+    """A batch sampler of one's own: pairs of the sampler's indices, with no ``state_dict``."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Any:
+        it = iter(self.sampler)
+        return iter(lambda: [i for _, i in zip(range(2), it)] or None, None)
+
+    def __len__(self) -> int:
+        return (len(self.sampler) + 1) // 2
+
+
+def test_a_stateful_loader_whose_batch_sampler_cannot_be_counted_is_warned_once(tmp_path, caplog):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(Noisy(), batch_sampler=Pairs(Sampler(N, num_replicas=1, rank=0, seed=3)))
+    model = torch.nn.Linear(1, 1)
+    with caplog.at_level(logging.WARNING, logger="dist_resume"):
+        for step, _ in enumerate(loader, 1):
+            dist_resume.save_checkpoint(tmp_path / "c.pt", model=model, dataloader=loader, step=step)
+            if step == 3:
+                break
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "batch_sampler (Pairs) has no state_dict()" in warned[0], warned
 
 
 def test_a_plain_dataloader_whose_workers_prefetch_is_warned_at_the_first_save_with_the_fixes(tmp_path, caplog):

@@ -55,6 +55,12 @@ _UNCOUNTED: Final = (
     "them. Use torch's BatchSampler (batch_size=) with in_order=True, or torchdata's StatefulDataLoader"
 )
 
+_UNTRACKED: Final = (
+    "dataloader= is a StatefulDataLoader whose batch_sampler (%s) has no state_dict() and is no torch BatchSampler: "
+    "neither torchdata nor dist_resume can tell where in the epoch the loop is, so a resume may replay or skip "
+    "batches. Use torch's BatchSampler (or batch_size=), or give the batch sampler state_dict()/load_state_dict()"
+)
+
 
 def _persistent(loader: Any) -> bool:
     return loader.num_workers > 0 and bool(loader.persistent_workers)
@@ -106,6 +112,21 @@ def _trained(sampler: ResumableDistributedSampler, batches: int, size: int, drop
     return length if batches >= total else batches * size
 
 
+def _counted(sampler: ResumableDistributedSampler, iterator: Any, batching: tuple[int, bool]) -> dict[str, Any]:
+    """The sampler's state at what ``iterator`` handed to the loop: the batches it yielded, counted in samples."""
+    trained = _trained(sampler, batches_yielded(iterator), *batching)
+    if trained > sampler._yielded:  # set_epoch or load_state_dict since the iterator's pass: that position
+        return sampler.state_dict()
+    return sampler.state_dict(consumed=trained)
+
+
+def _untracked(loader: Any) -> bool:
+    """Whether torchdata keeps no sampler state for ``loader``: a ``batch_sampler`` without ``state_dict`` (torch's
+    own ``BatchSampler``), which torchdata can only fast-forward, in a sampler whose epoch it does not know."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return batch_sampler is not None and not callable(getattr(batch_sampler, "state_dict", None))
+
+
 class LoaderPosition:
     """The data position of torch's ``DataLoader`` over a stateful sampler (see the module docstring)."""
 
@@ -125,10 +146,7 @@ class LoaderPosition:
                 warn_prefetch_once(loader)
             return sampler.state_dict()
         sampler._warned_prefetch = True  # the loader's count is the position: nothing for the sampler to say
-        trained = _trained(sampler, batches_yielded(iterator), *batching)
-        if trained > sampler._yielded:  # set_epoch or load_state_dict since the iterator's pass: that position
-            return sampler.state_dict()
-        return sampler.state_dict(consumed=trained)
+        return _counted(sampler, iterator, batching)
 
     def check_state(self, state: Any, source: str) -> None:
         """Raise :class:`StateMismatchError` when ``state`` cannot be loaded; change nothing. Local."""
@@ -163,8 +181,16 @@ class StatefulLoaderPosition:
         else:  # never iterated, or restored and not iterated since: no iterator (nor worker) started for a save
             entry = loader_state(loader, loader.next_iter_state or {})
         position = loader_position(entry)
-        if position is None and not entry["state"] and isinstance(self.sampler, ResumableDistributedSampler):
-            position = self.sampler.state_dict()
+        sampler = self.sampler
+        if position is None and isinstance(sampler, ResumableDistributedSampler):
+            iterator, batching = live_loader_iterator(loader), _batching(loader)
+            if not entry["state"]:
+                position = sampler.state_dict()
+            elif _untracked(loader) and iterator is not None and batching is not None:
+                position = _counted(sampler, iterator, batching)
+            elif _untracked(loader) and not sampler._warned_prefetch:
+                sampler._warned_prefetch = True
+                log_rank0(logging.WARNING, _UNTRACKED, type(loader.batch_sampler).__name__)
         return {**(position if position is not None else {"epoch": entry["epoch"]}), "loader": entry}
 
     def check_state(self, state: Any, source: str) -> None:
@@ -202,7 +228,10 @@ class StatefulLoaderPosition:
             return LoaderRestore(self.loader, RestoreMode.SAMPLER, position_state, None, None, position_state)
         if isinstance(saved, Mapping):  # this rank's own entry, from state_dict()
             saved = [saved] * int(saved.get("world_size") or 1)
-        restore = check_loader_state(self.loader, saved, source=source)
+        counted = {k: v for k, v in state.items() if k != "loader"} if _untracked(self.loader) else None
+        restore = check_loader_state(
+            self.loader, saved, source=source, counted=counted if "consumed" in state else None
+        )
         if restore.mode is RestoreMode.FULL and not restore.state and "consumed" in state:  # had not iterated
             check_sampler_state(self.sampler, state, source)
             position_state = {key: value for key, value in state.items() if key != "loader"}

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._core.torch_compat import loader_iterator_finished, set_iterator_factory
+from .stateful_loader import loader_sampler
 
 __all__ = ["resume_iterators", "stop_resuming_iterators"]
 
@@ -34,15 +35,15 @@ def resume_iterators(
 ) -> None:
     """Make the iterators ``loader`` creates in the resumed epoch draw nothing from the global RNG. Local.
 
-    ``epoch``: the resumed epoch, read from the loader's sampler (``sampler.epoch``) at each new iterator; the
-    first iterator created in another epoch, or after one of these iterators ran to its end, is torch's own
-    again, and so are all later ones. ``first_only``: the next iterator only (persistent workers). ``state``: a
+    ``epoch``: the resumed epoch, read from the loader's sampler (``sampler.epoch``; the ``batch_sampler``'s own
+    sampler where it has one) at each new iterator; the first iterator created in another epoch, or after one of
+    these iterators ran to its end, is torch's own again, and so are all later ones. ``first_only``: the next iterator only (persistent workers). ``state``: a
     StatefulDataLoader's restored state, given to each of these iterators.
     """
     stop_resuming_iterators(loader)
     if loader.generator is not None and state is None:
         return  # the loader's own generator: the global stream is not drawn
-    sampler = getattr(loader, "sampler", None)
+    sampler = loader_sampler(loader)  # with batch_sampler=, loader.sampler is torch's default, without an epoch
     created: list[weakref.ref[Any]] = []
 
     def over() -> bool:

@@ -194,11 +194,15 @@ def _fail(source: str, what: str, fix: str) -> StateMismatchError:
     return StateMismatchError(f"{source}: {what}; {fix}. Nothing was restored")
 
 
-def check_loader_state(loader: Any, saved: Any, *, source: str = "checkpoint") -> LoaderRestore:
+def check_loader_state(
+    loader: Any, saved: Any, *, source: str = "checkpoint", counted: Mapping[str, Any] | None = None
+) -> LoaderRestore:
     """Validate ``saved`` (the checkpoint's list of :func:`loader_state` entries) against ``loader``; change nothing.
 
     Local. Picks this rank's entry and the way to restore it (see the module docstring), and raises
-    :class:`StateMismatchError` for a state that cannot be restored exactly.
+    :class:`StateMismatchError` for a state that cannot be restored exactly. ``counted``: the sampler position
+    saved beside entries that hold none (a ``batch_sampler`` without ``state_dict``, which torchdata fast-forwards
+    by the batches it drew: the sampler is set to the start of that pass).
     """
     if not (isinstance(saved, Sequence) and saved and all(isinstance(e, Mapping) for e in saved)):
         raise _fail(source, "the dataloader entry is not a list of per-rank StatefulDataLoader states", _DROP)
@@ -218,15 +222,16 @@ def check_loader_state(loader: Any, saved: Any, *, source: str = "checkpoint") -
         entry = saved[rank]
         if entry["state"]:
             _check_torchdata_keys(entry["state"], source)
-        position = loader_position(entry)
+        position = loader_position(entry) or counted
         if position is not None:
             check_sampler_state(sampler, position, source)
             position = _next_sample(sampler, position)
             if position["consumed"] == 0 and not (loader.num_workers and loader.persistent_workers):
                 return LoaderRestore(loader, RestoreMode.SAMPLER, position, None, None, position)  # a new epoch
+            position = position if loader_position(entry) else {**position, "consumed": 0}
         return LoaderRestore(loader, RestoreMode.FULL, entry["state"], entry.get("epoch"), None, position)
     if kind == "ResumableDistributedSampler":
-        position = loader_position(first)
+        position = loader_position(first) or counted
         if position is None:
             raise _fail(
                 source,

@@ -48,6 +48,13 @@ SLOW = {
         "--peek",
         "--save-tail=1",
     ],
+    "batch_sampler=, no generator, the tutorial's peek": ["--batch-sampler", "--peek"],
+    "StatefulDataLoader(batch_sampler=), prefetching workers, augmentation": [
+        "--loader=stateful",
+        "--batch-sampler",
+        "--workers=2",
+        "--augment",
+    ],
     "StatefulDataLoader, persistent workers, augmentation": [
         "--loader=stateful",
         "--workers=2",

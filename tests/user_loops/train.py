@@ -2,7 +2,7 @@
 """A training script written as users write them, one flag per way of building the data loader and the loop.
 
     torchrun --standalone --nproc_per_node=2 tests/user_loops/train.py DIR [--loader plain|stateful]
-        [--workers N] [--persistent] [--prefetch P] [--peek] [--augment] [--save-tail N]
+        [--workers N] [--persistent] [--prefetch P] [--peek] [--batch-sampler] [--augment] [--save-tail N]
 
 DDP over a small MLP with dropout, AdamW and a StepLR scheduler, a ``DataLoader`` **without** ``generator=`` (as
 PyTorch's tutorial writes it) over a ``ResumableDistributedSampler``, everything registered once with a
@@ -13,6 +13,8 @@ PyTorch's tutorial writes it) over a ``ResumableDistributedSampler``, everything
   ``prefetch_factor``;
 - ``--peek``: the loop of PyTorch's DDP tutorial (``multigpu_torchrun.py``): every epoch reads one batch to learn the
   batch size (``next(iter(loader))``), then calls ``sampler.set_epoch(epoch)``, then iterates;
+- ``--batch-sampler``: batches from ``batch_sampler=BatchSampler(sampler, BATCH)`` in place of ``batch_size=`` and
+  ``sampler=``;
 - ``--augment``: the dataset adds noise to each sample in ``__getitem__`` (in the loader's workers when it has
   some), drawn from a generator seeded with ``dist_resume.sample_seed(index)``;
 - ``--save-tail N``: save only in the last N batches of each epoch (default: every 3 steps);
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 import dist_resume as dr
 
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--prefetch", type=int, default=None)
     p.add_argument("--peek", action="store_true")
+    p.add_argument("--batch-sampler", action="store_true", help="batch_sampler=BatchSampler(sampler, BATCH)")
     p.add_argument("--augment", action="store_true")
     p.add_argument("--save-tail", type=int, default=0)
     p.add_argument("--epochs", type=int, default=3)
@@ -86,12 +89,17 @@ def main() -> None:
     options = {"num_workers": args.workers}
     if args.workers:
         options |= {"persistent_workers": args.persistent, "prefetch_factor": args.prefetch}
+    batching = (
+        {"batch_sampler": BatchSampler(sampler, BATCH, drop_last=False)}
+        if args.batch_sampler
+        else {"batch_size": BATCH, "sampler": sampler}
+    )
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        loader: DataLoader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, **options)
+        loader: DataLoader = StatefulDataLoader(dataset, **batching, **options)
     else:
-        loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, **options)
+        loader = DataLoader(dataset, **batching, **options)
 
     mgr = dr.CheckpointManager(args.folder, model=model, optimizer=opt, scheduler=sched, dataloader=loader, keep_last=3)
     res = mgr.resume()
