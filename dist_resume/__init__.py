@@ -135,9 +135,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import warnings
 
-    # names that moved in 0.3: they keep working for one release, with a DeprecationWarning naming the new home
+    # names that moved in 0.3: they keep working until 0.5 (one release more than 0.3 said), with a DeprecationWarning naming the new home
     warnings.warn(
-        f"dist_resume.{name} moved to dist_resume.{moved}.{name} in dist_resume 0.3; the old name goes in 0.4",
+        f"dist_resume.{name} moved to dist_resume.{moved}.{name} in dist_resume 0.3; the old name goes in 0.5",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -25,6 +25,7 @@ from .._source.source import Source
 from .._state.devices import check_first_step
 from .._state.prefix import model_key_map
 from .apply import Stage
+from .fallback import restore_newest
 from .moved import refuses_moved_keywords
 from .objects import LiveObjects
 from .options import ResumeOptions
@@ -80,11 +81,11 @@ def resume(
 ) -> ResumeResult:
     """Restore model, optimizer, LR scheduler, GradScaler, data position, RNG streams and EMA, all or nothing.
 
-    Local for a file: each rank reads the file and restores its own objects (call it on every rank,
-    after wrapping the model in DDP or before, either works). ``path`` may also be a checkpoint
-    folder (:class:`CheckpointManager`): then it is collective under torch.distributed, rank 0
-    picks the newest complete checkpoint and every rank confirms it sees the same file (see
-    :func:`dist_resume.tools.resolve_checkpoint`). How the file is read and what may be missing is
+    Collective under torch.distributed (call it on every rank, after wrapping the model in DDP or before,
+    either works), local in a single process: each rank reads the file and restores its own objects.
+    ``path`` may also be a checkpoint folder (:class:`CheckpointManager`): rank 0 picks the newest complete
+    checkpoint and every rank confirms it sees the same file (see :func:`dist_resume.tools.resolve_checkpoint`).
+    How the file is read and what may be missing is
     ``options``, a :class:`ResumeOptions` (validated when it was built; the defaults when None):
     ``strict``, ``allow_missing``, ``optimizer_hparams``, ``rng``, ``key_prefix``, ``part_keys``,
     ``map_location``, ``mmap``, ``weights_only``, ``verify``, ``broadcast_from_rank0``.
@@ -107,12 +108,13 @@ def resume(
     Afterwards optimizer state sits on its parameters' devices, and the optimizer's first ``step()`` checks
     that it still does (a model moved after the resume is named there, with the fix).
 
-    Across ranks: when the resume is collective (``path`` is a ``CheckpointManager`` folder under
-    torch.distributed, or ``broadcast_from_rank0``), the ranks agree after validating, after the steps that
-    can fail and after the commit: a failure on any rank makes every rank put back what it changed (or, in
-    the commit, say it holds part of the checkpoint) and raise the same error class, relayed with ``rank``
-    set. A file (or foreign folder) passed by path is read, validated and applied by each rank on its own,
-    with no collective: a failure there is raised on that rank only, and the other ranks' resumes stand.
+    Across ranks: under torch.distributed (more than one rank) the resume is collective, whatever ``path`` is:
+    call it on every rank. The ranks first agree on the kind of source (every rank a checkpoint file, or the same
+    ``CheckpointManager`` folder, whose newest checkpoint rank 0 chooses and every rank confirms, or
+    ``broadcast_from_rank0``), then after validating, after the steps that can fail and after the commit: a
+    failure on any rank makes every rank put back what it changed (or, in the commit, say it holds part of the
+    checkpoint) and raise the same error class, relayed with ``rank`` set. No rank resumes alone. To read a
+    checkpoint on one rank only, use :func:`load_checkpoint` (local).
 
     - ``dataloader``: a ``DataLoader`` whose sampler (or ``batch_sampler.sampler``) is a
       :class:`ResumableDistributedSampler`, or that sampler itself (a loop that iterates it): the epoch
@@ -156,12 +158,17 @@ def checked_options(options: Any) -> ResumeOptions:
 
 
 def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
+    """:func:`_restore_once`; a folder's chosen checkpoint that some rank finds damaged as it reads it (before anything
+    changed) is left for the previous complete one, on every rank (:func:`~.fallback.restore_newest`)."""
+    return restore_newest(source, lambda chosen: _restore_once(chosen, objects, options))
+
+
+def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
     """Read ``source`` (decided already), validate it against ``objects``, apply it; say what was restored.
 
-    Local for a file this rank reads; collective for a broadcast source or a folder resolved across
-    ranks (every rank validates before anything changes, and after applying every rank learns whether
-    every rank applied; if one did not, every rank puts back what it changed and raises), and for an
-    FSDP2 model (:mod:`.sharded_restore`: every rank validates, then fills its shards).
+    Collective under torch.distributed (every rank validates before anything changes, and after applying every
+    rank learns whether every rank applied; if one did not, every rank puts back what it changed and raises; an
+    FSDP2 model, :mod:`.sharded_restore`: every rank validates, then fills its shards), local otherwise.
     """
     if is_sharded_restore(objects):  # FSDP2: read, validate everywhere, fill the shards (sharded_restore.py)
         contents, plan, restored = restore_sharded(
@@ -204,7 +211,7 @@ def _restore_whole(
     """Read, validate and apply into a plain, DDP or compiled model (everything but FSDP2)."""
     if source.broadcast:
         return restore_broadcast(source, options, lambda c: _plan(c, objects, options), agree_applied)
-    collective = source.folder is not None and is_distributed()
+    collective = is_distributed()  # a file too: every rank resumes, so every rank learns every rank's outcome
 
     def read_and_plan() -> tuple[SourceContents, RestorePlan]:
         read = read_source(

@@ -139,6 +139,32 @@ def confirm_choice(folder: Location, chosen: CheckpointInfo) -> Location:
     return mine
 
 
+def _kind(path: Location, broadcast: bool) -> str:
+    if broadcast:
+        return "a checkpoint rank 0 broadcasts (broadcast_from_rank0=True)"
+    return "a checkpoint file" if foreign_kind(path) is not None or not path.is_dir() else "a checkpoint folder"
+
+
+def _same_kind(path: Location, broadcast: bool) -> None:
+    """Every rank resumes from the same kind of source (a file, a ``CheckpointManager`` folder, or rank 0's
+    broadcast): the collectives that follow differ by kind, so ranks that disagree would wait on each other.
+    Collective (one object all-gather); ranks that differ from rank 0 make every rank raise
+    :class:`CheckpointConsensusError` naming them."""
+    mine = (_kind(path, broadcast), str(path))
+    step = f"agreeing on what every rank resumes from (this rank: {str(path)!r})"
+    with collective_step(step, CheckpointConsensusError, _AGREE_HINT):
+        kinds: list[tuple[str, str]] = all_gather_objects(mine)
+    differ = [r for r, (kind, _) in enumerate(kinds) if kind != kinds[0][0]]
+    if differ:
+        shown = preview((f"rank {r}: {kinds[r][0]} {kinds[r][1]!r}" for r in [0, *differ]), 8, sep="; ", quote=False)
+        raise CheckpointConsensusError(
+            f"the ranks resume from different kinds of source ({shown}), so nothing was restored on any rank. Every "
+            "rank must pass the same kind: the same checkpoint folder, a checkpoint file each, and the same "
+            "broadcast_from_rank0",
+            ranks=differ,
+        )
+
+
 def _decide(path: Location, *, agree: bool, broadcast: bool) -> Source:
     """The source at ``path``; for a ``CheckpointManager`` folder its newest complete checkpoint, agreed on by
     every rank when ``agree`` (collective), else chosen by this rank."""
@@ -154,8 +180,8 @@ def _decide(path: Location, *, agree: bool, broadcast: bool) -> Source:
 
 
 def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
-    """What a resume of ``path`` reads: decided once, then passed down. Collective for a folder under
-    torch.distributed, local otherwise.
+    """What a resume of ``path`` reads: decided once, then passed down. Collective under torch.distributed (every
+    rank passes the same kind of source; for a folder, the same checkpoint), local otherwise.
 
     A file (torch or ``.safetensors``) and a foreign folder are what they are (each rank looks at its own
     path). Any other folder is taken for a ``CheckpointManager`` folder: rank 0 chooses its newest complete
@@ -164,6 +190,8 @@ def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
     decision: the others need not see the path at all.
     """
     p = location(path)
+    if is_distributed():
+        _same_kind(p, broadcast)
     if broadcast and is_distributed():
         decided: Source = run_on_rank0(
             lambda: _decide(p, agree=False, broadcast=True),

@@ -122,9 +122,16 @@ def broadcast_rank_dies(rank: int, world_size: int, base: str, ckpt: str, victim
 
 
 def consensus_rank_dies(rank: int, world_size: int, base: str, folder: str, victim: int) -> None:
-    """resume(folder): ``victim`` dies right before the gather in which the ranks compare what they see."""
+    """resume(folder): ``victim`` dies right before the gather in which the ranks compare what they see (the
+    second of the consensus: the first agrees on the kind of source)."""
     if rank == victim:
-        consensus.all_gather_objects = lambda obj: _die()  # type: ignore[assignment,misc,attr-defined]
+        gather = consensus.all_gather_objects  # type: ignore[attr-defined]
+        calls = iter(range(2))
+
+        def gather_then_die(obj: object) -> object:
+            return gather(obj) if next(calls) == 0 else _die()
+
+        consensus.all_gather_objects = gather_then_die  # type: ignore[assignment,attr-defined]
     model, opt = make(seed=rank + 10)
     _report(
         base,

@@ -133,7 +133,12 @@ def _ddp_cases(rank: int, root: Path) -> dict[str, Any]:
         "ddp_broadcast_early": _outcome(rank, _unpack_fails(1), resume(broadcast_options), same),
         "ddp_broadcast_commit": _outcome(rank, _unpack_fails(2), resume(broadcast_options), same),
         "ddp_folder_optimizer": _outcome(rank, _failing_load(opt), resume(), same),
+        "ddp_file_optimizer": _outcome(  # a file by path, as hand-written torchrun scripts resume: collective too
+            rank, _failing_load(opt), lambda: dr.resume(folder / "ckpt_00000002.pt", model=model, optimizer=opt), same
+        ),
     }
+    mixed = folder if rank == 0 else folder / "ckpt_00000002.pt"  # rank 0 a folder, rank 1 a file: refused
+    out["ddp_mixed_kinds"] = _outcome(rank, nullcontext(), lambda: dr.resume(mixed, model=model), same)
     resume()()  # and then the same objects resume whole
     out["ddp_resumed"] = flat_state(model, opt)["model.fc.weight"].sum().item()
     return out

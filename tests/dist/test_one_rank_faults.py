@@ -38,6 +38,7 @@ def test_a_fault_on_one_rank_is_one_typed_outcome_on_every_rank(tmp_path):
     # before the commit: nothing changed on any rank
     for case, error, part in (
         ("ddp_folder_optimizer", "RestoreError", "optimizer"),
+        ("ddp_file_optimizer", "RestoreError", "optimizer"),
         ("ddp_broadcast_early", "CheckpointError", None),
         ("fsdp_file_optimizer", "RestoreError", "optimizer"),
         ("fsdp_file_scheduler", "RestoreError", "scheduler"),
@@ -47,6 +48,10 @@ def test_a_fault_on_one_rank_is_one_typed_outcome_on_every_rank(tmp_path):
         assert all(out["unchanged"] for out in outs), (case, outs)
         assert "as it was before" in outs[1]["message"] or "nothing was restored" in outs[1]["message"], outs[1]
         assert ".distcp" not in outs[0]["message"], outs[0]  # an intact folder is never blamed
+    # ranks that pass different kinds of source (a folder, a file) are refused on every rank, nothing changed
+    mixed = [r["ddp_mixed_kinds"] for r in results]
+    assert [(m["error"], m["unchanged"]) for m in mixed] == [("CheckpointConsensusError", True)] * 2, mixed
+    assert all("rank 1: a checkpoint file" in m["message"] and m["elapsed"] < PROMPT for m in mixed), mixed
     # in the commit: every rank says the state is partly restored, and that resuming again restores it
     for case in ("ddp_folder_commit", "ddp_broadcast_commit", "fsdp_file_commit"):
         outs = _same_everywhere(results, case, "PartialRestoreError", None)
