@@ -8,6 +8,7 @@ one interruption ask for one; the torchrun case is the check of launch/train.py 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -90,12 +91,47 @@ def test_no_checkpoint_and_a_run_past_its_timeout_are_exit_2(tmp_path: Path) -> 
     assert _leftovers(tmp_path) == [] and list(tmp_path.iterdir()) == []
 
 
+def test_a_command_that_cannot_start_is_exit_2(tmp_path: Path) -> None:
+    # a misspelt program, and a script without +x: said with the OS's reason and what to do, not a traceback
+    done = check(tmp_path, "--", "pyhton", "train.py", "{dir}")
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert "error: COMMAND could not be started for the reference run: 'pyhton': No such file or directory" in (
+        done.stderr
+    )
+    assert "check its spelling and that it is on PATH" in done.stderr
+    (tmp_path / "train.py").write_text("#!/usr/bin/env python3\nprint('trained')\n")
+    done = check(tmp_path, "--", "./train.py", "{dir}")
+    assert done.returncode == 2 and "'./train.py': Permission denied; make it executable (chmod +x)" in done.stderr
+    with pytest.raises(CheckCommandError, match="could not be started for the reference run: 'pyhton'") as err:
+        dist_resume.testing.check_resume(["pyhton", "train.py", "{dir}"])
+    assert err.value.run == "reference"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]  # the check's folders are gone
+
+
+def test_a_command_that_saves_only_at_its_end_is_exit_2(tmp_path: Path) -> None:
+    # one checkpoint: a stop after it leaves nothing for a relaunch to save, so nothing would be checked
+    args = ("--timeout", RUN_TIMEOUT, "--", sys.executable, TRAIN, "{dir}", "--save-every", "32", "--steps", "32")
+    done = check(tmp_path, *args)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert "error: the reference run wrote only one checkpoint (ckpt_00000032.pt, at " in done.stderr
+    assert "Save during the run more often (every N steps, or each epoch)" in done.stderr
+    assert not list(tmp_path.glob("dist-resume-check.*"))  # the check's folders are gone (torch may leave a cache)
+
+
 def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
-    args = ("--json", "--keep", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", sys.executable, TRAIN, "{dir}")
+    # seeded as most scripts are, torch alone: Python's and NumPy's streams differ between the runs (OS entropy), and
+    # nothing it trains draws from them: exact, with a note
+    train = (sys.executable, TRAIN, "{dir}", "--torch-seed-only")
+    args = ("--json", "--keep", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", *train)
     done = check(tmp_path, *args)
     result = _json(done)
     assert done.returncode == 0 and result["exact"] is True, done.stdout
     assert result["schema"] == "dist-resume/check/1" and result["causes"] == [] and result["diagnosis"] is None
+    (note,) = result["notes"]
+    if importlib.util.find_spec("numpy") is not None:  # rng_state_dict saves NumPy's stream where it is installed
+        assert note.startswith("Python's `random` and NumPy's global stream differ between the two runs at every step")
+        assert "the command does not seed them" in note and "numpy.random.seed(seed)" in note
+    assert note.startswith("Python's `random`") and "dist_resume.seed_rng(seed), or random.seed(seed)" in note
     stopped_at = result["launches"][0]["stopped_at"]
     assert result["interrupts"] == {"asked": 1, "done": 1, "signal": "KILL", "at": [stopped_at]}
     assert [launch["returncode"] for launch in result["launches"]] == [-9, 0]  # SIGKILLed, then ran to its end

@@ -94,7 +94,18 @@ def test_commands_signals_and_stop_rules() -> None:
     assert not _due(StopRule(2, 0.0), seen, 99.0)
 
 
-def _save(folder: Path, step: int, *, lr: float, rng_state: bool = True, sampler: int = 0, world: int = 1) -> None:
+def _save(
+    folder: Path,
+    step: int,
+    *,
+    lr: float,
+    rng_state: bool = True,
+    sampler: int = 0,
+    world: int = 1,
+    python: int | None = None,
+) -> None:
+    """A checkpoint of ``step``; ``rng_state=False`` zeroes torch's stream, ``python`` sets Python's ``random`` to
+    that seed's state (an unseeded stream: another in each run)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -107,6 +118,8 @@ def _save(folder: Path, step: int, *, lr: float, rng_state: bool = True, sampler
     obj["meta"]["world_size"] = world
     if not rng_state:
         obj["rng"] = [dict(obj["rng"][0], torch=torch.zeros_like(obj["rng"][0]["torch"]))]
+    if python is not None:
+        obj["rng"] = [dict(obj["rng"][0], python=random.Random(python).getstate())]
     torch.save(obj, path)
 
 

@@ -85,7 +85,7 @@ def _train(make: Callable[[], DataLoader[torch.Tensor]], peek: bool, path: Path,
     return seen
 
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "no generator, num_workers=0": ("plain", {}),
     "persistent workers": ("plain", {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}),
     "StatefulDataLoader, num_workers=0": ("stateful", {}),
@@ -107,9 +107,8 @@ def test_a_run_stopped_and_resumed_sees_what_an_uninterrupted_run_sees(tmp_path,
     make = functools.partial(_loader, kind, **options)
     reference = _train(make, peek, tmp_path / "none.pt")
     assert len(reference) == 18
-    noise = kind == "stateful" or not options.get(
-        "num_workers"
-    )  # torch's DataLoader gives a resumed epoch's workers other seeds
+    # torch's DataLoader gives a resumed epoch's workers other seeds
+    noise = kind == "stateful" or not options.get("num_workers")
     for stop in (3, 11, 12):
         path = tmp_path / f"stop{stop}.pt"
         first = _train(make, peek, path, stop=stop)
@@ -125,7 +124,8 @@ def test_a_resume_draws_what_the_uninterrupted_run_draws_and_a_worker_stream_is_
     after a resume."""
     pytest.importorskip("torchdata.stateful_dataloader")
     for kind, own, same in [("stateful", False, True), ("plain", True, False)]:
-        options = {"num_workers": 2, "persistent_workers": True, "own": own} if kind == "plain" else {"num_workers": 2}
+        options: dict[str, Any] = {"num_workers": 2}
+        options |= {"persistent_workers": True, "own": own} if kind == "plain" else {}
         make = functools.partial(_loader, kind, **options)
         reference = _train(make, False, tmp_path / "none.pt")
         path = tmp_path / f"{kind}.pt"

@@ -168,8 +168,8 @@ class UsageError(DistResumeError, ValueError):
 
 
 class CheckCommandError(DistResumeError, RuntimeError):
-    """A command under ``dist-resume check`` could not be checked: it failed on its own, wrote no checkpoint, or
-    outlived the timeout. ``run`` names the run (``"reference"``, ``"relaunch 2"``), ``returncode`` is its exit
+    """A command under ``dist-resume check`` could not be checked: it could not be started, failed on its own, wrote
+    no checkpoint (or one only, or none after a resume: nothing to compare), or outlived the timeout. ``run`` names the run (``"reference"``, ``"relaunch 2"``), ``returncode`` is its exit
     status (None when it was stopped at the timeout) and ``stderr`` holds its last lines."""
 
     def __init__(self, message: str, *, run: str = "", returncode: int | None = None, stderr: str = "") -> None:

@@ -6,7 +6,8 @@ over the reference's timeline, between the checkpoint after the one the launch r
 (:func:`_stop_rule`), so never before the folder holds a checkpoint newer than at that launch's start. Then the newest checkpoint of each folder, and every earlier step both still hold, are read as ``resume`` reads
 them and compared part by part (:mod:`._check_compare`); what differs is diagnosed where a cause is known
 (:mod:`._check_diagnose`). A command that fails by itself, writes no checkpoint, or outlives ``timeout`` is an error
-(:class:`~dist_resume.errors.CheckCommandError`), never a verdict.
+(:class:`~dist_resume.errors.CheckCommandError`), never a verdict; so is one that writes a single checkpoint, or
+whose relaunches write none (nothing would be checked).
 """
 
 from __future__ import annotations
@@ -149,6 +150,18 @@ def _no_checkpoint(ref: Launch, folder: Path) -> CheckCommandError:
     )
 
 
+def _one_checkpoint(ref: Launch) -> CheckCommandError:
+    only = ref.seen[0]
+    return CheckCommandError(
+        f"the reference run wrote only one checkpoint ({only.name}, at {only.seconds:.1f} s of its {ref.seconds:.1f} "
+        "s): the check needs one to stop after and a later one, written after the resume, to compare. Save during the "
+        "run more often (every N steps, or each epoch), so that it writes at least two",
+        run="reference",
+        returncode=ref.returncode,
+        stderr=stderr_tail(ref.stderr),
+    )
+
+
 def _failed(run: Launch, what: str) -> CheckCommandError:
     return CheckCommandError(
         f"COMMAND failed on its own: {what} exited with status {run.returncode} after {run.seconds:.1f} s, before any "
@@ -217,8 +230,8 @@ def run_check(command: str | Sequence[str], options: CheckOptions) -> ResumeChec
     """Run the check of ``command`` (holding ``{dir}``) as ``options`` say. Local: it starts the command's processes.
 
     Raises :class:`~dist_resume.errors.UsageError` for a command without ``{dir}`` and
-    :class:`~dist_resume.errors.CheckCommandError` when the command fails by itself, writes no checkpoint or outlives
-    the timeout.
+    :class:`~dist_resume.errors.CheckCommandError` when the command cannot be started, fails by itself, writes fewer
+    than two checkpoints or none after a resume, or outlives the timeout.
     """
     argv = command_argv(command)
     env = _environment(options)
@@ -241,6 +254,8 @@ def run_check(command: str | Sequence[str], options: CheckOptions) -> ResumeChec
             raise _failed(ref, "the reference run")
         if not ref.seen:
             raise _no_checkpoint(ref, ref_dir)
+        if len(ref.seen) < 2:  # a version each: a snapshot rewritten in place counts once per save
+            raise _one_checkpoint(ref)
         got_dir, launches = _interrupted_run(argv, ref, work, options, env)
         from ._check_verdict import verdict
 

@@ -5,11 +5,13 @@ files and sharded folders, HF Trainer / Accelerate / DCP folders, any single tor
 compared as ``verify`` compares (:func:`~dist_resume.cli._compare.compare_parts`: model under canonical keys,
 optimizer state and every group's hyperparameters, scheduler, scaler, step, epoch), plus what an exact resume also
 needs equal: every rank's RNG streams, the data position, ``extra`` and the EMA, and the world size it was saved at.
+Python's ``random`` and NumPy's global stream are a part of their own (:data:`UNSEEDED_PART`): a script that seeds
+only torch leaves them to the OS's entropy, and the verdict tells that apart from a restore that went wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -22,12 +24,26 @@ from .._source.listing import numbered_checkpoints
 from .._state.optim_keys import NOT_HYPERPARAMETERS
 from ._check_folder import SUFFIXES, step_of
 from ._check_result import HyperparameterDifference, PartDifference
-from ._compare import compare_parts, compare_values
+from ._compare import Report, compare_parts, compare_values
 from ._verify import read_parts
 
-__all__ = ["Pair", "PairResult", "folder_checkpoints", "pairs_to_compare", "compare_pair"]
+__all__ = [
+    "UNSEEDED_PART",
+    "UNSEEDED_STREAMS",
+    "unseeded_said",
+    "Pair",
+    "PairResult",
+    "folder_checkpoints",
+    "pairs_to_compare",
+    "compare_pair",
+]
 
-_MORE_PARTS: Final = (("rng", "rng"), ("sampler", "data position"), ("extra", "extra"), ("ema", "ema"))
+UNSEEDED_PART: Final = "rng (python, numpy)"
+UNSEEDED_STREAMS: Final = {  # keys of each rank's RNG dict (rng_state_dict): the stream in words, how to seed it
+    "python": ("Python's `random`", "random.seed(seed)"),
+    "numpy": ("NumPy's global stream", "numpy.random.seed(seed)"),
+}
+_MORE_PARTS: Final = (("sampler", "data position"), ("extra", "extra"), ("ema", "ema"))
 
 
 def folder_checkpoints(folder: Path) -> list[tuple[int | None, Path]]:
@@ -90,6 +106,7 @@ class PairResult:
     held: Mapping[str, tuple[bool, bool]]
     lr: tuple[Any, Any]
     world_size: tuple[Any, Any]
+    streams: tuple[str, ...] = ()  # which of UNSEEDED_STREAMS differ (the keys of the UNSEEDED_PART difference)
 
     @property
     def equal(self) -> bool:
@@ -122,6 +139,47 @@ def _world_size(parts: CheckpointParts) -> Any:
     return size if size is not None else (len(parts.rng) if isinstance(parts.rng, list) else None)
 
 
+def unseeded_said(streams: Iterable[str]) -> tuple[str, bool, str]:
+    """How the unseeded ``streams`` (keys of :data:`UNSEEDED_STREAMS`) are said: their names, whether there is one
+    (``differs`` / ``it``), and the calls that seed them."""
+    named = set(streams)
+    said = [words for name, words in UNSEEDED_STREAMS.items() if name in named] or list(UNSEEDED_STREAMS.values())
+    return " and ".join(n for n, _ in said), len(said) == 1, " and ".join(h for _, h in said)
+
+
+def _split_rng(rng: Any) -> tuple[Any, dict[str, list[Any]]]:
+    """Each rank's RNG dict without ``python`` and ``numpy``, and those two as rank lists ({} when the RNG state is
+    not a list of dicts, as a foreign checkpoint's)."""
+    if not (isinstance(rng, list) and rng and all(isinstance(r, Mapping) for r in rng)):
+        return rng, {}
+    if not any(name in r for r in rng for name in UNSEEDED_STREAMS):
+        return rng, {}
+    rest = [{k: v for k, v in r.items() if k not in UNSEEDED_STREAMS} for r in rng]
+    return rest, {name: [r.get(name) for r in rng] for name in UNSEEDED_STREAMS if any(name in r for r in rng)}
+
+
+def _compare_rng(report: Report, x: Any, y: Any) -> tuple[str, ...]:
+    """The RNG streams as two parts: "rng" (torch's, the accelerator's, the seed) and :data:`UNSEEDED_PART`, a
+    difference keyed by the stream; returns the unseeded streams that differ."""
+    if x is None or y is None:
+        if (x is None) != (y is None):
+            report.diff("rng", "-", f"only {'A' if y is None else 'B'} holds it")
+        return ()
+    (rest_x, own_x), (rest_y, own_y) = _split_rng(x), _split_rng(y)
+    if set(own_x) != set(own_y) or (own_x and len(rest_x) != len(rest_y)):
+        rest_x, rest_y, own_x, own_y = x, y, {}, {}  # shaped differently: one part, as any other
+    problem = compare_values(rest_x, rest_y)
+    if problem is not None:
+        report.diff("rng", "-", problem)
+    differ = []
+    for name in own_x:
+        problem = compare_values(own_x[name], own_y[name])
+        if problem is not None:
+            report.diff(UNSEEDED_PART, name, problem)
+            differ.append(name)
+    return tuple(differ)
+
+
 def compare_pair(pair: Pair) -> PairResult:
     """Read both checkpoints of ``pair`` and compare them part by part. Local."""
     a, b = read_parts(pair.reference), read_parts(pair.interrupted)
@@ -129,6 +187,7 @@ def compare_pair(pair: Pair) -> PairResult:
     for note in report.not_compared:  # "optimizer (only B has one)": a part one run saved and the other did not
         part, _, why = note.partition(" (")
         report.diff(part, "-", why.rstrip(")"))
+    streams = _compare_rng(report, a.rng, b.rng)
     for name, label in _MORE_PARTS:
         x, y = getattr(a, name), getattr(b, name)
         problem = compare_values(x, y) if x is not None and y is not None else None
@@ -154,4 +213,5 @@ def compare_pair(pair: Pair) -> PairResult:
         held,
         (_group_lr(a.optimizer), _group_lr(b.optimizer)),
         sizes,
+        streams,
     )

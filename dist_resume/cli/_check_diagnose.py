@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._core.text import preview, shown
-from ._check_compare import PairResult
+from ._check_compare import UNSEEDED_PART, PairResult, unseeded_said
 from ._check_result import Cause
 from ._check_run import Launch, stderr_tail
 
@@ -23,12 +23,15 @@ _TRUNCATED = ("central directory", "zip archive", "EOFError", "Ran out of input"
 @dataclass(frozen=True)
 class Evidence:
     """What the diagnosis reads: the compared pairs (ascending, the newest last), the first that differs, the
-    interrupted run's launches and which launch wrote each of its checkpoints (by name; 1 is the first launch)."""
+    interrupted run's launches and which launch wrote each of its checkpoints (by name; 1 is the first launch).
+    ``unseeded``: Python's and NumPy's streams differ at every pair (a command that does not seed them); ``first`` is
+    then the first pair where something else differs too."""
 
     results: Sequence[PairResult]
     first: PairResult | None
     launches: Sequence[Launch]
     written_by: dict[str, int]
+    unseeded: bool = False
 
 
 def _relaunch_failed(ev: Evidence) -> str | None:
@@ -56,6 +59,24 @@ def _not_deterministic(ev: Evidence) -> str | None:
         f"the runs differ already at {first.pair.interrupted.name}, which the interrupted run wrote before its first "
         "interruption: the command is not deterministic by itself, so no resume can be exact (seed every RNG; on "
         "GPUs torch.use_deterministic_algorithms(True); no data order from the clock or a directory listing)"
+    )
+
+
+def _not_seeded(ev: Evidence) -> str | None:
+    if ev.first is None:
+        return None
+    before = next(
+        (r for r in ev.results if r.differs(UNSEEDED_PART) and ev.written_by.get(r.pair.interrupted.name) == 1), None
+    )
+    if before is None:
+        return None
+    names, one, how = unseeded_said(before.streams)
+    it = "it" if one else "them"
+    return (
+        f"{names} differ{'s' if one else ''} already at {before.pair.interrupted.name}, written before the first "
+        f"interruption: the command does not seed {it}, so each process starts {it} from the OS's entropy, and what "
+        f"draws from {it} (augmentation, shuffling) differs in every run; seed {it}: dist_resume.seed_rng(seed), or "
+        f"{how}"
     )
 
 
@@ -97,7 +118,9 @@ def _scheduler(ev: Evidence) -> str | None:
 
 def _rng(ev: Evidence) -> str | None:
     first = ev.first
-    if first is None or not first.differs("rng") or ev.written_by.get(first.pair.interrupted.name, 1) == 1:
+    if first is None or ev.written_by.get(first.pair.interrupted.name, 1) == 1:
+        return None
+    if not (first.differs("rng") or (not ev.unseeded and first.differs(UNSEEDED_PART))):
         return None
     return (
         f"the RNG streams differ at {first.pair.interrupted.name}, written after a resume: the RNG streams are not "
@@ -144,6 +167,7 @@ _no_rng = _not_saved(
 _PRIMARY = (
     (Cause.RELAUNCH_FAILED, _relaunch_failed),
     (Cause.NOT_DETERMINISTIC, _not_deterministic),
+    (Cause.RNG_NOT_SEEDED, _not_seeded),
     (Cause.WORLD_SIZE_CHANGED, _world_size),
     (Cause.OPTIMIZER_NOT_SAVED, _optimizer),
     (Cause.SCHEDULER_NOT_SAVED, _scheduler),

@@ -30,13 +30,14 @@ class Cause(enum.Enum):
     DATA_POSITION = "data-position"
     DATA_POSITION_NOT_SAVED = "data-position-not-saved"
     RNG_NOT_SAVED = "rng-not-saved"
+    RNG_NOT_SEEDED = "rng-not-seeded"
 
 
 @dataclass(frozen=True)
 class PartDifference:
-    """How one part differs at a step: ``part`` (model, optimizer, scheduler, scaler, step, epoch, rng, data position,
-    extra, ema, world size), its first differing ``key``, that key's ``problem`` in words (the largest ``|a-b|`` of a
-    tensor, both values of a number) and how many of the part's entries differ (``count``)."""
+    """How one part differs at a step: ``part`` (model, optimizer, scheduler, scaler, step, epoch, rng, rng (python,
+    numpy), data position, extra, ema, world size), its first differing ``key``, that key's ``problem`` in words (the
+    largest ``|a-b|`` of a tensor, both values of a number) and how many of the part's entries differ (``count``)."""
 
     part: str
     key: str
@@ -102,7 +103,8 @@ class ResumeCheck:
     values, and ``diagnosis`` names the known causes found, each with its fix (None when none is known; ``causes``:
     the same as :class:`Cause` members). ``steps`` lists the steps compared (``(step, equal)``, ascending; the newest
     last), ``reference`` and ``launches`` the runs (wall times, when each was stopped), ``folders`` the two checkpoint
-    folders when they were kept. ``report()`` is what the command prints.
+    folders when they were kept, ``notes`` what the check saw that does not change the verdict (Python's and NumPy's
+    streams left unseeded). ``report()`` is what the command prints.
     """
 
     command: tuple[str, ...]
@@ -121,6 +123,7 @@ class ResumeCheck:
     wall_seconds: float
     compare_seconds: float
     folders: tuple[Path, Path] | None = None
+    notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object (schema ``dist-resume/check/1``)."""
@@ -149,6 +152,7 @@ class ResumeCheck:
             "hyperparameters": [vars(h) for h in self.hyperparameters],
             "causes": [c.value for c in self.causes],
             "diagnosis": self.diagnosis,
+            "notes": list(self.notes),
             "wall_seconds": {
                 "reference": self.reference.seconds,
                 "interrupted": round(sum(launch.seconds for launch in self.launches), 3),
@@ -200,6 +204,7 @@ class ResumeCheck:
         if not self.exact:
             causes = (self.diagnosis or "no known cause matches; the differences above say where").splitlines()
             lines += [f"  {'diagnosis' if i == 0 else '':<12} {text}" for i, text in enumerate(causes)]
+        lines += [f"  note         {note}" for note in self.notes]
         interrupted = sum(launch.seconds for launch in self.launches)
         lines.append(
             f"  wall time    {self.wall_seconds:.1f} s: reference {self.reference.seconds:.1f} s, interrupted run "

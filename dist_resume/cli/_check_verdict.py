@@ -1,5 +1,12 @@
 """The verdict of ``dist-resume check``: both folders compared pair by pair, the first difference, the diagnosis,
-assembled into a :class:`~dist_resume.cli._check_result.ResumeCheck`."""
+assembled into a :class:`~dist_resume.cli._check_result.ResumeCheck`.
+
+Two cases are not "every pair equal" read plainly. A run whose compared checkpoints were all written before the first
+interruption checked nothing: an error (:class:`~dist_resume.errors.CheckCommandError`), not exact. Python's
+``random`` and NumPy's global stream differing at *every* compared step while all else is equal is a command that
+does not seed them and draws nothing it trains from them: exact, with a note (a restore that went wrong would leave
+the checkpoints written before any interruption equal).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,38 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._check_compare import compare_pair, pairs_to_compare
+from .._core.errors import CheckCommandError
+from ._check_compare import UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
 from ._check_diagnose import Evidence, diagnose
 from ._check_result import ResumeCheck, StepDifference
-from ._check_run import Launch
+from ._check_run import Launch, stderr_tail
 
 __all__ = ["verdict"]
+
+
+def _unseeded_note(results: Sequence[PairResult]) -> str:
+    names, one, how = unseeded_said(name for r in results for name in r.streams)
+    it = "it" if one else "them"
+    return (
+        f"{names} differ{'s' if one else ''} between the two runs at every step compared while everything the "
+        f"training holds is equal: the command does not seed {it} (each process starts {it} from the OS's entropy) "
+        f"and nothing it trains draws from {it}; a script that draws from {it} (augmentation, shuffling) must seed "
+        f"{it}: dist_resume.seed_rng(seed), or {how}"
+    )
+
+
+def _nothing_checked(launches: Sequence[Launch], results: Sequence[PairResult]) -> CheckCommandError:
+    names = ", ".join(r.pair.interrupted.name for r in results)
+    stop = launches[0].stopped_at or 0.0
+    return CheckCommandError(
+        f"no checkpoint was written after a resume: nothing was checked. Every checkpoint compared ({names}) was "
+        f"written by the interrupted run's first launch, before its stop at {stop:.1f} s; the relaunch resumed from "
+        "the last of them and saved nothing more. Save during the run more often (every N steps, or each epoch), so "
+        "that a relaunch has steps left to train and save",
+        run=launches[-1].label,
+        returncode=launches[-1].returncode,
+        stderr=stderr_tail(launches[-1].stderr),
+    )
 
 
 def verdict(
@@ -27,7 +60,9 @@ def verdict(
     """Compare the reference's folder with the interrupted run's and say whether the resume is exact. Local.
 
     ``launches`` are the interrupted run's, in order; exact needs at least one interruption, a last launch that
-    succeeded, and every pair of checkpoints equal.
+    succeeded, a compared checkpoint written after a resume, and every pair of checkpoints equal (but for unseeded
+    Python and NumPy streams, differing at every pair). Raises :class:`~dist_resume.errors.CheckCommandError` when
+    every compared checkpoint was written before the first interruption and all are equal.
     """
     start = time.monotonic()
     written_by = {seen.name: number for number, run in enumerate(launches, 1) for seen in run.seen}
@@ -35,17 +70,25 @@ def verdict(
     first = next((r for r in results if not r.equal), None)
     interrupts = sum(run.stopped_at is not None for run in launches)
     ok = bool(results) and interrupts > 0 and not launches[-1].failed
-    causes, diagnosis = diagnose(Evidence(results, first, launches, written_by))
+    # an unseeded stream differs from the first checkpoint on; what else differs is what the diagnosis reads
+    unseeded = bool(results) and all(r.differs(UNSEEDED_PART) for r in results)
+    other = next((r for r in results if any(p.part != UNSEEDED_PART for p in r.parts)), None) if unseeded else first
+    resumed = any(written_by.get(r.pair.interrupted.name, 0) >= 2 for r in results)
+    if ok and other is None and not resumed:
+        raise _nothing_checked(launches, results)
+    exact = ok and other is None
+    evidence = Evidence(results, other, launches, written_by, unseeded=unseeded)
+    causes, diagnosis = ((), None) if exact else diagnose(evidence)
     return ResumeCheck(
         command=tuple(argv),
-        exact=ok and first is None,
+        exact=exact,
         interrupts=interrupts,
         interrupts_asked=asked,
         signal=signal,
         device=None,
-        steps=tuple((r.pair.step, r.equal) for r in results),
+        steps=tuple((r.pair.step, r.equal or (exact and unseeded)) for r in results),
         first_difference=None
-        if first is None
+        if first is None or exact
         else StepDifference(
             first.pair.step,
             first.pair.reference.name,
@@ -60,4 +103,5 @@ def verdict(
         launches=tuple(launches),
         wall_seconds=0.0,
         compare_seconds=round(time.monotonic() - start, 3),
+        notes=(_unseeded_note(results),) if exact and unseeded else (),
     )

@@ -14,6 +14,10 @@ check must find (repeatable):
                 iterator draws from the global RNG, and a resumed epoch creates one more (given as dataloader=, the
                 same loader is exact)
     fail        raises before training (a script that fails on its own)
+
+``--torch-seed-only`` seeds torch alone (``torch.manual_seed(0)``, as the README's quick start and most scripts do)
+instead of every stream (``dr.seed_rng``): Python's ``random`` and NumPy's global stream start from the OS's entropy,
+differ between runs, and nothing the script trains draws from them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ p.add_argument("--bug", action="append", default=[], choices=["scheduler", "rng"
 p.add_argument("--steps", type=int, default=32)
 p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--step-seconds", type=float, default=0.025)
+p.add_argument("--torch-seed-only", action="store_true")
 args = p.parse_args()
 if "fail" in args.bug:
     raise SystemExit("train.py: the data folder 'no-such-data' does not exist")
@@ -42,7 +47,8 @@ device = dr.rank_device()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 2))
 model: torch.nn.Module = net.to(device)
-dr.seed_rng(0, device=device)
+if not args.torch_seed_only:
+    dr.seed_rng(0, device=device)
 if info.is_distributed:
     model = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

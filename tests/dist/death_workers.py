@@ -129,7 +129,9 @@ def consensus_rank_dies(rank: int, world_size: int, base: str, folder: str, vict
         calls = iter(range(2))
 
         def gather_then_die(obj: object) -> object:
-            return gather(obj) if next(calls) == 0 else _die()
+            if next(calls) > 0:
+                _die()
+            return gather(obj)
 
         consensus.all_gather_objects = gather_then_die  # type: ignore[assignment,attr-defined]
     model, opt = make(seed=rank + 10)
