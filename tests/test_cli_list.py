@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._source.listing import checkpoint_name
+from dist_resume._source.listing import checkpoint_name, sharded_checkpoint_name
 from dist_resume.cli import main
 
 TEMP = f".{checkpoint_name(40)}.0123456789abcdef.tmp"
@@ -104,6 +104,18 @@ def test_the_pick_is_resumes_even_without_verify(tmp_path: Path, capsys: pytest.
     assert result is not None and result.path.name == report["pick"]
 
 
+def test_a_symlink_loop_named_as_a_checkpoint_is_listed_as_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _folder(tmp_path)
+    loop = folder / sharded_checkpoint_name(40)
+    loop.symlink_to(loop.name)  # itself: every stat() of it is ELOOP
+    code, out, _ = _run(capsys, str(folder), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["pick"] == checkpoint_name(20)
+    assert [c["status"] for c in report["checkpoints"] if c["name"] == loop.name] == ["damaged"]
+
+
 def test_a_folder_whose_checkpoints_are_all_damaged_says_resume_raises(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -176,3 +188,29 @@ def test_a_parent_of_checkpoint_folders_says_to_pass_one(tmp_path: Path, capsys:
     (inner / "__0_0.distcp").write_bytes(b"x")
     _, out, _ = _run(capsys, str(tmp_path))
     assert "holds checkpoint folders one level down ('dcp_step_5/')" in out and "starts fresh" not in out
+
+
+def test_a_remote_folder_lists_as_temporary_only_what_an_interrupted_save_left(
+    mem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a store a killed upload leaves nothing visible: only a sharded folder without its manifest is a leftover;
+    the lease (held here) is not listed, as the local lock file is not, and other objects are other files."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    with dr.CheckpointManager(mem, keep_last=5) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=nn.Linear(4, 4))
+        fs.pipe_file(f"{mem}/notes.txt", b"hi")
+        fs.pipe_file(f"{mem}/model.safetensors", b"not looked at")
+        fs.pipe_file(f"{mem}/{sharded_checkpoint_name(30)}/__0_0.distcp", b"half a save")  # killed before its manifest
+        code, out, err = _run(capsys, mem, "--json")
+        assert code == 0 and not err
+        report: dict[str, Any] = json.loads(out)
+        assert [c["name"] for c in report["checkpoints"]] == [checkpoint_name(10), checkpoint_name(20)]
+        assert [t["name"] for t in report["temporary_files"]] == [sharded_checkpoint_name(30)]
+        assert report["other_files"] == ["model.safetensors", "notes.txt"]
+        code, out, _ = _run(capsys, mem)
+    assert code == 0 and "2 checkpoint(s), 1 temporary file(s)" in out.splitlines()[0]
+    assert ".dist_resume.lease" not in out
+    temps = out.split("temporary files left by interrupted saves", 1)[1].split("other files", 1)[0]
+    assert sharded_checkpoint_name(30) in temps and checkpoint_name(10) not in temps and "notes.txt" not in temps

@@ -8,6 +8,7 @@ import gc
 import logging
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from dist_resume._core.location import RemotePath
 from dist_resume._format import ranged
 from dist_resume._manager.lease import LEASE_NAME, Lease, PrefixLease
 from dist_resume._store.ranges import READ_STATS
-from dist_resume.errors import CheckpointCorruptError, CheckpointWriteError
+from dist_resume.errors import CheckpointCorruptError, CheckpointWriteError, KeyMismatchError
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -75,6 +76,27 @@ def test_an_expired_lease_is_taken_over_and_a_lost_one_refuses_the_next_save(mem
         lease._lost = "its lease object was replaced by elsewhere pid 4242"  # what the renewing thread sees
         with pytest.raises(CheckpointWriteError, match="lost its lease"):
             mgr.save(2)
+
+
+def test_a_resume_that_raises_leaves_nothing_held(mem: str, tmp_path: Path) -> None:
+    """The lease (and the local lock) a failed resume took is released at once: the fixed script relaunches into
+    the folder without waiting for the lease to expire; a lock held before the resume stays held."""
+    for folder in (mem, str(tmp_path)):
+        with dr.CheckpointManager(folder, model=_net()) as mgr:
+            mgr.save(1)
+        wrong = dr.CheckpointManager(folder, model=nn.Linear(3, 3))
+        with pytest.raises(KeyMismatchError):
+            wrong.resume()
+        assert not wrong._lock.held
+        if folder == mem:
+            assert LEASE_NAME not in _names(mem)
+        with dr.CheckpointManager(folder, model=_net()) as relaunch:
+            result = relaunch.resume()
+            assert result is not None and result.step == 1
+            relaunch.save(2)
+            with pytest.raises(KeyMismatchError):
+                relaunch.resume(model=nn.Linear(3, 3))
+            assert relaunch._lock.held  # taken by the save before: the resume leaves it as it found it
 
 
 def test_a_damaged_newest_object_is_skipped_and_an_uncommitted_sharded_folder_never_counts(

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,18 @@ fsspec = pytest.importorskip("fsspec")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(REPO_ROOT / "tests" / "dist" / "s3_worker.py")
+
+# a script that ends without close(): normally, with a save_async still uploading, or by an exception after resume
+_ENDS_WITHOUT_CLOSE = textwrap.dedent("""
+    import sys, torch, dist_resume as dr
+    url, how = sys.argv[1], sys.argv[2]
+    mgr = dr.CheckpointManager(url, model=torch.nn.Linear(512, 512))
+    mgr.resume()
+    if how == "raise":
+        raise RuntimeError("training crashed after resume")
+    mgr.save(1)
+    mgr.save_async(2)
+""")
 
 
 def _net(seed: int = 0, width: int = 32) -> nn.Module:
@@ -162,3 +178,41 @@ def test_a_job_on_a_bucket_saves_rotates_resumes_under_torchrun_and_survives_a_k
         result = dr.resume(url, model=again, optimizer=torch.optim.AdamW(again.parameters(), lr=0.01))
     assert result.step == 10 and all(torch.equal(again.state_dict()[k], v) for k, v in good.items())
     assert any("skipping checkpoint" in r.message and "ckpt_00000011.pt" in r.message for r in caplog.records)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_ends_without_close_releases_its_lease(s3_bucket: str) -> None:
+    """The end of a script that never called close(), normally or by an uncaught exception, deletes its lease while
+    s3fs can still send requests (the threads' exit hooks run before the interpreter shuts its thread pools down):
+    the relaunch takes the folder at once, and only a killed process leaves its lease to expire."""
+    fs = fsspec.filesystem("s3")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    runs = {
+        how: subprocess.Popen(
+            [sys.executable, "-c", _ENDS_WITHOUT_CLOSE, f"{s3_bucket}/{how}", how],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for how in ("end", "raise")
+    }
+    try:
+        ended = {how: (proc.communicate(timeout=90), proc.returncode) for how, proc in runs.items()}
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    (_, end_err), end_code = ended["end"]
+    (_, raise_err), raise_code = ended["raise"]
+    assert end_code == 0 and "could not" not in end_err, end_err[-3000:]
+    assert raise_code == 1 and "training crashed after resume" in raise_err, raise_err[-3000:]
+    assert "could not" not in raise_err, raise_err[-3000:]
+    # the pending save_async completed before the lease went; the crashed run had taken the (empty) prefix only
+    assert _names(fs, f"{s3_bucket}/end") == ["ckpt_00000001.pt", "ckpt_00000002.pt"]
+    assert not fs.exists(f"{s3_bucket}/raise/{LEASE_NAME}")
+    for how in runs:
+        with dr.CheckpointManager(f"{s3_bucket}/{how}", model=nn.Linear(512, 512)) as relaunch:
+            relaunch.resume()  # not refused: no lease left behind
+            relaunch.save(3)

@@ -62,6 +62,44 @@ def test_a_protocol_without_its_backend_names_what_to_install(monkeypatch: pytes
         location("local/dir", storage_options={"anon": True})
 
 
+def test_a_scheme_is_case_insensitive_and_a_url_keeps_its_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    upper = location("S3://bucket/Run")
+    assert isinstance(upper, RemotePath) and str(upper) == "s3://bucket/Run" and upper.key == "bucket/Run"
+    assert location("Memory://run") == location("memory://run")
+    with pytest.raises(UsageError, match="collapsed"):
+        location("S3:/bucket/run")
+    # fsspec's path of ftp:// (and hdfs://, sftp://) leaves the host out: the URL keeps it, the backend gets it
+    folder = location("ftp://h:2121/run")
+    assert isinstance(folder, RemotePath) and str(folder) == "ftp://h:2121/run"
+    assert str(folder / "ckpt.pt") == "ftp://h:2121/run/ckpt.pt"
+    assert dict(folder.options) == {"host": "h", "port": 2121} and folder != location("ftp://other:2121/run")
+    assert "CheckpointManager('ftp://h/run'" in repr(dr.CheckpointManager("ftp://h/run"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_backend_missing_a_module_it_imports_when_used_is_named_at_the_entry(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from dist_resume.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    for call in (
+        lambda: location("hdfs://h/run"),
+        lambda: dr.CheckpointManager("hdfs://h/run"),
+        lambda: dr.resume("hdfs://h/run", model=torch.nn.Linear(2, 2)),
+        lambda: dr.save_checkpoint("hdfs://h/run/x.pt", model=torch.nn.Linear(2, 2)),
+    ):
+        with pytest.raises(UsageError, match="needs the module 'pyarrow'") as info:
+            call()
+        assert "'hdfs://h/run" in str(info.value) and info.value.hint == "pip install pyarrow"
+    assert main(["list", "hdfs://h/run"]) == 2
+    assert "pyarrow" in capsys.readouterr().err
+
+
 def test_import_stays_free_of_torch_and_fsspec() -> None:
     code = "import sys, dist_resume; dist_resume.__version__; print(sorted(m for m in ('torch', 'fsspec') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

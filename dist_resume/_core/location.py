@@ -95,6 +95,8 @@ class RemotePath:
     loudly instead of making a local path of it. Pass it (or its URL) back to any function of dist_resume. Local.
 
     Equal paths name the same object: the options and the cache folder are how it is reached, not what it is.
+    ``host`` is the URL's host where fsspec's path leaves it out (``h`` of ``hdfs://h/run``, whose key is ``/run``; the
+    backend reaches it through the options), so that ``str()`` gives back the URL as written.
     ``_known`` is what a listing already said of the entry (its type and stat), so that ``is_file()`` on a listed
     child asks nothing more.
 
@@ -110,20 +112,24 @@ class RemotePath:
     options: tuple[tuple[str, Any], ...] = ()
     cache_dir: str | None = None
     _known: RemoteStat | None = field(default=None, repr=False)
+    host: str = ""
 
     # --- what it is called --------------------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        return f"{self.protocol}://{self.key.lstrip('/')}"
+        host = f"{self.host}/" if self.host else ""
+        return f"{self.protocol}://{host}{self.key.lstrip('/')}"
 
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RemotePath) and (self.protocol, self.key) == (other.protocol, other.key)
+        if not isinstance(other, RemotePath):
+            return False
+        return (self.protocol, self.host, self.key) == (other.protocol, other.host, other.key)
 
     def __hash__(self) -> int:
-        return hash((self.protocol, self.key))
+        return hash((self.protocol, self.host, self.key))
 
     def __lt__(self, other: RemotePath) -> bool:  # sorted((step, path)) of a listing compares paths on equal steps
         return str(self) < str(other)
@@ -141,7 +147,7 @@ class RemotePath:
         return self._child(f"{self.key.rstrip('/')}/{name}")
 
     def _child(self, key: str, known: RemoteStat | None = None) -> RemotePath:
-        return RemotePath(self.protocol, key, self.options, self.cache_dir, known)
+        return RemotePath(self.protocol, key, self.options, self.cache_dir, known, self.host)
 
     @property
     def name(self) -> str:

@@ -3,9 +3,11 @@
 Object stores have no ``flock``. The writer creates the lease with a conditional put (S3's ``If-None-Match: *``:
 of two jobs creating it at once, exactly one succeeds), naming itself (host, pid, since) and an expiry
 :data:`LEASE_SECONDS` ahead; a thread renews it every :data:`RENEW_SECONDS` while the manager holds it, and
-:meth:`PrefixLease.release` deletes it. A lease past its expiry is ignored: its holder died (SIGKILL, preemption) or
-stalled longer than the lease, and the next writer replaces it. A live one refuses the second writer with the same
-:class:`~dist_resume.errors.CheckpointWriteError` as the local lock, naming the holder and when the lease expires.
+:meth:`PrefixLease.release` deletes it, as does the end of the process (normal, or by an uncaught exception: see
+:mod:`~dist_resume._core.exit`) for a lease still held then. A lease past its expiry is ignored: its holder died
+(SIGKILL, preemption) or stalled longer than the lease, and the next writer replaces it. A live one refuses the second
+writer with the same :class:`~dist_resume.errors.CheckpointWriteError` as the local lock, naming the holder and when
+the lease expires.
 
 Where the store makes no conditional put (see :func:`~dist_resume._store.upload.conditional_put`), the lease is
 created after a check that none exists: two jobs starting within the same moment may both take it. That is said once,
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._core.errors import CheckpointWriteError
+from .._core.exit import release_at_exit
 from .._core.location import Location, RemotePath
 from .._store.upload import conditional_put, put_if_absent
 from .lock import FolderLock
@@ -52,6 +55,13 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _release_held() -> None:
+    """At exit: delete the leases still held (a script that ended without ``close()``, or by an exception), while
+    the store can still be reached; only a process killed without running it leaves its lease to expire."""
+    for lease in list(_HELD):
+        lease.release()
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,7 @@ class PrefixLease:
         )
         self._renewer.start()
         _HELD.add(self)
+        release_at_exit(_release_held)
 
     def _take(self) -> None:
         for _ in range(3):  # a lease that expired (or vanished) meanwhile is taken on the next round

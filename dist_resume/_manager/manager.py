@@ -80,7 +80,9 @@ class CheckpointManager:
     worker, does not inherit it), so there is never a stale lock. Reading (``latest()``, ``checkpoints()``,
     :func:`resume` of the folder, the CLI) never takes it. On NFS ``flock`` may be local to one client. On an
     object store the lock is a lease object, ``<folder>/.dist_resume.lease``, renewed while it is held and ignored
-    once expired (a job killed leaves it for at most a minute).
+    once expired; it is deleted by :meth:`close` and, for a script that never called it, when the process ends
+    (normally or by an exception): only a process killed by a signal it does not handle (SIGKILL, a plain
+    SIGTERM) or ended by ``os._exit`` leaves it, for at most a minute.
 
     Example::
 
@@ -218,7 +220,7 @@ class CheckpointManager:
 
         A folder whose parent does not exist either is taken for a mistyped path and raises
         :class:`~dist_resume.errors.CheckpointNotFoundError`. ``options`` (default: the manager's) applies
-        to both restoring branches.
+        to both restoring branches. A resume that raises releases the write lock it took (one held before stays).
 
         Example::
 
@@ -233,7 +235,13 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=False, where="resume")
         opts = self.options if options is None else checked_options(options)
-        return start_run(self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume)
+        held = self._lock.held
+        try:
+            return start_run(self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume)
+        except BaseException:
+            if not held:  # a resume that raises leaves nothing held: the relaunch after the fix takes the folder
+                self._lock.release()
+            raise
 
     def latest(self, *, verify: bool = True) -> Location | None:
         """The newest complete checkpoint, or None. Local; see :func:`dist_resume.tools.latest_checkpoint`."""

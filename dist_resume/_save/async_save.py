@@ -14,6 +14,7 @@ from torch import nn
 from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
+from .._core.exit import wait_at_exit
 from .._core.location import Location
 from .._core.log import log_rank0
 from .._core.tree import map_tensors
@@ -87,6 +88,7 @@ class AsyncSave:
 
         self._thread = threading.Thread(target=run, name=f"dist_resume-save-{self.path.name}", daemon=False)
         self._thread.start()
+        wait_at_exit(self._thread)  # a script that ends first: the write completes before a lease is released
 
     def done(self) -> bool:
         """True once the background write has finished (successfully or not). Local."""

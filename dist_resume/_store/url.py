@@ -2,13 +2,16 @@
 
 ``s3://bucket/run``, ``gs://...``, ``az://...``, ``memory://...`` (any protocol fsspec implements) become a
 :class:`~dist_resume._core.location.RemotePath`; ``file:///abs/path`` and anything without a ``scheme://`` become a
-``pathlib.Path``. A URL whose protocol has no implementation installed is a :class:`UsageError` naming what to install,
-and a path that ``pathlib`` already collapsed (``Path("s3://b/run")`` is ``s3:/b/run``, FACTS 38) is refused instead of
-quietly becoming a folder named ``s3:`` in the working directory.
+``pathlib.Path``. The protocol is case-insensitive (RFC 3986: ``S3://b/run`` is ``s3://b/run``). A URL whose protocol
+has no implementation installed, or whose implementation lacks a module it imports only when used (``hdfs://`` without
+``pyarrow``), is a :class:`UsageError` naming what to install, and a path that ``pathlib`` already collapsed
+(``Path("s3://b/run")`` is ``s3:/b/run``, FACTS 38) is refused instead of quietly becoming a folder named ``s3:`` in the
+working directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import urllib.parse
@@ -34,6 +37,8 @@ _EXTRAS: Final = {
     "abfs": ("azure", "adlfs"),
     "abfss": ("azure", "adlfs"),
 }
+# what the implementations in these fsspec modules import only when a filesystem is made (a module, its package)
+_IMPORTED_LATER: Final = {"fsspec.implementations.arrow": ("pyarrow", "pyarrow")}
 # protocols worth refusing when pathlib has collapsed them ("s3:/bucket/run"), with or without fsspec installed
 _COLLAPSED: Final = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]+):(/|$)")
 _KNOWN_WITHOUT_FSSPEC: Final = {*_EXTRAS, "memory", "http", "https", "hf", "file", "gcs", "adl", "sftp", "ftp"}
@@ -85,7 +90,7 @@ def _backend(url: str, protocol: str) -> None:
             hint=extra_for(protocol),
         ) from err
     try:
-        fsspec.get_filesystem_class(protocol)
+        implementation = fsspec.get_filesystem_class(protocol)
     except ValueError as err:
         raise UsageError(
             f"{url!r} is a {protocol}:// URL, and fsspec knows no implementation of {protocol}://",
@@ -96,6 +101,16 @@ def _backend(url: str, protocol: str) -> None:
             f"{url!r} is a {protocol}:// URL, and its fsspec implementation is not installed ({err})",
             hint=extra_for(protocol),
         ) from err
+    module, package = _IMPORTED_LATER.get(implementation.__module__, (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        from fsspec.registry import known_implementations
+
+        said = known_implementations.get(protocol, {}).get("err")
+        raise UsageError(
+            f"{url!r} is a {protocol}:// URL, and fsspec's implementation of {protocol}:// needs the module "
+            f"{module!r}, which is not installed" + (f" (fsspec: {said})" if said else ""),
+            hint=f"pip install {package}",
+        )
 
 
 def location(
@@ -137,12 +152,13 @@ def location(
                 hint="drop them, or pass the URL of the object store",
             )
         return Path(text)
+    protocol = found.group("protocol").lower()
+    text = protocol + text[len(protocol) :]  # S3://bucket/run is s3://bucket/run; the rest keeps its case
     if found.group("chained"):
         raise UsageError(
             f"{text!r} chains fsspec protocols, which dist_resume does not read",
             hint="pass the store's own URL (s3://...), and cache_dir= for a local copy of what is read",
         )
-    protocol = found.group("protocol").lower()
     if protocol == "file":
         parsed = urllib.parse.urlparse(text)
         if parsed.netloc not in ("", "localhost"):
@@ -160,7 +176,20 @@ def _remote(
     _backend(url, protocol)
     import fsspec
 
-    key = fsspec.get_filesystem_class(protocol)._strip_protocol(url).rstrip("/") or "/"
-    options = tuple(sorted((str(k), v) for k, v in (storage_options or {}).items()))
+    implementation = fsspec.get_filesystem_class(protocol)
+    key = implementation._strip_protocol(url).rstrip("/") or "/"
+    # what the URL itself says of how to reach the store (hdfs://h:8020/run: host and port), then the caller's options
+    from_url = implementation._get_kwargs_from_urls(url)
+    options = tuple(sorted((str(k), v) for k, v in {**from_url, **(storage_options or {})}.items()))
     cache = None if cache_dir is None else os.fspath(Path(cache_dir).absolute())
-    return RemotePath(protocol, key, options, cache)
+    return RemotePath(protocol, key, options, cache, host=_host(url, key))
+
+
+def _host(url: str, key: str) -> str:
+    """What ``url`` holds between ``://`` and the part fsspec's ``key`` keeps: the host of ``hdfs://h/run`` (key
+    ``/run``), "" where the key keeps it all (``s3://bucket/run``, ``memory://run``)."""
+    rest = url.split("://", 1)[1].rstrip("/")
+    path = key.strip("/")
+    if path and not rest.endswith(path):
+        return ""  # a key that is not the URL's tail: nothing to add to it
+    return rest[: len(rest) - len(path)].strip("/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
@@ -26,7 +27,15 @@ _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _age(path: Location, now: float) -> tuple[int, float]:
-    st = path.stat()
+    """Size and age of ``path``; of the link itself where it cannot be followed (a loop: damage, said below)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise
+    except OSError:
+        if not isinstance(path, Path):
+            raise
+        st = path.lstat()
     return st.st_size, max(0.0, now - st.st_mtime)
 
 
@@ -62,19 +71,22 @@ def _checkpoint(path: Location, verify: bool, now: float) -> dict[str, Any] | No
 
 
 def _temps(folder: Location, now: float) -> list[dict[str, Any]]:
-    found = []
-    leftovers: list[Location] = []
-    if isinstance(folder, RemotePath):  # on a store: sharded folders without their manifest (torch's path)
+    """What interrupted saves left: temporary files (``.ckpt_<step>.pt.<16 hex>.tmp``) on local disk; on a store,
+    where a killed upload leaves nothing visible, the sharded folders without their manifest (what the next save
+    removes there). The lock file and the lease object are never listed."""
+    if isinstance(folder, RemotePath):
         from .._source.listing import uncommitted
 
         leftovers = uncommitted(folder)
-    for path in sorted([*folder.iterdir(), *leftovers]):
-        if (TEMP_NAME.match(path.name) and path.is_file()) or isinstance(path, RemotePath):
-            try:
-                size, age = _age(path, now)
-            except FileNotFoundError:  # a save in progress renamed it meanwhile
-                continue
-            found.append({"name": path.name, "bytes": size, "age_seconds": round(age, 1)})
+    else:
+        leftovers = [path for path in folder.iterdir() if TEMP_NAME.match(path.name) and path.is_file()]
+    found = []
+    for path in sorted(leftovers):
+        try:
+            size, age = _age(path, now)
+        except FileNotFoundError:  # a save in progress renamed (or committed) it meanwhile
+            continue
+        found.append({"name": path.name, "bytes": size, "age_seconds": round(age, 1)})
     return found
 
 

@@ -115,7 +115,9 @@ def main() -> None:
     if rank == 0:
         out["fsdp_model"] = _equal(before_model, after_model)
         out["fsdp_optim"] = _optim_equal_by_name(after_optim, dict(before_optim))
-    print("RESULT " + json.dumps(out), flush=True)
+    # one write: under PYTHONUNBUFFERED, print() writes the line and its newline apart, and two ranks' lines interleave
+    sys.stdout.write(f"RESULT {json.dumps(out)}\n")
+    sys.stdout.flush()
     _killed_mid_upload(f"{bucket}/ddp")
 
 
