@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -348,6 +349,29 @@ def test_bad_inputs_exit_2_with_one_line_and_a_hint(
     assert len(lines) == 2 and lines[0].startswith(f"dist-resume {command}: error: ") and message in lines[0]
     assert lines[1].startswith("hint: ")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("inner", "code"),
+    [
+        (dist_resume.errors.NotACheckpointError("'a.pt' holds a sparse tensor"), ExitCode.INPUT),
+        (dist_resume.errors.CheckpointWriteError("disk full"), ExitCode.WRITE),
+        (ValueError("a bug"), ExitCode.INTERNAL),
+    ],
+)
+def test_a_dcp_checkpoint_exception_is_reported_as_the_error_it_wraps(
+    tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch, inner: Exception, code: ExitCode
+) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def convert(*args: Any, **kwargs: Any) -> None:  # DCP wraps each rank's exception in a BaseException
+        raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (inner, traceback.StackSummary())})
+
+    monkeypatch.setattr("dist_resume._convert.convert.convert_checkpoint", convert)
+    got, _, err = run("convert", tmp_path / "a.pt", tmp_path / "b.dcp", "--format", "dcp")
+    assert got == code
+    assert (str(inner) in err.splitlines()[0]) == (code != ExitCode.INTERNAL)
+    assert ("internal error" in err) == (code == ExitCode.INTERNAL)
 
 
 def test_convert_refuses_same_file_and_existing_dst(tmp_path: Path, run: Run) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 import dist_resume as dr
 from dist_resume._format.peek import PeekUnsure, TensorStub, peek_archive
-from dist_resume._layout.layout import FORMAT_NAME, Key, describe_keys
+from dist_resume._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key, describe_keys
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name, sharded_checkpoint_name
 from dist_resume._state.optim_keys import GROUP_BOOKKEEPING
 from dist_resume._state.prefix import canonical_key, prefix_style
@@ -161,6 +161,7 @@ def test_the_fast_paths_names_are_the_toolkits():
     assert _fast.CHECKPOINT_NAME.pattern == CHECKPOINT_NAME.pattern
     assert _fast.FORMAT_NAME == FORMAT_NAME
     assert (_fast.FORMAT_KEY, _fast.META_KEY) == (Key.FORMAT, Key.META)
+    assert _fast.FORMAT_VERSION == (Key.VERSION, FORMAT_VERSION)
     assert _fast_verify._GROUP_BOOKKEEPING == GROUP_BOOKKEEPING
     assert _fast_verify._KEYED_PARTS == (Key.MODEL, Key.OPTIMIZER, Key.SCHEDULER, Key.SCALER, Key.EMA)
     keys = ["w", "fc.weight", "module.fc.w", "module", "a.module.b", "_orig_mod.w", "a._orig_mod.b", "_orig_mod"]

@@ -190,6 +190,36 @@ def _unsafe(metadata: Any) -> None:
     metadata.storage_meta = os.system  # a global outside DCP's classes
 
 
+def _last_entry(metadata: Any, fqn: str) -> Any:
+    """The storage entry of ``fqn``'s last chunk (rank 1's, in ``__1_0.distcp``)."""
+    index = max((i for i in metadata.storage_data if i.fqn == fqn), key=lambda i: tuple(i.offset))
+    return metadata.storage_data[index]
+
+
+def _alias(metadata: Any, other: str, same_shape: bool) -> None:
+    """``b.weight``'s last chunk pointed at ``other``'s bytes (its offset; with ``same_shape`` its length kept)."""
+    entry, target = _last_entry(metadata, "model.b.weight"), _last_entry(metadata, other)
+    entry.offset = target.offset
+    if not same_shape:
+        entry.length = target.length
+
+
+def _lose_key(metadata: Any, fqn: str, wholly: bool) -> None:
+    """``fqn`` dropped from ``state_dict_metadata``; ``wholly``: from the planner and the storage entries too."""
+    del metadata.state_dict_metadata[fqn]
+    if wholly:
+        del metadata.planner_data[fqn]
+        for index in [i for i in metadata.storage_data if i.fqn == fqn]:
+            del metadata.storage_data[index]
+
+
+def _shrink(metadata: Any) -> None:
+    """``b.bias`` (7 elements in chunks of 4 and 3) declared 2 shorter, its last chunk too: the stored one is longer."""
+    md = metadata.state_dict_metadata["model.b.bias"]
+    md.size = torch.Size([md.size[0] - 2])
+    md.chunks[-1].sizes = torch.Size([md.chunks[-1].sizes[0] - 2])
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -198,6 +228,7 @@ class Case:
     crc_only: bool = False  # only a CRC-32 check sees it
     payload: bool = False  # the damage is in what a file holds, its bytes as the manifest says: verify_archive passes
     error: type[DistResumeError] = CheckpointCorruptError
+    deep: bool = False  # found by the checks that read the entries (verify's, or a read), not the structural one
 
 
 CASES = [
@@ -274,6 +305,38 @@ CASES = [
     ),
     Case("relative_path_a_link_out", _relative_path_link, "link.distcp"),
     Case("global_outside_dcp", _metadata(_unsafe), ".metadata"),  # our format never holds one: damage
+    # .metadata against itself and against the entries it describes (each entry read as the chunk declared for it)
+    Case("storage_alias", _metadata(lambda m: _alias(m, "model.b.bias", same_shape=False)), ".metadata"),
+    Case(
+        "storage_alias_same_shape",
+        _metadata(lambda m: _alias(m, "optimizer.state.b.weight.exp_avg", same_shape=True)),
+        ".metadata",
+    ),
+    Case(
+        "storage_transform_unknown",
+        _metadata(lambda m: setattr(_last_entry(m, "model.b.weight"), "transform_descriptors", ["zstd"])),
+        ".metadata",
+    ),
+    Case("model_entry_lost", _metadata(lambda m: _lose_key(m, "model.b.bias", wholly=False)), ".metadata"),
+    Case(
+        "model_entry_lost_wholly",  # .metadata consistent in itself: train_state.pt's key list still names it
+        _metadata(lambda m: _lose_key(m, "model.b.bias", wholly=True)),
+        ".metadata",
+        payload=True,
+    ),
+    Case(
+        "dtype_declared_int64",
+        _metadata(lambda m: setattr(_tensor(m).properties, "dtype", torch.int64)),
+        "__0_0.distcp",
+        deep=True,
+    ),
+    Case(
+        "dtype_declared_float64",
+        _metadata(lambda m: setattr(_tensor(m).properties, "dtype", torch.float64)),
+        "__0_0.distcp",
+        deep=True,
+    ),
+    Case("size_declared_shorter", _metadata(_shrink), SHARD, deep=True),
     # train_state.pt
     Case("sharded_layout_an_int", _train_state(lambda s: s.update(sharded_layout=5)), "train_state.pt", payload=True),
     Case(
@@ -386,6 +449,8 @@ def test_every_reader_refuses_or_falls_back(
     for name, read in _direct_readers(ckpts / C20, out, case.crc_only):
         got = _bounded(read)
         if name == "latest_checkpoint(verify=False)":  # the folder's structural check alone: step 10
+            if case.deep:  # it reads no entry
+                continue
             if got.error is not None or got.value != str(ckpts / C10):
                 wrong.append(f"{name}: {got.error or got.value!r}")
             continue
@@ -414,3 +479,25 @@ def test_a_sharded_folder_whose_manifest_and_train_state_are_fifos_is_not_read_a
         os.mkfifo(folder / name)
     got = _bounded(lambda: dr.resume(folder, model=_model()[0], options=dr.ResumeOptions(rng=False)))
     assert isinstance(got.error, CheckpointCorruptError) and "manifest.json" in str(got.error), got
+
+
+def test_a_checkpoint_found_damaged_only_when_read_is_left_for_the_previous_one(
+    base: Path, step10: dict[str, torch.Tensor], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The choice of the newest checkpoint blinded to its damage (the deep check of its entries patched out): the
+    read finds it (a chunk unlike its declaration) before anything changed, and the manager falls back to step 10 as
+    the choice would have. A checkpoint that does not fit the model is no damage: that error stands."""
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(base, ckpts, symlinks=True)
+    _metadata(lambda m: setattr(_tensor(m).properties, "dtype", torch.float64))(ckpts / C20, tmp_path)
+    monkeypatch.setattr("dist_resume._format.sharded_files.entries_problem", lambda *_: None)
+    assert dr.tools.latest_checkpoint(ckpts) == ckpts / C20  # blind: it is chosen
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp'?: the entry of 'model\.a\.weight'"):
+        dr.resume(ckpts / C20, model=_model()[0], options=dr.ResumeOptions(rng=False))
+    model, opt = _model()
+    with dr.CheckpointManager(ckpts, model=model, optimizer=opt) as mgr:
+        result = mgr.resume()
+    assert result is not None and (result.path.name, result.step) == (C10, 10)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in step10.items())
+    with dr.CheckpointManager(ckpts, model=torch.nn.Linear(2, 2)) as mgr, pytest.raises(dr.errors.KeyMismatchError):
+        mgr.resume()

@@ -145,6 +145,25 @@ def test_damage_to_a_sharded_folder_is_found_and_named(tmp_path: Path) -> None:
         dr.tools.inspect_checkpoint(folder)
 
 
+def test_a_manifest_listing_a_file_by_a_rank_outside_its_world_size_is_damaged(tmp_path: Path) -> None:
+    model, opt, _ = _run()
+    folder = tmp_path / "a.dcp"
+    dr.tools.convert_checkpoint(
+        dr.save_checkpoint(tmp_path / "a.pt", model=model, optimizer=opt), folder, format="sharded"
+    )
+    body = json.loads((folder / MANIFEST).read_text())
+    body["world_size"] = 2
+    body["files"][0]["rank"] = 1
+    Manifest.from_json(json.dumps(body).encode(), "here")  # rank 1 of 2: fine
+    body["files"][0]["rank"] = 99
+    (folder / MANIFEST).write_text(json.dumps(body))
+    name = body["files"][0]["name"]
+    with pytest.raises(
+        CheckpointCorruptError, match=rf"manifest\.json is damaged .*world_size 2 \({name} by rank 99\)"
+    ):
+        dr.tools.inspect_checkpoint(folder)
+
+
 def test_a_manager_folder_treats_a_sharded_folder_as_one_checkpoint(tmp_path: Path, caplog: Any) -> None:
     """Listing, latest (skipping a damaged or incomplete folder with its reason), rotation (a folder deleted whole,
     a link removed as a link), leftovers of killed folder saves removed, and the other form of a step superseded."""

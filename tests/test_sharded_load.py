@@ -4,6 +4,7 @@ uses both is tests/dist/test_fsdp_resume.py."""
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,27 @@ def test_damage_found_while_filling_is_named_and_says_what_it_left(tmp_path: Pat
     with pytest.raises(CheckpointCorruptError, match="may hold part of it") as caught:
         load_into_shards(folder, {keys[id(stand_in)]: torch.empty(stand_in.shape)})
     assert info.relative_path in str(caught.value)
+
+
+def test_damage_in_another_ranks_copy_names_that_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import dist_resume._foreign.sharded_load as sharded_load
+
+    folder, _ = _saved(tmp_path)
+    parts, keys = read_sharded_skeleton(folder)
+
+    def rank1_fails(*args: object, **kwargs: object) -> None:  # as DCP gathers it on rank 0 of 2
+        failure = (UnicodeDecodeError("utf-8", b"\xcc", 0, 1, "bad byte"), traceback.StackSummary())
+        raise CheckpointException("load", {1: failure})
+
+    monkeypatch.setattr("torch.distributed.checkpoint.state_dict_loader.load", rank1_fails)
+    monkeypatch.setattr(sharded_load, "_world", lambda: 2)
+    stand_in = parts.model["1.weight"]
+    with pytest.raises(CheckpointCorruptError, match=r"rank\(s\) \[1\] could not read their part") as caught:
+        load_into_shards(folder, {keys[id(stand_in)]: torch.empty(stand_in.shape)})
+    assert caught.value.rank == 1 and "copy the whole folder to those ranks' nodes" in str(caught.value)
+    assert str(folder) not in str(caught.value)  # rank 0's intact copy is not blamed
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -27,7 +27,7 @@ def hparam_changes(saved_groups: Iterable[Mapping[str, Any]], live_groups: Itera
     """``"group I NAME: checkpoint X, this optimizer Y"`` for each group hyperparameter that differs."""
     out = []
     for i, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        for name in sorted((set(saved) | set(live)) - GROUP_BOOKKEEPING):
+        for name in sorted((set(saved) | set(live)) - GROUP_BOOKKEEPING, key=str):  # (a damaged file's keys: any)
             old, new = saved.get(name, "absent"), live.get(name, "absent")
             if not _same(old, new):
                 out.append(f"group {i} {name}: checkpoint {shown(old)}, this optimizer {shown(new)}")

@@ -13,8 +13,8 @@ import torch
 
 from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.rank import global_rank
-from .._core.text import article
-from .._core.tree import map_tensors
+from .._core.text import article, preview
+from .._core.tree import map_tensors, named_tensors
 from .._exact.data import check_data_state
 from .._layout.layout import CheckpointParts
 from .._state.optim import param_names, prepare_optimizer_state
@@ -31,7 +31,7 @@ from .options import OptimizerHparams, ResumeOptions
 from .step import Step
 from .steps import late_tensors, steps_of
 
-__all__ = ["RestorePlan", "plan_restore"]
+__all__ = ["RestorePlan", "plan_restore", "check_has_data"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,27 @@ _SCHEDULER_OVERRIDES: Final = (
     "the kept lr may not last; to schedule from the new lr, pass no scheduler (allow_missing=('scheduler',)) and "
     "build a fresh one"
 )
+
+
+def check_has_data(plan: RestorePlan) -> None:
+    """Raise :class:`StateMismatchError` naming the tensors :meth:`RestorePlan.apply` would copy from that have no data.
+
+    Local. For a plan built on a checkpoint read with its data (a file read on this rank, rank 0's under a broadcast;
+    not the other ranks' stand-ins, nor a read by ranges): a meta tensor there is the file's own, saved from a model on
+    the meta device or edited in, and copying from it would fail half-way through the commit.
+    """
+    empty = [
+        path
+        for part, state in (("model", plan.model_state), ("optimizer", plan.optimizer_state), ("ema", plan.ema_state))
+        for path, tensor in named_tensors(state, part)
+        if tensor.is_meta
+    ]
+    if empty:
+        raise StateMismatchError(
+            f"{plan.source} holds meta tensors, without data, where it restores values "
+            f"({preview(empty, quote=False, count=True)}): it was saved from a model on the meta device, or was damaged "
+            "or edited; nothing was restored: resume from another checkpoint"
+        )
 
 
 def _check_optimizer_form(osd: Any, optimizer: torch.optim.Optimizer, source: str) -> None:

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._core.errors import CheckpointError
+from .._core.rank import global_rank
 from .._dist.agree import agree_across_ranks, gather_agreed
 from .._dist.broadcast import Incoming
 from .._source.read import SourceContents, read_broadcast
 from .._source.source import Source
 from .apply import Agree, Transfer
 from .options import ResumeOptions
-from .plan import RestorePlan
+from .plan import RestorePlan, check_has_data
 
 __all__ = ["restore_broadcast", "transfer_late"]
 
@@ -83,6 +84,8 @@ def _restore(
     everything = set(range(incoming.slots))
     try:
         plan = plan_local(contents)
+        if global_rank() == 0 and contents.ranged is None:  # rank 0 holds the data: a meta tensor is the file's own
+            check_has_data(plan)
         late = {incoming.slot(t) for t in plan.late_tensors()} - {None}
         needed_first = sorted(everything - late)
     except Exception as err:

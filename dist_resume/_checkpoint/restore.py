@@ -29,7 +29,7 @@ from .fallback import restore_newest
 from .moved import refuses_moved_keywords
 from .objects import LiveObjects
 from .options import ResumeOptions
-from .plan import RestorePlan, plan_restore
+from .plan import RestorePlan, check_has_data, plan_restore
 from .ranged import apply_ranged
 from .received import NOTHING, restore_broadcast
 from .sharded_restore import is_sharded_restore, restore_sharded
@@ -222,7 +222,10 @@ def _restore_whole(
             verify=options.verify,
             ranged=True,
         )
-        return read, _plan(read, objects, options)
+        plan = _plan(read, objects, options)
+        if read.ranged is None:  # read with its data: a meta tensor is the file's own, no stand-in
+            check_has_data(plan)
+        return read, plan
 
     contents, plan = _agreed(collective, read_and_plan)
     agree = agree_applied if collective else None

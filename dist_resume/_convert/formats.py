@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from .._source.open import load_checkpoint
 from .._state.optim_keys import check_optimizer_form, optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
+from .dcp_write import write_dcp
 from .output import replace_folder, write_locked
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict
 from .safetensors_write import write_safetensors_from_archive
@@ -197,8 +197,6 @@ def dsd_optimizer(
 
 def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, str] | None) -> WriterReport:
     """A torch zip checkpoint as a DCP folder as DSD writes it: ``{"model", "optim"}`` keyed by FQN. Local."""
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     if to is KeyForm.DDP:
         raise UsageError(
             "--to ddp does not apply to a DCP folder: DCP and DSD key everything by canonical FQN",
@@ -218,12 +216,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
         if getattr(parts, name) is not None:
             state[name] = getattr(parts, name)
 
-    def fill(tmp: Path) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp_save(state, checkpoint_id=tmp, no_dist=True)
-
-    replace_folder(dst, fill)
+    replace_folder(dst, lambda tmp: write_dcp(state, tmp, source))
     written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
     return WriterReport(
         parts.layout, before, prefix_style(model), len(model), renamed, sum(map(len, _param_names(optim))), written

@@ -22,8 +22,11 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def check_paths(src: Path, dst: Path, force: bool, *, folder: bool = False) -> None:
-    """Refuse SRC == DST, a folder where a file is wanted, and an existing DST without ``force``."""
-    same = src.resolve() == dst.resolve() or (dst.exists() and src.exists() and os.path.samefile(src, dst))
+    """Refuse a path that cannot be resolved (a symlink loop), SRC == DST, a folder where a file is wanted, and an
+    existing DST without ``force``."""
+    same = _resolved(src, "SRC") == _resolved(dst, "DST") or (
+        dst.exists() and src.exists() and os.path.samefile(src, dst)
+    )
     if same:
         raise UsageError(
             f"SRC and DST are the same {'folder' if src.is_dir() else 'file'} ({str(src)!r})",
@@ -35,6 +38,19 @@ def check_paths(src: Path, dst: Path, force: bool, *, folder: bool = False) -> N
         raise UsageError(f"DST {str(dst)!r} is a file", "a DCP checkpoint is a folder: give a folder name")
     if dst.exists() and not force:
         raise UsageError(f"DST {str(dst)!r} already exists", "pass --force to replace it")
+
+
+def _resolved(path: Path, what: str) -> Path:
+    """``path.resolve()``; a path that cannot be resolved (a symlink that points to itself, or into a loop of links:
+    RuntimeError before Python 3.13, OSError from then on) is a :class:`UsageError` naming it."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as err:
+        raise UsageError(
+            f"{what} {str(path)!r} cannot be resolved ({type(err).__name__}: {err}): a symlink that points to itself "
+            "or into a loop of links",
+            f"remove or fix the link, or give the {'checkpoint' if what == 'SRC' else 'output'} by another path",
+        ) from err
 
 
 def _temps(dst: Path) -> Iterator[Path]:

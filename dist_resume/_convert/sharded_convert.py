@@ -12,7 +12,6 @@ world size: DCP reshards on load, so ``dcp.load`` and an FSDP2 resume read it at
 from __future__ import annotations
 
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +28,7 @@ from .._format.manifest import MANIFEST, TRAIN_STATE, file_entry
 from .._layout.layout import FORMAT_NAME, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
 from .._state.prefix import prefix_style
+from .dcp_write import write_dcp
 from .formats import WriterReport, dsd_optimizer, parts_payload, plain_namespaces, save_locked
 from .output import replace_folder
 from .rekey import KeyForm, rekey_param_names, rekey_state_dict
@@ -93,11 +93,7 @@ def pt_to_sharded(src: Path, dst: Path, to: KeyForm | None, part_keys: Any) -> W
     step, epoch = meta.get("step"), meta.get("epoch")
 
     def fill(tmp: Path) -> None:
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp_save(dcp_state, checkpoint_id=tmp, no_dist=True)
+        write_dcp(dcp_state, tmp, source)
         atomic_write(tmp / TRAIN_STATE, lambda f: torch.save(train_state, f))
         files = [file_entry(tmp / n, 0) for n in sorted(os.listdir(tmp)) if (tmp / n).is_file()]
         manifest = new_manifest(

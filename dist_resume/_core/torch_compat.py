@@ -37,6 +37,7 @@ __all__ = [
     "storage_id",
     "tensor_owners",
     "tensor_reduction",
+    "zstd_available",
 ]
 
 # torch._weights_only_unpickler.Unpickler: the pure-Python unpickler behind torch.load(weights_only=True)
@@ -228,3 +229,12 @@ def set_iterator_factory(loader: Any, factory: Any) -> Any:
     if factory is not None:
         loader._get_iterator = factory
     return original
+
+
+def zstd_available() -> bool:
+    """Whether torch's DCP reader can undo a ``stream.zstd`` transform here: its (experimental, private)
+    ``_extension.ZStandard`` needs ``zstandard`` or ``pyzstd``, and raises a bare ``ValueError`` while reading without
+    them, which a reader would take for damage."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return bool(ZStandard.is_available())

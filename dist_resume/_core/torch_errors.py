@@ -24,6 +24,7 @@ __all__ = [
     "classify_comm_error",
     "classify_load_error",
     "comm_error_summary",
+    "dcp_cause",
     "error_summary",
     "is_damaged_pickle_error",
     "is_garbled_pickle",
@@ -194,3 +195,20 @@ def comm_error_summary(err: BaseException) -> str:
     line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
     line = line.split(". This is typically")[0]
     return f"{type(err).__name__}: {line[:200]}"
+
+
+def dcp_cause(err: BaseException) -> BaseException:
+    """The exception a rank raised inside ``torch.distributed.checkpoint``'s ``CheckpointException`` (a
+    ``BaseException``, so ``except Exception`` misses it; its ``failures`` map each failed rank to ``(exception,
+    traceback)``), the first rank's, through wrappers of wrappers; ``err`` itself when it wraps nothing (torch 2.4 -
+    2.13)."""
+    for _ in range(8):  # a wrapper holds the rank's own exception, or another wrapper: a few levels at most
+        failures = getattr(err, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            break
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if not isinstance(inner, BaseException):
+            break
+        err = inner
+    return err

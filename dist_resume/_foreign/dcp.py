@@ -5,7 +5,8 @@ empty structure rebuilt from the folder's metadata, so any sharding the writer u
 into full tensors. With ``weights_only=True`` (the default) nothing is unpickled unsafely: torch's
 reader opens ``.metadata`` with plain ``pickle`` and non-tensor entries with
 ``torch.load(weights_only=False)``; here the first goes through an unpickler that knows only DCP's
-metadata classes and the second through ``torch.load(weights_only=True)``.
+metadata classes and the second through ``torch.load(weights_only=True)``, and each tensor chunk is checked against
+the dtype and shape ``.metadata`` declares for it before it is copied (:mod:`.dcp_reader`).
 
 Optimizer state comes back in the form ``Optimizer.load_state_dict`` expects: state keyed by the
 ints ``param_groups`` list (DCP stores them as digit strings, and ``Optimizer.load_state_dict``
@@ -16,19 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import pickle
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -38,72 +34,21 @@ from .._core.location import Location, local_path
 from .._core.tree import map_tensors, set_path
 from .._core.types import MapLocation, PathLike
 from .._format.load import rank_map_location
-from .._format.records import check_zip_bytes
-from .._format.safe_open import open_in_folder
 from .._format.sniff import check_walkable, unsafe_error
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
 from .._store.url import location
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
+from .dcp_reader import DcpReader
 
-__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device", "DcpReader", "DcpPlanner"]
+__all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device", "DcpPlanner"]
 
 
 def is_dcp_folder(path: PathLike) -> bool:
     """True when ``path`` is a folder with a ``.metadata`` file and ``*.distcp`` files. Local."""
     folder = location(path)
     return (folder / _METADATA).is_file() and any(p.name.endswith(".distcp") for p in folder.iterdir())
-
-
-class _FolderFiles(FileSystem):
-    """torch's FileSystem that opens a DCP folder's files as :func:`open_in_folder` does: a regular file inside the
-    folder, never a link, FIFO or device node (``.metadata`` may name any file); objects on a store by ranges.
-    ``root`` is the path torch's reader joins the file names to (for a folder on a store, a stand-in naming it)."""
-
-    def __init__(self, folder: Location, root: Path) -> None:
-        super().__init__()
-        self._folder, self._root = folder, root
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        where = Path(path)
-        if mode != "rb" or where.parent != self._root:
-            raise CheckpointCorruptError(f"DCP folder {str(self._folder)!r}: {str(where)!r} is not a file inside it")
-        with open_in_folder(self._folder, where.name) as stream:
-            yield cast(io.IOBase, stream)
-
-
-class DcpReader(FileSystemReader):
-    """torch's FileSystemReader, reading ``.metadata`` through the allowlist and the data files as regular files
-    inside the folder."""
-
-    def __init__(self, path: Location, weights_only: bool) -> None:
-        # torch's reader joins its path and each file's name; on a store only the name travels (_FolderFiles opens it)
-        super().__init__(path if isinstance(path, Path) else Path(path.name))
-        self._folder, self._weights_only = path, weights_only
-        self.fs = _FolderFiles(path, Path(self.path))
-
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        """One entry's bytes, checked like a torch file before torch.load sees them: torch's zip reader trusts
-        the sizes in each entry's directory and would allocate whatever a damaged field claims."""
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        if len(data) != sinfo.length:
-            raise CheckpointCorruptError(
-                f"DCP folder {str(self._folder)!r}: an entry of {sinfo.relative_path!r} runs past the end of the file "
-                f"({sinfo.offset} + {sinfo.length} bytes); the folder is truncated or damaged"
-            )
-        if data[:4] == b"PK\x03\x04":
-            check_zip_bytes(data, f"DCP folder {str(self._folder)!r}: an entry of {sinfo.relative_path!r}")
-        return io.BytesIO(data)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_dcp_metadata(self._folder, weights_only=self._weights_only)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
 
 
 class DcpPlanner(DefaultLoadPlanner):

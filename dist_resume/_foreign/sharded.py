@@ -36,7 +36,7 @@ from .._core.version import __version__
 from .._format.load import load_torch_file
 from .._format.manifest import MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, read_manifest
 from .._format.sharded_files import manifest_problems, rank_share
-from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem
+from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem, lost_keys_problem
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state, optimizer_by_name
 from .._store.url import location
@@ -136,6 +136,13 @@ def join_payload(dcp_state: Mapping[str, Any], train_state: Mapping[str, Any], w
     """The payload :func:`split_payload` split (full tensors where DCP gave them), in its original key order;
     ``where`` names the folder in an error."""
     layout = checked_layout(train_state, f"{where}: {TRAIN_STATE}")
+    held = {k: v for k, v in dcp_state.items() if k in (Key.MODEL, Key.EMA) and isinstance(v, Mapping)}
+    lost = lost_keys_problem(layout, held)
+    if lost is not None:
+        raise CheckpointCorruptError(
+            f"{where}: its {TRAIN_STATE} and .metadata disagree: {lost}; .metadata lost them: the folder is damaged, "
+            "resume from an earlier checkpoint"
+        )
     parts: dict[str, Any] = {k: v for k, v in train_state.items() if k != SHARDED_LAYOUT}
     for key in DCP_PARTS:
         if key not in dcp_state:

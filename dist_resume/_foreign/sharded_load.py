@@ -15,21 +15,19 @@ Collective for :func:`load_into_shards` (``dcp.load`` on every rank); local for 
 from __future__ import annotations
 
 import dataclasses
-import io
 import warnings
 from collections.abc import Mapping
-from typing import IO, Any, Final, cast
+from typing import Any, Final
 
 import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location
+from .._core.torch_errors import dcp_cause
 from .._core.tree import set_path
 from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
-from .._format.records import check_zip_stream
-from .._format.safe_open import open_in_folder
 from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
@@ -50,8 +48,9 @@ def _dcp_skeleton(folder: Location, weights_only: bool) -> tuple[dict[str, Any],
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from .dcp import DcpPlanner, DcpReader
+    from .dcp import DcpPlanner
     from .dcp_metadata import read_dcp_metadata
+    from .dcp_reader import DcpReader
 
     metadata = read_dcp_metadata(folder, weights_only=weights_only)
     planner_data = metadata.planner_data or {}
@@ -85,7 +84,7 @@ def _dcp_skeleton(folder: Location, weights_only: bool) -> tuple[dict[str, Any],
             except BaseException as err:  # CheckpointException is a BaseException
                 if isinstance(err, (KeyboardInterrupt, SystemExit)):
                     raise
-                cause = _innermost(err)
+                cause = dcp_cause(err)
                 if isinstance(cause, CheckpointError):
                     raise cause from err
                 raise _unreadable(folder, cause) from err
@@ -135,85 +134,6 @@ def read_sharded_skeleton(
     return dataclasses.replace(parts, layout=Layout.SHARDED, meta=meta), keys
 
 
-class _Range(io.RawIOBase):
-    """``length`` bytes of ``base`` from ``offset``, as a seekable stream: torch.load reads each record straight into
-    the tensor it builds, so nothing but that tensor is allocated (reading the bytes first would hold them twice)."""
-
-    def __init__(self, base: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self._base, self._offset, self._length = base, offset, length
-        self.seek(0)
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET, /) -> int:
-        start = {io.SEEK_SET: self._offset, io.SEEK_CUR: self._base.tell(), io.SEEK_END: self._offset + self._length}
-        return int(self._base.seek(start[whence] + pos, io.SEEK_SET)) - self._offset
-
-    def tell(self) -> int:
-        return int(self._base.tell()) - self._offset
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = max(0, self._length - self.tell())
-        view = memoryview(buffer).cast("B")[:left]
-        return int(self._base.readinto(view)) if left else 0
-
-
-def _shard_reader(folder: Location, weights_only: bool) -> Any:
-    """DCP's reader (``.metadata`` through the allowlist) reading each saved chunk in place: every entry's zip
-    directory is checked first, then ``torch.load(weights_only=True)`` builds the chunk, which is copied into its
-    destination and let go before the next one is read. At most one saved chunk is held at a time."""
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.futures import Future
-
-    from .dcp import DcpReader
-
-    class _ShardReader(DcpReader):
-        def read_data(self, plan: Any, planner: Any) -> Future[None]:
-            if any(
-                r.type is not LoadItemType.TENSOR or self.storage_data[r.storage_index].transform_descriptors
-                for r in plan.items
-            ):
-                return super().read_data(plan, planner)  # objects, or compressed entries: torch's own way
-            by_file: dict[str, list[Any]] = {}
-            for req in plan.items:
-                by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-            for name, reqs in by_file.items():
-                with open_in_folder(folder, name) as stream:
-                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                        self._read_one(stream, name, req, planner)
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-
-        def _read_one(self, stream: Any, name: str, req: Any, planner: Any) -> None:
-            info = self.storage_data[req.storage_index]
-            view = _Range(stream, info.offset, info.length)
-            what = f"sharded checkpoint {str(folder)!r}: an entry of {name!r}"
-            if info.offset + info.length > (folder / name).stat().st_size:
-                raise CheckpointCorruptError(f"{what} runs past the end of the file; the folder is truncated")
-            check_zip_stream(view, info.length, what)
-            view.seek(0)
-            chunk = torch.load(cast(IO[bytes], view), map_location="cpu", weights_only=True)
-            box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
-            target = planner.resolve_tensor(req).detach()
-            piece = chunk[box] if box else chunk
-            if target.shape != piece.shape:
-                raise CheckpointCorruptError(
-                    f"{what} holds a chunk of shape {tuple(chunk.shape)}, not the {tuple(target.shape)} its "
-                    ".metadata promises; the folder is damaged: resume from an earlier checkpoint"
-                )
-            target.copy_(piece)
-            del chunk, piece
-            planner.commit_tensor(req, target)
-
-    return _ShardReader(folder, weights_only)
-
-
 def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
     """Any DCP folder as :func:`~dist_resume._foreign.dcp.read_dcp` splits it, its tensors meta stand-ins, and
     ``{id(stand-in): DCP key}`` (:func:`load_into_shards` fills the destinations later). Local."""
@@ -242,13 +162,15 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    from .dcp_reader import DcpReader
+
     folder = location(path)
     try:
         with warnings.catch_warnings():  # one process (convert, tests): DCP says it reads alone; it may
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp_load(
                 dict(targets),
-                storage_reader=_shard_reader(folder, weights_only),
+                storage_reader=DcpReader(folder, weights_only),
                 planner=DefaultLoadPlanner(allow_partial_load=False),
             )
     except CheckpointError:
@@ -256,18 +178,29 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
     except BaseException as err:  # CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        cause = _innermost(err)
-        if isinstance(cause, CheckpointCorruptError):
-            raise CheckpointCorruptError(f"{cause}{_PARTLY}") from err
-        if isinstance(cause, CheckpointError):
+        cause, ranks = dcp_cause(err), _failing_ranks(err)
+        if isinstance(cause, CheckpointError) and not isinstance(cause, CheckpointCorruptError):
             raise cause from err
-        raise _unreadable(folder, cause, partly=True) from err
+        found = CheckpointCorruptError(f"{cause}{_PARTLY}") if isinstance(cause, CheckpointError) else None
+        found = found or _unreadable(folder, cause, partly=True)
+        if ranks and _world() > 1:  # DCP gathers every rank's outcome: every rank says whose read failed, alike
+            detail = (str(cause).splitlines() or [""])[0][:300]
+            found = CheckpointCorruptError(
+                f"rank(s) {ranks} could not read their part of sharded checkpoint {folder.name} "
+                f"({type(cause).__name__}: {detail}){_PARTLY}; where each node holds its own copy, copy the whole "
+                "folder to those ranks' nodes again, or resume from an earlier checkpoint"
+            )
+            found.rank = ranks[0]
+        raise found from err
 
 
-def _innermost(err: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's CheckpointException (which may wrap another one)."""
-    seen = 0
-    while getattr(err, "failures", None) and seen < 8:
-        err = next(iter(err.failures.values()))[0]  # type: ignore[attr-defined]
-        seen += 1
-    return err
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _failing_ranks(err: BaseException) -> list[int]:
+    """The ranks DCP's CheckpointException says failed (its ``failures``, by rank), [] for another exception."""
+    failures = getattr(err, "failures", None)
+    return sorted(r for r in failures if isinstance(r, int)) if isinstance(failures, dict) else []

@@ -4,30 +4,41 @@ torch's DCP reader trusts ``.metadata`` completely: it allocates every tensor it
 file and offset it names, and fills only the elements some chunk covers (an element no chunk covers keeps whatever
 memory held). :func:`view_of` turns a ``Metadata`` (torch's, or :mod:`.dcp_peek`'s stand-ins: the same walk) into a
 :class:`DcpView` of plain values, every field typed first; :func:`view_problem` says what in it cannot be the truth
-about a folder holding ``sizes``: a chunk outside its tensor, chunks that do not cover every element exactly once,
-a chunk larger than the bytes stored for it, an entry stored in a file the folder does not hold or past its end, an
-entry without stored bytes, planner paths that cannot all be places in one nested state.
+about a folder holding ``sizes``: a chunk outside its tensor, chunks that do not cover every element exactly once
+(:mod:`.dcp_cover`), a chunk larger than the bytes stored for it, storage entries that share bytes, lie outside the
+folder's data files or name nothing declared (:mod:`.dcp_storage`), an entry without stored bytes, planner paths that
+cannot all be places in one nested state or that name no entry.
 
 Torch-free: this module imports nothing but the standard library and :mod:`.._core.text`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from .._core.text import described
+from .dcp_cover import cover_problem
 from .dcp_peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
+from .dcp_storage import StorageProblem, Stored, storage_problem, stored_entry
 
-__all__ = ["BadMetadata", "Chunk", "TensorEntry", "Stored", "DcpView", "view_of", "view_problem", "metadata_problem"]
+__all__ = [
+    "BadMetadata",
+    "Chunk",
+    "TensorEntry",
+    "Stored",
+    "DcpView",
+    "view_of",
+    "view_problem",
+    "metadata_view",
+    "metadata_problem",
+]
 
 MAX_PATH_INDEX: Final = 1 << 20  # a list position in a planner path (optimizer param ids, groups)
 _MAX_DEPTH: Final = 64  # planner paths: a state dict nests a handful of levels
 _MAX_DIMS: Final = 64
-_MAX_CELLS: Final = 1 << 22  # a coverage grid larger than this is refused as too fragmented to be a real save
 _SLACK: Final = 1 << 20  # a compressed entry may hold more elements than its bytes: bounded by the folder's bytes
 
 Dims = tuple[int, ...]
@@ -48,19 +59,13 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
+    """A tensor as ``.metadata`` declares it: its full size, its dtype (torch's name without ``torch.``), the bytes
+    per element, its chunks."""
+
     size: Dims
+    dtype: str
     itemsize: int
     chunks: tuple[Chunk, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """Where an entry's bytes are: the file, the offset, the length; ``transformed``: compressed or otherwise encoded."""
-
-    file: str
-    offset: int
-    length: int
-    transformed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,13 @@ def _tensor(fqn: str, md: Any) -> TensorEntry:
         offsets = _dims(getattr(chunk, "offsets", None), f"a chunk offset of {fqn!r}")
         sizes = _dims(getattr(chunk, "sizes", None), f"a chunk size of {fqn!r}")
         chunks.append(Chunk(offsets, sizes))
-    return TensorEntry(size, itemsize, tuple(chunks))
+    return TensorEntry(size, _dtype_name(dtype), itemsize, tuple(chunks))
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``float32`` for ``torch.float32`` and for :mod:`.dcp_peek`'s stand-in of it alike."""
+    name = getattr(dtype, "name", None) if type(dtype).__name__ == "Dtype" else str(dtype).removeprefix("torch.")
+    return str(name)
 
 
 def _place(fqn: str, path: Any) -> Place:
@@ -124,25 +135,6 @@ def _place(fqn: str, path: Any) -> Place:
     ):
         raise BadMetadata(f"the planner path of {fqn!r} is {described(path)}")
     return tuple(path)
-
-
-def _stored(index: Any, info: Any) -> tuple[tuple[str, Dims | None], Stored]:
-    fqn, at = getattr(index, "fqn", None), getattr(index, "offset", None)
-    if _kind(index) != "MetadataIndex" or type(fqn) is not str:
-        raise BadMetadata(f"a storage key {described(index)}")
-    offsets = None if at is None else _dims(at, f"the storage offset of {fqn!r}")
-    name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-    transforms = getattr(info, "transform_descriptors", None)
-    if (
-        _kind(info) != "_StorageInfo"
-        or type(name) is not str
-        or not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0)
-        or not (
-            transforms is None or (isinstance(transforms, (list, tuple)) and all(type(t) is str for t in transforms))
-        )
-    ):
-        raise BadMetadata(f"the storage entry of {fqn!r} is {described(info)}")
-    return (fqn, offsets), Stored(name, offset, length, bool(transforms))
 
 
 def view_of(metadata: Any) -> DcpView:
@@ -170,7 +162,13 @@ def view_of(metadata: Any) -> DcpView:
         else:
             raise BadMetadata(f"entry {fqn!r} is {_kind(md)}; only tensors and objects load")
         places[fqn] = _place(fqn, (planner or {}).get(fqn))
-    stored = dict(_stored(index, info) for index, info in storage.items())
+    lost = [fqn for fqn in planner or () if fqn not in entries]
+    if lost:
+        raise BadMetadata(f"planner_data places {described(lost[0])}, which has no entry in state_dict_metadata")
+    try:
+        stored = dict(stored_entry(index, info, _dims) for index, info in storage.items())
+    except StorageProblem as err:
+        raise BadMetadata(str(err)) from None
     return DcpView(tensors, tuple(objects), places, stored)
 
 
@@ -192,74 +190,22 @@ def _tree_problem(places: Mapping[str, Place]) -> str | None:
     return None
 
 
-def _covers(entry: TensorEntry) -> str | None:
-    """Whether the chunks lie inside the tensor and cover each of its elements exactly once."""
-    ndim = len(entry.size)
-    for chunk in entry.chunks:
-        if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
-            return f"a chunk of {len(chunk.sizes)} dimensions in a tensor of {ndim}"
-        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size)):
-            return f"the chunk at {chunk.offsets} of extent {chunk.sizes} lies outside its size {entry.size}"
-    total = math.prod(entry.size)
-    held = sum(math.prod(c.sizes) for c in entry.chunks)
-    if held != total:
-        return f"its chunks hold {held} elements, the tensor {total}"
-    boxes = [c for c in entry.chunks if math.prod(c.sizes)]
-    return None if _disjoint(boxes, entry.size) else "two of its chunks overlap (and so some element is in none)"
-
-
-def _disjoint(boxes: list[Chunk], size: Dims) -> bool:
-    """No two boxes share an element (their volumes sum to the tensor's, so disjoint means an exact cover)."""
-    if len(boxes) < 2:
-        return True
-    split = [d for d in range(len(size)) if any(b.sizes[d] != size[d] for b in boxes)]
-    if len(split) <= 1:  # slabs along one dimension (FSDP's Shard(0)): sorted, each must end where the next starts
-        d = split[0] if split else 0
-        ordered = sorted(boxes, key=lambda b: b.offsets[d])
-        return all(a.offsets[d] + a.sizes[d] <= b.offsets[d] for a, b in itertools.pairwise(ordered))
-    cuts = [
-        sorted({0, n, *(b.offsets[d] for b in boxes), *(b.offsets[d] + b.sizes[d] for b in boxes)})
-        for d, n in enumerate(size)
-    ]
-    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
-        return False
-    seen: set[tuple[int, ...]] = set()
-    for box in boxes:
-        ranges = [range(cut.index(o), cut.index(o + s)) for cut, o, s in zip(cuts, box.offsets, box.sizes)]
-        for cell in _product(ranges):
-            if cell in seen:
-                return False
-            seen.add(cell)
-    return True
-
-
-def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
-    cells: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        cells = [c + (i,) for c in cells for i in r]
-    return cells
-
-
 def view_problem(view: DcpView, sizes: Mapping[str, int]) -> str | None:
     """What in ``view`` cannot be the truth about a folder whose data files (``.distcp``) are ``sizes`` (name: bytes);
     None when everything adds up. Local."""
     tree = _tree_problem(view.places)
     if tree is not None:
         return tree
-    for key, stored in view.stored.items():
-        if stored.file not in sizes:
-            return f"the bytes of {key[0]!r} are in {stored.file!r}, which is not one of the folder's data files"
-        if stored.offset + stored.length > sizes[stored.file]:
-            return (
-                f"the bytes of {key[0]!r} run past the end of {stored.file!r} ({stored.offset} + {stored.length} > "
-                f"{sizes[stored.file]} bytes)"
-            )
+    declared = {(fqn, c.offsets) for fqn, entry in view.tensors.items() for c in entry.chunks}
+    storage = storage_problem(declared | {(fqn, None) for fqn in view.objects}, view.stored, sizes)
+    if storage is not None:
+        return storage
     for fqn in view.objects:
         if (fqn, None) not in view.stored:
             return f"object {fqn!r} has no stored bytes"
     everything = sum(sizes.values()) + _SLACK
     for fqn, entry in view.tensors.items():
-        cover = _covers(entry)
+        cover = cover_problem(entry.size, entry.chunks)
         if cover is not None:
             return f"tensor {fqn!r} of size {entry.size}: {cover}"
         for chunk in entry.chunks:
@@ -272,18 +218,30 @@ def view_problem(view: DcpView, sizes: Mapping[str, int]) -> str | None:
     return None
 
 
-def metadata_problem(data: bytes, sizes: Mapping[str, int], contents: Iterable[str]) -> str | None:
-    """What is wrong with the ``.metadata`` bytes ``data`` of a sharded checkpoint folder whose shards are ``sizes``
-    and whose DCP state holds ``contents`` (the manifest's), read without torch; None when nothing is. Local."""
+def metadata_view(data: bytes, sizes: Mapping[str, int], contents: Iterable[str]) -> DcpView:
+    """The ``.metadata`` bytes ``data`` of a sharded checkpoint folder whose shards are ``sizes`` and whose DCP state
+    holds ``contents`` (the manifest's), read without torch and checked (:func:`view_problem`); :class:`BadMetadata`
+    saying what is wrong otherwise. Local."""
     try:
         view = view_of(peek_dcp_metadata(data))
     except NotMetadata as err:
-        return f"{err}: not what torch.distributed.checkpoint writes"
-    except BadMetadata as err:
-        return str(err)
+        raise BadMetadata(f"{err}: not what torch.distributed.checkpoint writes") from None
+    except BadMetadata:
+        raise
     except DAMAGED_PICKLE as err:
-        return f"it is not a pickle DCP wrote ({type(err).__name__}: {str(err)[:100]})"
+        raise BadMetadata(f"it is not a pickle DCP wrote ({type(err).__name__}: {str(err)[:100]})") from None
     problem = view_problem(view, sizes)
     if problem is None and view.top_level != set(contents):
-        return f"it holds the entries {sorted(map(str, view.top_level))}, the manifest {sorted(contents)}"
-    return problem
+        problem = f"it holds the entries {sorted(map(str, view.top_level))}, the manifest {sorted(contents)}"
+    if problem is not None:
+        raise BadMetadata(problem)
+    return view
+
+
+def metadata_problem(data: bytes, sizes: Mapping[str, int], contents: Iterable[str]) -> str | None:
+    """What :func:`metadata_view` finds wrong with ``data``, or None. Local."""
+    try:
+        metadata_view(data, sizes, contents)
+    except BadMetadata as err:
+        return str(err)
+    return None

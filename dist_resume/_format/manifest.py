@@ -151,11 +151,14 @@ class Manifest:
             absent = [n for n in REQUIRED if n not in names]
             if absent:
                 raise ValueError(f"it lists no {absent}")
+            world_size = _int(body["world_size"])
+            if stray := [f"{f.name} by rank {f.rank}" for f in files if f.rank >= world_size]:
+                raise ValueError(f"it lists files written by no rank of its world_size {world_size} ({stray[0]})")
             shape, dims = body["mesh_shape"], body["mesh_dim_names"]
             manifest = cls(
                 _opt_int(body["step"]),
                 _opt_int(body["epoch"]),
-                _int(body["world_size"]),
+                world_size,
                 None if shape is None else tuple(_int(n) for n in _items(shape)),
                 None if dims is None else tuple(_str(n) for n in _items(dims)),
                 _int(body["writers"]),

@@ -30,7 +30,7 @@ from .._store.url import location
 from .records import Record
 from .small_records import read_checked_records
 
-__all__ = ["PeekUnsure", "StorageStub", "TensorStub", "Peeked", "peek_archive"]
+__all__ = ["PeekUnsure", "StorageStub", "TensorStub", "Peeked", "peek_pickle", "peek_archive"]
 
 # torch.<Name>Storage -> (dtype name, bytes per element): the typed storages torch.save names (torch 2.x)
 STORAGE_DTYPES: Final = {
@@ -236,7 +236,12 @@ def peek_archive(path: PathLike) -> Peeked:
     """
     p = location(path)
     checked = read_checked_records(p, keep_pickle=True)
-    data = checked.pickle or b""
+    return Peeked(p, checked.archive_name, checked.records, peek_pickle(checked.pickle or b""))
+
+
+def peek_pickle(data: bytes) -> Any:
+    """``data.pkl``'s bytes ``data`` (CRC-32 checked by the caller) unpickled with :class:`TensorStub` for tensors;
+    :class:`PeekUnsure` for anything the stub reader does not know. Local."""
     _check_opcodes(data)
     try:
         obj = _StubUnpickler(data).load()
@@ -244,4 +249,4 @@ def peek_archive(path: PathLike) -> Peeked:
         raise
     except Exception as err:  # a damaged pickle that genops walked: torch's reader words the refusal
         raise PeekUnsure(f"data.pkl does not unpickle ({type(err).__name__})") from err
-    return Peeked(p, checked.archive_name, checked.records, _finish(obj, 0, set()))
+    return _finish(obj, 0, set())

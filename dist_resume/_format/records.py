@@ -119,13 +119,12 @@ def check_zip_bytes(data: bytes, what: str) -> None:
     check_zip_stream(io.BytesIO(data), len(data), what)
 
 
-def check_zip_stream(f: Any, size: int, what: str) -> None:
+def check_zip_stream(f: Any, size: int, what: str) -> list[Record]:
     """:func:`check_zip_bytes` of a seekable stream of ``size`` bytes (a view of one entry of a larger file), read in
-    place: only the directory and the local headers are read. The stream's position is left anywhere."""
+    place: only the directory and the local headers are read; its records. The stream's position is left anywhere."""
     try:
         with zipfile.ZipFile(f) as zf:
-            for info in zf.infolist():
-                _record(f, info, size)
+            return [_record(f, info, size) for info in zf.infolist()]
     except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
         raise CheckpointCorruptError(
             f"{what} is damaged ({type(err).__name__}: {str(err)[:200]}); resume from an earlier checkpoint"

@@ -14,11 +14,13 @@ from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
 from .._core.types import PathLike
 from .._store.url import location
-from .dcp_view import metadata_problem
+from .dcp_entries import entries_problem
+from .dcp_view import BadMetadata, metadata_view
 from .manifest import DCP_METADATA, MANIFEST, REQUIRED, FileEntry, Manifest, file_crc32
 from .safe_open import entry_of, folder_entries, read_in_folder
+from .sharded_layout import held_keys
 
-__all__ = ["FileProblem", "manifest_problems", "rank_share"]
+__all__ = ["FileProblem", "manifest_problems", "rank_share", "declared_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +54,11 @@ def manifest_problems(
     ``verify`` have the listed CRC-32 (reads every file once; ``share``: only those files, a rank's part of a check
     the ranks split, :func:`rank_share`); the folder must hold nothing else (an unlisted file is
     damage: no reader may use a byte integrity does not cover); and ``.metadata`` must describe what the listed shards
-    hold (:func:`~dist_resume._format.dcp_view.metadata_problem`: every chunk stored inside a listed shard, every
-    element of every tensor covered exactly once, the DCP state's entries those the manifest names).
+    hold (:func:`~dist_resume._format.dcp_view.metadata_view`: every chunk stored inside a listed shard, no two entries
+    over the same bytes, every element of every tensor covered exactly once, the DCP state's entries those the
+    manifest names), and with ``verify`` that each stored entry's header is sound and a chunk's says the dtype and
+    shape ``.metadata`` declares (:func:`~dist_resume._format.dcp_entries.entries_problem`, for the files whose CRC-32
+    this call checks).
     """
     root = location(folder)
     problems = []
@@ -68,10 +73,13 @@ def manifest_problems(
             problems.append(problem)
     if not problems:
         shards = {e.name: e.size for e in manifest.files if e.name not in REQUIRED}
+        wrong = None
         try:
             data = read_in_folder(root, DCP_METADATA, listed[DCP_METADATA].size)
-            wrong = metadata_problem(data, shards, manifest.contents)
-        except (CheckpointCorruptError, OSError) as err:
+            view = metadata_view(data, shards, manifest.contents)
+            if verify:  # the deep check: each stored entry's header against .metadata, beside its CRC-32
+                wrong = entries_problem(root, view, shards.keys() if share is None else share)
+        except (BadMetadata, CheckpointCorruptError, OSError) as err:
             wrong = str(err)
         if wrong is not None:
             problems.append(FileProblem(DCP_METADATA, f"is damaged ({wrong[:300]})"))
@@ -99,3 +107,16 @@ def _file_problem(root: Location, entry: FileEntry, verify: bool) -> FileProblem
     if crc != entry.crc32:
         return FileProblem(entry.name, f"CRC-32 {crc:08x}, the manifest says {entry.crc32:08x}", crc=True)
     return None
+
+
+def declared_keys(folder: PathLike, manifest: Manifest) -> dict[str, set[str]]:
+    """The keys ``.metadata`` declares under each top-level entry of the DCP state (``model``: its state dict's keys),
+    read without torch, for a folder :func:`manifest_problems` found sound. Local."""
+    root = location(folder)
+    listed = {entry.name: entry for entry in manifest.files}
+    shards = {e.name: e.size for e in manifest.files if e.name not in REQUIRED}
+    data = read_in_folder(root, DCP_METADATA, listed[DCP_METADATA].size)
+    try:
+        return held_keys(metadata_view(data, shards, manifest.contents).places.values())
+    except BadMetadata as err:  # changed since it was checked
+        raise CheckpointCorruptError(f"{str(root / DCP_METADATA)!r} is damaged ({str(err)[:300]})") from None

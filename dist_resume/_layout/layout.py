@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from .._core.errors import NotACheckpointError
-from .._core.text import article, preview
+from .._core.text import article, described, preview
+from .._core.version import __version__
 from .detect import detect_parts, overrides
 from .kinds import as_int, is_state_dict
 
@@ -24,6 +25,9 @@ __all__ = [
 ]
 
 FORMAT_NAME: Final = "dist_resume"
+# The layout save_checkpoint writes (its top-level keys and what each holds), 1 since 0.1. A reader refuses a newer
+# one, as torch.load refuses a newer zip format: a change an older reader would read wrong raises it; a file without
+# it is read as 1.
 FORMAT_VERSION: Final = 1
 
 
@@ -101,6 +105,7 @@ def _is_lightning(obj: Mapping[str, Any]) -> bool:
 
 
 def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] | None) -> CheckpointParts:
+    _check_version(obj.get(Key.VERSION, FORMAT_VERSION), source)
     meta = obj.get(Key.META)
     meta = {} if meta is None else meta  # (not `or {}`: the truth value of what a damaged file holds may raise)
     if not isinstance(meta, Mapping):
@@ -145,6 +150,21 @@ _META_TYPES: Final = {
     **dict.fromkeys(("torch_version", "dist_resume_version", "model_class", "optimizer_class"), (str,)),
     "saved_at": (int, float),
 }
+
+
+def _check_version(version: Any, source: str) -> None:
+    """Refuse a format version this dist_resume does not read: newer than :data:`FORMAT_VERSION`, or not one at all."""
+    if type(version) is not int or version < 1:
+        raise NotACheckpointError(
+            f"{source} is marked as a dist_resume checkpoint but its {Key.VERSION!r} is {described(version, 40)}, not "
+            "a format version (the file is damaged or was edited); resume from another checkpoint"
+        )
+    if version > FORMAT_VERSION:
+        raise NotACheckpointError(
+            f"{source} is a dist_resume checkpoint of format version {version}, written by a newer dist_resume; "
+            f"this one ({__version__}) reads format version {FORMAT_VERSION}, and would read a newer one wrong: "
+            "upgrade dist_resume to read it"
+        )
 
 
 def _check_meta(meta: Mapping[str, Any], source: str) -> None:

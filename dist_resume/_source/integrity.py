@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from .._core.errors import CheckpointError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location, local_path, looked_up
 from .._core.types import PathLike
 from .._foreign.folders import foreign_kind, trainer_progress
@@ -24,10 +24,11 @@ from .._format.archive import read_archive
 from .._format.manifest import TRAIN_STATE, read_manifest
 from .._format.records import read_records
 from .._format.safe_open import open_checkpoint_file
-from .._format.sharded_files import FileProblem, manifest_problems
+from .._format.sharded_files import FileProblem, declared_keys, manifest_problems
+from .._format.sharded_layout import lost_keys_problem
 from .._format.sniff import FileKind, file_kind
 from .._format.zip_verify import ArchiveFinding, FindingKind, integrity_failure, verify_zip
-from .._layout.layout import FORMAT_NAME, Key, Layout
+from .._layout.layout import FORMAT_NAME, Key, Layout, split_checkpoint
 from .._store.url import location
 
 __all__ = [
@@ -87,8 +88,10 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
 
     Local. ``verify=True`` checks the zip structure and the CRC-32 of every record (reads the
     whole file once); ``verify=False`` the structure only. Either way the file must carry
-    dist_resume metadata (the format marker and a ``meta`` dict with an integer or absent
-    ``step``), read by a refusing unpickler that loads no tensor data. Raises
+    dist_resume metadata (the format marker, a format version this dist_resume reads, a ``meta`` dict
+    of the types save_checkpoint writes with an integer or absent ``step``) and a model state (a mapping
+    keyed by strings, its tensors dense), read by a refusing unpickler that loads no tensor data; what its
+    entries hold is checked against the model by a resume, not here. Raises
     :class:`CheckpointCorruptError`, :class:`NotACheckpointError` or
     :class:`UnsafeCheckpointError`, each naming the file.
 
@@ -126,6 +129,7 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     step = meta.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise NotACheckpointError(f"{str(p)!r} has invalid dist_resume metadata: step is {step!r}, not an int")
+    split_checkpoint(obj, f"checkpoint {str(p)!r}")  # its parts typed (format version, meta, a model state dict)
     return CheckpointInfo(p, step, p.stat().st_size, archive_digest(p))
 
 
@@ -151,7 +155,12 @@ def _inspect_sharded(p: Location, verify: bool) -> CheckpointInfo:
     meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
     if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
         raise NotACheckpointError(f"{str(p / TRAIN_STATE)!r} carries no dist_resume metadata")
-    checked_layout(obj, repr(str(p / TRAIN_STATE)))
+    lost = lost_keys_problem(checked_layout(obj, repr(str(p / TRAIN_STATE))), declared_keys(p, manifest))
+    if lost is not None:
+        raise CheckpointCorruptError(
+            f"sharded checkpoint {str(p)!r}: its {TRAIN_STATE} and .metadata disagree: {lost}; .metadata lost them: "
+            "the folder is damaged, resume from an earlier checkpoint"
+        )
     if meta.get("step") != manifest.step:
         raise NotACheckpointError(
             f"sharded checkpoint {str(p)!r}: its manifest says step {manifest.step}, its train state step "

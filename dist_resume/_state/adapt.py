@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
+from .._core.tensor_kind import tensor_kind
 from .._core.text import article, preview
 from .prefix import match_keys, model_key_map, prefix_style, unwrap_model, wrapper_prefix
 from .subtree import select_prefix, suggest_key_prefix
@@ -25,7 +26,7 @@ def adapt_state_dict(
     Local; no tensor is copied. Works for any ``module.`` / ``_orig_mod.`` wrapping on either side:
     plain, DDP, DataParallel, compiled, ``module.module.``, ``_orig_mod.module.``,
     ``module._orig_mod.``. Raises :class:`KeyMismatchError` listing missing, unexpected and
-    mismatched keys (another shape, or not a tensor where the model has one); with ``strict=False``
+    mismatched keys (another shape, or not a dense tensor where the model has one); with ``strict=False``
     missing and unexpected keys are allowed (the unexpected ones are dropped) but mismatches still
     raise. ``key_prefix`` (e.g. ``"model."`` for a LightningModule's ``self.model``) takes only the
     keys under it, without it, and ignores the rest; when the keys do not fit and one such prefix
@@ -63,9 +64,9 @@ def adapt_state_dict(
         value, want = state_dict[src], target_sd[dst]
         if not isinstance(want, torch.Tensor):  # a module's extra state: whatever its set_extra_state takes
             continue
-        if not isinstance(value, torch.Tensor):  # load_state_dict would copy the others first, then raise
-            found = "None" if value is None else article(type(value).__name__)
-            not_tensors.append(f"{dst}: checkpoint {found}, model a {tuple(want.shape)} tensor")
+        kind = _kind_problem(value, want)
+        if kind is not None:  # load_state_dict would copy the others first, then raise
+            not_tensors.append(f"{dst}: checkpoint {kind}, model a {tuple(want.shape)} tensor")
         elif value.shape != want.shape:
             mismatched.append(f"{dst}: checkpoint {tuple(value.shape)}, model {tuple(want.shape)}")
     if mismatched or not_tensors or (strict and (missing or unexpected)):
@@ -78,6 +79,17 @@ def adapt_state_dict(
     out: OrderedDict[str, Any] = OrderedDict((pairs[k], state_dict[k]) for k in state_dict if k in pairs)
     _adapt_metadata(state_dict, pairs, out)
     return out
+
+
+def _kind_problem(value: Any, want: torch.Tensor) -> str | None:
+    """What ``value`` is when the model's dense ``want`` cannot take it (not a tensor, or a sparse, nested or
+    quantized one: :func:`~dist_resume._core.tensor_kind.tensor_kind`), else None. A model whose own tensor is of
+    such a kind (a quantized module) loads its own kind: that is its ``_load_from_state_dict``'s to check."""
+    if not isinstance(value, torch.Tensor):
+        return "None" if value is None else article(type(value).__name__)
+    if tensor_kind(want) is not None:
+        return None
+    return tensor_kind(value)
 
 
 def _mismatch_message(
@@ -100,7 +112,7 @@ def _mismatch_message(
     if mismatched:
         lines.append(f"  shape mismatch ({preview(mismatched, count=True)})")
     if not_tensors:
-        lines.append(f"  not a tensor where the model has one ({preview(not_tensors, count=True)})")
+        lines.append(f"  not a dense tensor where the model has one ({preview(not_tensors, count=True)})")
     hint = "check that the checkpoint was saved from the same architecture and configuration"
     key_prefix = suggest_key_prefix(saved, unexpected, model) if missing and not mismatched else None
     if not_tensors:  # no state_dict() writes that: the file was damaged or edited

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from .._core.errors import OptimizerStateMismatchError
-from .._core.text import preview
+from .._core.tensor_kind import odd_tensors
+from .._core.text import described, preview
 
 __all__ = [
     "GROUP_BOOKKEEPING",
@@ -37,8 +38,9 @@ def optimizer_form_problem(osd: Any) -> str | None:
     """What keeps ``osd`` from being in ``Optimizer.state_dict()``'s form (or DSD's, keyed by name), or None. Local.
 
     The form every reader of a saved optimizer relies on: ``{"state": {id: {...}}, "param_groups": [{"params":
-    [id, ...], ...}]}``, each id an int or a str and listed once, each state entry a mapping, and a group's
-    ``param_names`` (where it has one) one string per id. Said as "is ..."/"has ...".
+    [id, ...], ...}]}``, each id an int or a str and listed once, each state entry a mapping of dense tensors (a meta
+    stand-in counts) and other values, each group's entries named by strings, and a group's ``param_names`` (where it
+    has one) one string per id. Said as "is ..."/"has ...".
 
     Example::
 
@@ -54,6 +56,10 @@ def optimizer_form_problem(osd: Any) -> str | None:
         return f"has per-parameter entries that are not mappings under parameter ids ({preview(bad)})"
     if not all(isinstance(g, Mapping) and isinstance(g.get("params"), _LIST) for g in groups):
         return "has parameter groups without a list of parameter ids under 'params'"
+    if odd := [f"group {i} key {described(k, 40)}" for i, g in enumerate(groups) for k in g if not isinstance(k, str)]:
+        return f"has group entries not named by a string ({preview(odd, quote=False)})"
+    if kinds := odd_tensors(state, "state"):
+        return f"has state tensors that are not dense ({preview(kinds, quote=False)})"
     ids = [p for g in groups for p in g["params"]]
     if odd := [p for p in ids if not _an_id(p)]:
         return f"has parameter ids that are neither ints nor strings ({preview(map(repr, odd), quote=False)})"

@@ -26,23 +26,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else ExitCode.INPUT
     try:
         return int(args.func(args))
-    except CheckpointWriteError as err:
-        report_error(args.command, err)
-        return ExitCode.WRITE
-    except DistResumeError as err:
-        report_error(args.command, err)
-        return ExitCode.INPUT
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG} {args.command}: interrupted\n")
         return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `dist-resume inspect x | head`
         return ExitCode.OK
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.write(
-            f"{PROG} {args.command}: internal error (a bug in dist-resume); please report the traceback above\n"
-        )
-        return ExitCode.INTERNAL
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        return _failed(args.command, err)
+
+
+def _failed(command: str, err: BaseException) -> int:
+    """Say what failed, and return its exit status: the cause a DCP wrapper holds is reported as that cause."""
+    cause = err
+    if not isinstance(err, Exception):  # imported here: only torch.distributed.checkpoint raises one (torch is loaded)
+        from .._core.torch_errors import dcp_cause
+
+        cause = dcp_cause(err)
+    if isinstance(cause, DistResumeError):
+        report_error(command, cause)
+        return ExitCode.WRITE if isinstance(cause, CheckpointWriteError) else ExitCode.INPUT
+    traceback.print_exception(err)
+    sys.stderr.write(f"{PROG} {command}: internal error (a bug in dist-resume); please report the traceback above\n")
+    return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

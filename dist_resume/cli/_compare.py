@@ -8,6 +8,7 @@ from typing import Any, Final
 
 import torch
 
+from .._core.tensor_kind import tensor_kind
 from .._core.text import preview, shown
 from .._layout.layout import CheckpointParts
 from .._state.optim_keys import GROUP_BOOKKEEPING, optimizer_form_problem
@@ -92,11 +93,7 @@ def _describe(value: Any) -> str:
 def compare_values(a: Any, b: Any) -> str | None:
     """None when equal, else what differs."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape:
-            return f"shape {tuple(a.shape)} in A, {tuple(b.shape)} in B"
-        if a.dtype != b.dtype:
-            return f"dtype {_describe_dtype(a)} in A, {_describe_dtype(b)} in B"
-        return None if same_bits(a, b) else _values_differ(a, b)
+        return _compare_tensors(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return f"A {_describe(a)}, B {_describe(b)}"
     if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -113,6 +110,24 @@ def compare_values(a: Any, b: Any) -> str | None:
         return None if bool(a == b) else f"A {_describe(a)}, B {_describe(b)}"
     except Exception:  # objects whose == is not a plain bool
         return None if a is b else f"A {_describe(a)}, B {_describe(b)}"
+
+
+def _compare_tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when equal, else what differs: the kinds (dense, sparse, nested, quantized, meta), shape, dtype, values."""
+    kind_a, kind_b = tensor_kind(a, stand_ins=False), tensor_kind(b, stand_ins=False)
+    if kind_a != kind_b:
+        return f"A {kind_a or 'a dense tensor'}, B {kind_b or 'a dense tensor'}"
+    if a.is_nested:  # no one shape: its tensors, one by one
+        return compare_values(list(a.unbind()), list(b.unbind()))
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} in A, {tuple(b.shape)} in B"
+    if a.dtype != b.dtype:
+        return f"dtype {_describe_dtype(a)} in A, {_describe_dtype(b)} in B"
+    if a.is_meta:  # no data on either side: the shape and dtype are all there is
+        return None
+    if a.layout != torch.strided:  # sparse: the values it stands for
+        return compare_values(a.to_dense(), b.to_dense())
+    return None if same_bits(a, b) else _values_differ(a, b)
 
 
 class Report:

@@ -23,11 +23,20 @@ from .._core.location import Location, RemotePath
 from .._format.manifest import SHARD_FILE, TRAIN_STATE, read_manifest
 from .._format.peek import PeekUnsure, peek_archive
 from .._format.records import read_records
-from .._format.sharded_files import manifest_problems
-from .._format.sharded_layout import layout_problem
+from .._format.sharded_files import declared_keys, manifest_problems
+from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem, lost_keys_problem
 from .._format.zip_verify import verify_zip
 
-__all__ = ["CHECKPOINT_NAME", "FORMAT_KEY", "FORMAT_NAME", "META_KEY", "PLAIN", "fast_entries", "shards_of"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "FORMAT_KEY",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "META_KEY",
+    "PLAIN",
+    "fast_entries",
+    "shards_of",
+]
 
 # the names of dist_resume._source.listing and dist_resume._layout.layout (which import torch); the test of this
 # module checks that they are the same values
@@ -35,6 +44,7 @@ CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.(pt|dcp)$")
 FORMAT_NAME: Final = "dist_resume"
 FORMAT_KEY: Final = "format"
 META_KEY: Final = "meta"
+FORMAT_VERSION: Final = ("format_version", 1)  # Key.VERSION and FORMAT_VERSION (a file without it: version 1)
 PLAIN: Final = (type(None), bool, int, float, str)  # the values a stub reads as they are
 
 
@@ -43,6 +53,8 @@ def _meta(obj: Any, step: int) -> Mapping[str, Any]:
     meta = obj.get(META_KEY) if isinstance(obj, Mapping) else None
     if not isinstance(obj, Mapping) or obj.get(FORMAT_KEY) != FORMAT_NAME or not isinstance(meta, Mapping):
         raise PeekUnsure("no dist_resume metadata")
+    if obj.get(*FORMAT_VERSION) != FORMAT_VERSION[1] or type(obj.get(*FORMAT_VERSION)) is not int:
+        raise PeekUnsure("another format version")  # the torch path says which, and what to do
     if type(meta.get("step")) is not int or meta["step"] != step:
         raise PeekUnsure(f"step {meta.get('step')!r} in a checkpoint named for step {step}")
     if not all(isinstance(meta.get(k), PLAIN) for k in ("epoch", "world_size")):
@@ -56,7 +68,11 @@ def _file(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
     read_records(path)
     if verify and verify_zip(path, strict=False):
         raise PeekUnsure(f"{path.name} fails its CRC-32 check")
-    return _meta(peek_archive(path).obj, step), path.stat().st_size
+    obj = peek_archive(path).obj
+    model = obj.get("model") if isinstance(obj, Mapping) else None
+    if not isinstance(model, Mapping) or not all(type(k) is str for k in model):
+        raise PeekUnsure(f"{path.name}: its model entry is not a state dict")  # the torch path says what it is
+    return _meta(obj, step), path.stat().st_size
 
 
 def _folder(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int]:
@@ -68,6 +84,8 @@ def _folder(path: Path, step: int, verify: bool) -> tuple[Mapping[str, Any], int
     train_state = peek_archive(path / TRAIN_STATE).obj
     if layout_problem(train_state) is not None:
         raise PeekUnsure(f"{path.name}: its {TRAIN_STATE} is damaged")
+    if lost_keys_problem(train_state[SHARDED_LAYOUT], declared_keys(path, manifest)) is not None:
+        raise PeekUnsure(f"{path.name}: its {TRAIN_STATE} and .metadata disagree")
     return _meta(train_state, step), manifest.size
 
 

@@ -20,7 +20,7 @@ from .._core.types import PathLike
 from .._format.peek import Peeked, PeekUnsure, TensorStub, peek_archive
 from .._store.url import location
 from ._common import SCHEMA_PREFIX
-from ._fast import FORMAT_KEY, FORMAT_NAME, META_KEY, PLAIN
+from ._fast import FORMAT_KEY, FORMAT_NAME, FORMAT_VERSION, META_KEY, PLAIN
 
 __all__ = ["fast_verify"]
 
@@ -101,6 +101,8 @@ def _toolkit(path: PathLike) -> Peeked:
     obj = peeked.obj
     if not isinstance(obj, dict) or obj.get(FORMAT_KEY) != FORMAT_NAME or not isinstance(obj.get("model"), dict):
         raise PeekUnsure(f"{p.name} is not a checkpoint of this toolkit")
+    if type(obj.get(*FORMAT_VERSION)) is not int or obj.get(*FORMAT_VERSION) != FORMAT_VERSION[1]:
+        raise PeekUnsure(f"{p.name} is of another format version")  # the torch path says which, and what to do
     if not all(_plain_key(k) for k in obj["model"]) or not isinstance(obj.get(META_KEY) or {}, dict):
         raise PeekUnsure(f"{p.name}: model keys with wrapper prefixes")
     return peeked

@@ -54,12 +54,23 @@ def one_rank_cannot_validate(rank: int, world_size: int, ckpt: str) -> dict[str,
     if rank == 1:
         model = nn.Sequential(nn.Linear(6, 5))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _refused(ckpt, model, opt, dist_resume.errors.StateMismatchError)
+
+
+def file_without_data(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    """The file rank 0 reads holds a meta tensor (no data) for a model entry: every rank must refuse it unchanged."""
+    model, opt, _ = make(seed=9)
+    return _refused(ckpt, model, opt, dist_resume.errors.DistResumeError)
+
+
+def _refused(ckpt: str, model: nn.Module, opt: torch.optim.Optimizer, error: type[Exception]) -> dict[str, Any]:
+    """A broadcast resume expected to raise ``error``: what it raised, and whether the model is as it was."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         dist_resume.resume(
             ckpt, model=model, optimizer=opt, options=dist_resume.ResumeOptions(broadcast_from_rank0=True)
         )
-    except dist_resume.errors.StateMismatchError as err:
+    except error as err:
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged, "opt_state": len(opt.state)}
     return {"error": None}

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -229,7 +230,7 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
         lambda: _resumed(root / "damaged.dcp", model, opt, sched, verify=True), model, opt
     )
     report["damaged"] = _refusal(lambda: _resumed(root / "damaged.dcp", model, opt, sched), model, opt)
-    if rank == 0:  # now a tensor's chunk (b.weight's, in rank 1's file): found only while the shards fill
+    if rank == 0:  # now a tensor's chunk (b.weight's, in rank 1's file): its header is read with the CRC-32s
         shutil.rmtree(root / "damaged.dcp")
         shutil.copytree(root / "run2" / f"ckpt_{STEPS:08d}.dcp", root / "damaged.dcp")
         storage = read_dcp_metadata(root / "damaged.dcp").storage_data
@@ -243,8 +244,10 @@ def _two(rank: int, root: Path, mesh: Any) -> dict[str, Any]:
                 entry["crc32"] = f"{file_crc32(root / 'damaged.dcp' / '__1_0.distcp'):08x}"
         (root / "damaged.dcp" / "manifest.json").write_text(json.dumps(manifest))
     dist.barrier()
-    try:
-        _resumed(root / "damaged.dcp", model, opt, sched)
+    report["damaged_header"] = _refusal(lambda: _resumed(root / "damaged.dcp", model, opt, sched), model, opt)
+    try:  # the check of the entries' headers patched out: found only while the shards fill
+        with mock.patch("dist_resume._format.sharded_files.entries_problem", lambda *_: None):
+            _resumed(root / "damaged.dcp", model, opt, sched)
         report["damaged_chunk"] = None
     except DistResumeError as err:
         report["damaged_chunk"] = (type(err).__name__, str(err))

@@ -3,6 +3,7 @@ and damaged sharded folders resumed by FSDP2 ranks (tests/dist/test_hostile.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -10,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -69,12 +71,14 @@ def fallback_and_refusal(rank: int, world_size: int, folder: str) -> dict[str, A
     if rank == 0:
         shutil.copytree(root / C20, root / "pristine20")
     report: dict[str, Any] = {"fallback": {}, "refused": {}}
-    for name, tamper in FALLBACK.items():
+    for name, tamper in {**FALLBACK, **FOUND_WHEN_READ}.items():
         _tamper(rank, root, tamper)
         fresh, fresh_opt = _sharded(mesh, seed=5)
+        blind = mock.patch("dist_resume._format.sharded_files.entries_problem", lambda *_: None)
         try:
-            with dr.CheckpointManager(root, model=fresh, optimizer=fresh_opt) as resumer:
-                result = resumer.resume()
+            with blind if name in FOUND_WHEN_READ else contextlib.nullcontext():
+                with dr.CheckpointManager(root, model=fresh, optimizer=fresh_opt) as resumer:
+                    result = resumer.resume()
             got: Any = (None if result is None else result.step, _differ(_locals(fresh, fresh_opt), at10))
         except Exception as err:
             got = f"{type(err).__name__}: {str(err)[:300]}"
@@ -86,9 +90,13 @@ def fallback_and_refusal(rank: int, world_size: int, folder: str) -> dict[str, A
 
 
 def _flip(folder: Path, name: str) -> None:
-    data = bytearray((folder / name).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (folder / name).write_bytes(bytes(data))
+    _flip_at(folder / name, (folder / name).stat().st_size // 2)
+
+
+def _flip_at(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def _refresh(folder: Path) -> None:
@@ -132,6 +140,19 @@ FALLBACK: dict[str, Callable[[Path], None]] = {
     "nested_manifest": _nested_manifest,
     "shard_linked_out": _link_out,
 }
+
+
+def _damage_object_entry(folder: Path) -> None:
+    """An object entry's zip directory damaged (the manifest made to match): torch's reader of the objects finds it."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file
+    info = next(s for i, s in metadata.storage_data.items() if i.offset is None)
+    _flip_at(folder / info.relative_path, info.offset + info.length - 22)  # its end-of-directory signature
+    _refresh(folder)
+
+
+# the choice blinded to the damage (the deep check of the entries patched out): every rank reads step 20, finds it
+# damaged before anything changed, and every rank falls back to step 10 with the same decision
+FOUND_WHEN_READ: dict[str, Callable[[Path], None]] = {"object_entry_damaged": _damage_object_entry}
 REFUSED: dict[str, Callable[[Path], None]] = {
     "flipped_byte": lambda f: _flip(f, "__0_0.distcp"),  # rank 1's share of the CRC check: relayed to rank 0
     "uncovered_rows": _uncover,

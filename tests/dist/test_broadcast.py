@@ -53,6 +53,20 @@ def test_a_rank_that_cannot_validate_stops_every_rank_before_any_change(tmp_path
     assert results[1]["error"] == "KeyMismatchError"
 
 
+def test_a_file_without_data_for_a_model_entry_stops_every_rank_before_any_change(tmp_path):
+    model, opt, sched = W.make(seed=0)
+    W.train(model, opt, sched, steps=1, seed=1)
+    obj = torch.load(dist_resume.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt), weights_only=True)
+    key = next(iter(obj["model"]))
+    obj["model"][key] = obj["model"][key].to("meta")  # torch.save writes no data for it
+    torch.save(obj, tmp_path / "meta.pt")
+    results = run_ranks(B.file_without_data, 2, tmp_path=tmp_path, args=(str(tmp_path / "meta.pt"),))
+    for rank, res in enumerate(results):
+        assert res["error"] == "StateMismatchError", (rank, res)
+        assert res["unchanged"] and res["opt_state"] == 0, f"rank {rank} changed its model or optimizer"
+    assert key in results[0]["message"] and "meta tensors" in results[0]["message"]
+
+
 def test_rank0_read_error_reaches_every_rank(tmp_path):
     results = run_ranks(B.rank0_cannot_read, 2, tmp_path=tmp_path, args=(str(tmp_path / "missing.pt"),))
     assert [r["error"] for r in results] == ["CheckpointNotFoundError"] * 2

@@ -67,10 +67,12 @@ def _check_two(results: list[dict]) -> None:
     assert told.startswith("rank(s) [1] could not restore the checkpoint into the FSDP2 model, so nothing was restored")
     assert "b.weight: checkpoint (7, 4), model (7, 3)" in told
     # a damaged sharded folder: every CRC-32 is checked before anything changes (the ranks split the check; all of it
-    # each under verify=True); damage whose CRC-32 was made to match is found while the shards fill, and every rank
-    # raises the same error saying so
+    # each under verify=True), and with it every entry's header; damage whose CRC-32 was made to match and that no
+    # header shows is found while the shards fill, and every rank raises the same error saying so
     _refused([r["damaged_verified"] for r in results], "CheckpointCorruptError", None)
     for o in (r["damaged"] for r in results):  # rank 0 finds its CRC-32 wrong, rank 1 its objects damaged
+        assert o["error"] == "CheckpointCorruptError" and o["unchanged"] == [] and "__1_0.distcp" in o["message"], o
+    for o in (r["damaged_header"] for r in results):  # a chunk's header, CRC-32 made to match: read with the CRC-32s
         assert o["error"] == "CheckpointCorruptError" and o["unchanged"] == [] and "__1_0.distcp" in o["message"], o
     chunk = {r["damaged_chunk"] for r in results}
     assert len(chunk) == 1, chunk

@@ -16,7 +16,7 @@ def test_a_damaged_sharded_folder_falls_back_or_is_refused_on_every_rank(tmp_pat
     (tmp_path / "run").mkdir()
     results = run_ranks(HW.fallback_and_refusal, 2, tmp_path=tmp_path, args=(str(tmp_path / "run"),), deadline=150)
     for rank, report in enumerate(results):
-        assert report["fallback"] == dict.fromkeys(HW.FALLBACK, (10, [])), (rank, report["fallback"])
+        assert report["fallback"] == dict.fromkeys([*HW.FALLBACK, *HW.FOUND_WHEN_READ], (10, [])), (rank, report)
     for name, where, failing in (("flipped_byte", "__0_0.distcp", 1), ("uncovered_rows", ".metadata", None)):
         outcomes = [r["refused"][name] for r in results]
         for rank, o in enumerate(outcomes):
