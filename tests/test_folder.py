@@ -307,3 +307,14 @@ def test_a_file_checked_once_is_not_read_again(tmp_path: Path, monkeypatch: pyte
     assert calls == [(checkpoint_name(5), True), (checkpoint_name(3), True)]  # kept: so every CRC-32 is checked
     assert dr.tools.latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(5) and len(calls) == 2  # known
     mgr.close()
+
+
+def test_what_another_collective_sent_is_no_view_of_a_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # rank 0 resumes while rank 1 is in another collective (a save): the gather returns what that one sent
+    from dist_resume._source import consensus
+
+    path = dr.save_checkpoint(tmp_path / "a.pt", model=torch.nn.Linear(2, 2))
+    for junk in ([{"op": "save"}, {"op": "save"}], [("a checkpoint file", "a.pt", None), b"\x00"]):
+        monkeypatch.setattr(consensus, "all_gather_objects", lambda obj, junk=junk: junk)
+        with pytest.raises(dr.errors.CheckpointConsensusError, match="the ranks made different calls"):
+            consensus._same_kind(path, broadcast=False)

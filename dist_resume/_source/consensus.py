@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Final
 
 import torch.distributed as dist
 
@@ -139,24 +140,41 @@ def confirm_choice(folder: Location, chosen: CheckpointInfo) -> Location:
     return mine
 
 
+_FILE: Final = "a checkpoint file"
+_KIND_HINT: Final = (
+    "a rank died, is stuck, or did not call resume() (every rank calls it, each with the same kind of source); check "
+    "every rank's log for the first error, then restart the job (the checkpoints are untouched)"
+)
+
+
 def _kind(path: Location, broadcast: bool) -> str:
     if broadcast:
         return "a checkpoint rank 0 broadcasts (broadcast_from_rank0=True)"
-    return "a checkpoint file" if foreign_kind(path) is not None or not path.is_dir() else "a checkpoint folder"
+    return _FILE if foreign_kind(path) is not None or not path.is_dir() else "a checkpoint folder"
 
 
 def _same_kind(path: Location, broadcast: bool) -> None:
     """Every rank resumes from the same kind of source (a file, a ``CheckpointManager`` folder, or rank 0's
     broadcast): the collectives that follow differ by kind, so ranks that disagree would wait on each other.
     Collective (one object all-gather); ranks that differ from rank 0 make every rank raise
-    :class:`CheckpointConsensusError` naming them."""
-    mine = (_kind(path, broadcast), str(path))
+    :class:`CheckpointConsensusError` naming them. Files are not compared: each rank restores the file it names."""
     step = f"agreeing on what every rank resumes from (this rank: {str(path)!r})"
-    with collective_step(step, CheckpointConsensusError, _AGREE_HINT):
-        kinds: list[tuple[str, str]] = all_gather_objects(mine)
-    differ = [r for r, (kind, _) in enumerate(kinds) if kind != kinds[0][0]]
+    other = CheckpointConsensusError(
+        "the ranks made different calls: this rank resumes while another is in another collective (a save, a "
+        f"barrier), so nothing was restored; {_KIND_HINT}"
+    )
+    try:
+        with collective_step(step, CheckpointConsensusError, _KIND_HINT):
+            views: list[Any] = all_gather_objects((_kind(path, broadcast), str(path)))
+    except CheckpointConsensusError:
+        raise
+    except Exception as err:  # what another collective sent does not decode as a view
+        raise other from err
+    if not all(isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in views):
+        raise other
+    differ = [r for r, (kind, _) in enumerate(views) if kind != views[0][0]]
     if differ:
-        shown = preview((f"rank {r}: {kinds[r][0]} {kinds[r][1]!r}" for r in [0, *differ]), 8, sep="; ", quote=False)
+        shown = preview((f"rank {r}: {views[r][0]} {views[r][1]!r}" for r in [0, *differ]), 8, sep="; ", quote=False)
         raise CheckpointConsensusError(
             f"the ranks resume from different kinds of source ({shown}), so nothing was restored on any rank. Every "
             "rank must pass the same kind: the same checkpoint folder, a checkpoint file each, and the same "

@@ -5,6 +5,7 @@ broadcast bucket), through DDP and FSDP2 and each source; every rank must end wi
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -106,6 +107,9 @@ def _ddp_cases(rank: int, root: Path) -> dict[str, Any]:
     folder = root / "ddp"
     with dr.CheckpointManager(folder, model=model, optimizer=opt, scheduler=sched) as mgr:
         mgr.save(2)
+    if rank == 0:  # a node-local copy of ckpt 2 for rank 1
+        shutil.copy(folder / "ckpt_00000002.pt", root / "copy.pt")
+    dist.barrier()
     model, opt, sched = make(seed=30 + rank)
     train(model, opt, sched, steps=1, seed=5 + rank)
 
@@ -139,6 +143,8 @@ def _ddp_cases(rank: int, root: Path) -> dict[str, Any]:
     }
     mixed = folder if rank == 0 else folder / "ckpt_00000002.pt"  # rank 0 a folder, rank 1 a file: refused
     out["ddp_mixed_kinds"] = _outcome(rank, nullcontext(), lambda: dr.resume(mixed, model=model), same)
+    copy = folder / "ckpt_00000002.pt" if rank == 0 else root / "copy.pt"  # a copy of the same file: fine
+    out["ddp_file_copies"] = _outcome(rank, nullcontext(), lambda: dr.resume(copy, model=model), same)
     resume()()  # and then the same objects resume whole
     out["ddp_resumed"] = flat_state(model, opt)["model.fc.weight"].sum().item()
     return out

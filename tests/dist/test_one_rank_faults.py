@@ -52,6 +52,7 @@ def test_a_fault_on_one_rank_is_one_typed_outcome_on_every_rank(tmp_path):
     mixed = [r["ddp_mixed_kinds"] for r in results]
     assert [(m["error"], m["unchanged"]) for m in mixed] == [("CheckpointConsensusError", True)] * 2, mixed
     assert all("rank 1: a checkpoint file" in m["message"] and m["elapsed"] < PROMPT for m in mixed), mixed
+    assert [r["ddp_file_copies"]["error"] for r in results] == [None, None]  # node-local copies of one file
     # in the commit: every rank says the state is partly restored, and that resuming again restores it
     for case in ("ddp_folder_commit", "ddp_broadcast_commit", "fsdp_file_commit"):
         outs = _same_everywhere(results, case, "PartialRestoreError", None)
