@@ -140,26 +140,26 @@ def _progress(ref: Launch, watch: FolderWatch, launches: Sequence[Launch]) -> in
 def _no_checkpoint(ref: Launch, folder: Path) -> CheckCommandError:
     held = sorted(os.listdir(folder))
     found = f"it holds {', '.join(held[:8])}{' ...' if len(held) > 8 else ''}" if held else "it is empty"
-    return CheckCommandError(
+    return _of_reference(
+        ref,
         f"the reference run ended after {ref.seconds:.1f} s and no checkpoint appeared in {PLACEHOLDER} ({found}): "
         "nothing could be interrupted. {dir} must be the folder the command saves its checkpoints in, and the command "
         "must save before it ends",
-        run="reference",
-        returncode=ref.returncode,
-        stderr=stderr_tail(ref.stderr),
     )
 
 
 def _one_checkpoint(ref: Launch) -> CheckCommandError:
     only = ref.seen[0]
-    return CheckCommandError(
+    return _of_reference(
+        ref,
         f"the reference run wrote only one checkpoint ({only.name}, at {only.seconds:.1f} s of its {ref.seconds:.1f} "
         "s): the check needs one to stop after and a later one, written after the resume, to compare. Save during the "
         "run more often (every N steps, or each epoch), so that it writes at least two",
-        run="reference",
-        returncode=ref.returncode,
-        stderr=stderr_tail(ref.stderr),
     )
+
+
+def _of_reference(ref: Launch, message: str) -> CheckCommandError:
+    return CheckCommandError(message, run="reference", returncode=ref.returncode, stderr=stderr_tail(ref.stderr))
 
 
 def _failed(run: Launch, what: str) -> CheckCommandError:
