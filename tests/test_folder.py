@@ -317,4 +317,4 @@ def test_what_another_collective_sent_is_no_view_of_a_source(monkeypatch: pytest
     for junk in ([{"op": "save"}, {"op": "save"}], [("a checkpoint file", "a.pt", None), b"\x00"]):
         monkeypatch.setattr(consensus, "all_gather_objects", lambda obj, junk=junk: junk)
         with pytest.raises(dr.errors.CheckpointConsensusError, match="the ranks made different calls"):
-            consensus._same_kind(path, broadcast=False)
+            consensus._same_kind(path, consensus._FILE)

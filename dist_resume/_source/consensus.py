@@ -24,6 +24,7 @@ from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
+from .._layout.layout import Layout
 from .._store.url import location
 from .integrity import CheckpointInfo, checkpoint_identity
 from .listing import find_latest
@@ -147,13 +148,11 @@ _KIND_HINT: Final = (
 )
 
 
-def _kind(path: Location, broadcast: bool) -> str:
-    if broadcast:
-        return "a checkpoint rank 0 broadcasts (broadcast_from_rank0=True)"
-    return _FILE if foreign_kind(path) is not None or not path.is_dir() else "a checkpoint folder"
+_BROADCAST: Final = "a checkpoint rank 0 broadcasts (broadcast_from_rank0=True)"
+_FOLDER: Final = "a checkpoint folder"
 
 
-def _same_kind(path: Location, broadcast: bool) -> None:
+def _same_kind(path: Location, kind: str) -> None:
     """Every rank resumes from the same kind of source (a file, a ``CheckpointManager`` folder, or rank 0's
     broadcast): the collectives that follow differ by kind, so ranks that disagree would wait on each other.
     Collective (one object all-gather); ranks that differ from rank 0 make every rank raise
@@ -165,7 +164,7 @@ def _same_kind(path: Location, broadcast: bool) -> None:
     )
     try:
         with collective_step(step, CheckpointConsensusError, _KIND_HINT):
-            views: list[Any] = all_gather_objects((_kind(path, broadcast), str(path)))
+            views: list[Any] = all_gather_objects((kind, str(path)))
     except CheckpointConsensusError:
         raise
     except Exception as err:  # what another collective sent does not decode as a view
@@ -183,11 +182,20 @@ def _same_kind(path: Location, broadcast: bool) -> None:
         )
 
 
-def _decide(path: Location, *, agree: bool, broadcast: bool) -> Source:
-    """The source at ``path``; for a ``CheckpointManager`` folder its newest complete checkpoint, agreed on by
-    every rank when ``agree`` (collective), else chosen by this rank."""
-    layout = foreign_kind(path)  # a .safetensors file or an HF Trainer / Accelerate / DCP folder; asked once
-    if layout is not None or not path.is_dir():
+def _looked_up(path: Location) -> tuple[Layout | None, bool]:
+    """``path``'s foreign layout (a .safetensors file, an HF Trainer / Accelerate / DCP folder) or None, and
+    whether it is a ``CheckpointManager`` folder: asked once per resume."""
+    layout = foreign_kind(path)
+    return layout, layout is None and path.is_dir()
+
+
+def _decide(
+    path: Location, *, agree: bool, broadcast: bool, looked: tuple[Layout | None, bool] | None = None
+) -> Source:
+    """The source at ``path`` (``looked``: :func:`_looked_up` of it, when known); for a ``CheckpointManager`` folder
+    its newest complete checkpoint, agreed on by every rank when ``agree`` (collective), else chosen by this rank."""
+    layout, folder = _looked_up(path) if looked is None else looked
+    if not folder:
         return Source.at(path, layout, broadcast=broadcast)
     if agree:
         chosen, mine = _agree(path)
@@ -208,16 +216,18 @@ def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
     decision: the others need not see the path at all.
     """
     p = location(path)
-    if is_distributed():
-        _same_kind(p, broadcast)
     if broadcast and is_distributed():
+        _same_kind(p, _BROADCAST)  # only rank 0 looks at the path
         decided: Source = run_on_rank0(
             lambda: _decide(p, agree=False, broadcast=True),
             fallback=CheckpointError,
             task=f"choose the checkpoint to read at {str(p)!r}",
         )
         return decided
-    return _decide(p, agree=is_distributed(), broadcast=False)
+    looked = _looked_up(p)
+    if is_distributed():
+        _same_kind(p, _FOLDER if looked[1] else _FILE)
+    return _decide(p, agree=is_distributed(), broadcast=False, looked=looked)
 
 
 def resolve_checkpoint(path: PathLike) -> Location:
