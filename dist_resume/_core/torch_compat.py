@@ -23,6 +23,8 @@ __all__ = [
     "WeightsOnlyUnpickler",
     "allowing_plain_globals",
     "compiled_original",
+    "default_store",
+    "group_timeout",
     "decode_location",
     "discarding_sparse_checks",
     "drawing_loader_workers",
@@ -238,3 +240,26 @@ def zstd_available() -> bool:
     from torch.distributed.checkpoint._extension import ZStandard
 
     return bool(ZStandard.is_available())
+
+
+def default_store() -> Any:
+    """The store of the default process group (``torch.distributed.distributed_c10d._get_default_store``, torch >= 1.13):
+    the one ``init_process_group`` rendezvoused through (a ``PrefixStore`` over torchrun's TCPStore, a FileStore, ...),
+    its ``timeout`` the group's. :mod:`dist_resume._dist.checkin` checks ranks in there, outside the group's collectives."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def group_timeout(group: Any) -> float | None:
+    """Seconds a collective of ``group`` waits before it fails: its backends' ``options._timeout`` (the ``timeout`` of
+    ``init_process_group``; per backend since torch 2.0, ``ProcessGroup._device_types`` and ``_get_backend``), the
+    longest of them; None where torch no longer exposes it (the caller falls back to the store's timeout)."""
+    seconds: list[float] = []
+    try:
+        for device_type in group._device_types:
+            timeout = group._get_backend(device_type).options._timeout
+            seconds.append(timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return max(seconds) if seconds else None

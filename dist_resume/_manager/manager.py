@@ -11,6 +11,7 @@ import os
 import sys
 import weakref
 from collections.abc import Mapping
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +22,7 @@ from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import logger
 from .._core.types import PathLike
+from .._dist.checkin import check_in, timeout_seconds
 from .._save.async_save import AsyncSave
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
@@ -84,6 +86,13 @@ class CheckpointManager:
     (normally or by an exception): only a process killed by a signal it does not handle (SIGKILL, a plain
     SIGTERM) or ended by ``os._exit`` leaves it, for at most a minute.
 
+    ``save``, ``save_async``, ``resume`` and a ``close`` that waits for a save are collective: every rank calls them
+    (rank 0 writes by itself). Each first checks in through the process group's store, so a call made on some ranks only
+    (a save inside ``if rank == 0:``) is named within seconds: after ``$DIST_RESUME_COLLECTIVE_WARN`` seconds (15) a
+    WARNING names the call, the step and the missing ranks, and the rank keeps waiting (a rank may be late, evaluating);
+    at ``collective_timeout`` (seconds or a timedelta; default ``$DIST_RESUME_COLLECTIVE_TIMEOUT``, else the process
+    group's timeout) it raises :class:`~dist_resume.errors.UsageError` with the fix, and the script exits.
+
     Example::
 
         >>> model = torch.nn.Linear(2, 2)
@@ -109,6 +118,7 @@ class CheckpointManager:
         full_state: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        collective_timeout: float | timedelta | None = None,
         **objects: Unpack[TrainingObjects],
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -122,6 +132,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.full_state = bool(full_state)
         self.options = checked_options(options)
+        self.collective_timeout = timeout_seconds(collective_timeout, what="collective_timeout")
         self._objects: dict[str, Any] = dict(objects)
         self._lock = writer_lock(self.folder)
         self._pending: AsyncSave | None = None
@@ -156,6 +167,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         try:
             if pending is not None and not pending.waited:
+                self._check_in("close()")
                 pending.wait()
         finally:
             self._lock.release()
@@ -234,6 +246,7 @@ class CheckpointManager:
             5
         """
         live = self._live(objects, saving=False, where="resume")
+        self._check_in("resume()")
         opts = self.options if options is None else checked_options(options)
         held = self._lock.held
         try:
@@ -260,6 +273,7 @@ class CheckpointManager:
         Rotation problems are logged, never raised: the new checkpoint is already safe.
         """
         live = self._live(objects, saving=True, where="save")
+        self._check_in(f"save(step={step!r})")
         return save_into(self._target(), live, step, epoch=epoch, extra=extra)
 
     def save_async(
@@ -271,8 +285,12 @@ class CheckpointManager:
         background thread only after the new checkpoint is durable.
         """
         live = self._live(objects, saving=True, where="save_async")
+        self._check_in(f"save_async(step={step!r})")
         self._pending = save_into_async(self._target(), live, step, epoch=epoch, extra=extra)
         return self._pending
+
+    def _check_in(self, call: str) -> None:
+        check_in(f"CheckpointManager.{call}", timeout=self.collective_timeout)
 
     def _target(self) -> SaveTarget:
         return SaveTarget(self.folder, self._lock, self.keep_last, self.full_state)
