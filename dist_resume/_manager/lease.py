@@ -1,13 +1,21 @@
 """One writer per checkpoint folder on an object store: a lease object ``<prefix>/.dist_resume.lease``.
 
 Object stores have no ``flock``. The writer creates the lease with a conditional put (S3's ``If-None-Match: *``:
-of two jobs creating it at once, exactly one succeeds), naming itself (host, pid, since) and an expiry
-:data:`LEASE_SECONDS` ahead; a thread renews it every :data:`RENEW_SECONDS` while the manager holds it, and
-:meth:`PrefixLease.release` deletes it, as does the end of the process (normal, or by an uncaught exception: see
-:mod:`~dist_resume._core.exit`) for a lease still held then. A lease past its expiry is ignored: its holder died
-(SIGKILL, preemption) or stalled longer than the lease, and the next writer replaces it. A live one refuses the second
-writer with the same :class:`~dist_resume.errors.CheckpointWriteError` as the local lock, naming the holder and when
-the lease expires.
+of two jobs creating it at once, exactly one succeeds), naming itself (host, pid, the process's start time, its
+torchrun job and generation: :mod:`~dist_resume._manager.holder`) and an expiry :data:`LEASE_SECONDS` ahead; a thread
+renews it every :data:`RENEW_SECONDS` while the manager holds it, and :meth:`PrefixLease.release` deletes it, as does
+the end of the process (normal, or by an uncaught exception: see :mod:`~dist_resume._core.exit`) for a lease still
+held then.
+
+A lease found there is taken over at once when it expired (its holder died on another host or stalled), when it is
+damaged, or when :func:`~dist_resume._manager.holder.takeover_reason` says its holder is gone: an earlier generation of
+this torchrun job, or a dead process of this host (a relaunch after a SIGKILL, a ``--max-restarts`` restart). Every
+takeover and every renewal replaces the object only while it is still the one read (S3's ``If-Match``): of two
+relaunches taking over the same dead lease, exactly one succeeds, and a renewal never overwrites a takeover. Any other
+holder may be alive: the writer waits up to :func:`wait_seconds` (``DIST_RESUME_LEASE_WAIT``, default
+:data:`WAIT_SECONDS`: the lease's lifetime and a renewal) for the lease to be released or to expire, saying so in one
+INFO line, then refuses with the same :class:`~dist_resume.errors.CheckpointWriteError` as the local lock, naming the
+holder. A lease held by another manager of this very process is refused at once.
 
 Where the store makes no conditional put (see :func:`~dist_resume._store.upload.conditional_put`), the lease is
 created after a check that none exists: two jobs starting within the same moment may both take it. That is said once,
@@ -20,20 +28,30 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .._core.errors import CheckpointWriteError
+from .._core.errors import CheckpointWriteError, UsageError
 from .._core.exit import release_at_exit
 from .._core.location import Location, RemotePath
-from .._store.upload import conditional_put, put_if_absent
+from .._store.upload import conditional_put, put_if_absent, put_if_unchanged, read_tagged
+from .holder import Holder, takeover_reason, this_process
 from .lock import FolderLock
 
-__all__ = ["LEASE_NAME", "LEASE_SECONDS", "RENEW_SECONDS", "Lease", "PrefixLease", "writer_lock"]
+__all__ = [
+    "LEASE_NAME",
+    "LEASE_SECONDS",
+    "RENEW_SECONDS",
+    "WAIT_ENV",
+    "WAIT_SECONDS",
+    "Lease",
+    "PrefixLease",
+    "wait_seconds",
+    "writer_lock",
+]
 
 # the library logger (:mod:`dist_resume._core.log`, which imports torch: this module is read by torch-free commands)
 logger = logging.getLogger("dist_resume")
@@ -41,6 +59,10 @@ logger = logging.getLogger("dist_resume")
 LEASE_NAME: Final = ".dist_resume.lease"
 LEASE_SECONDS: Final = 60.0
 RENEW_SECONDS: Final = 15.0
+WAIT_ENV: Final = "DIST_RESUME_LEASE_WAIT"
+WAIT_SECONDS: Final = LEASE_SECONDS + RENEW_SECONDS  # a holder that died now: its lease expires within this
+POLL_SECONDS: Final = 2.0  # while waiting: how often the lease is looked at
+_CHANGES: Final = 10  # a lease that changed this often between a look and a put: another writer keeps replacing it
 
 _HELD: weakref.WeakSet[PrefixLease] = weakref.WeakSet()
 _warned_unconditional: set[str] = set()
@@ -64,6 +86,29 @@ def _release_held() -> None:
         lease.release()
 
 
+def wait_seconds() -> float:
+    """How long a writer waits for a live-looking lease to be released or to expire: ``$DIST_RESUME_LEASE_WAIT``
+    (seconds, 0: refuse at once), else :data:`WAIT_SECONDS`."""
+    text = os.environ.get(WAIT_ENV, "").strip()
+    if not text:
+        return WAIT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise UsageError(
+            f"{WAIT_ENV}={text!r} is not a number of seconds >= 0: it bounds how long a job waits for another job's "
+            f"write lease on an object store (default {WAIT_SECONDS:.0f})"
+        )
+    return seconds
+
+
+def _optional(fields: dict[str, Any], name: str, kind: type[Any]) -> Any:
+    value = fields.get(name)
+    return None if value is None else kind(value)
+
+
 @dataclass(frozen=True)
 class Lease:
     """What the lease object says: who holds it, since when, until when, and the holder's token."""
@@ -73,32 +118,49 @@ class Lease:
     since: float
     expires: float
     token: str
+    node: str | None = None
+    start: int | None = None
+    job: str | None = None
+    generation: int | None = None
+
+    @property
+    def holder(self) -> Holder:
+        return Holder(self.host, self.pid, self.node, self.start, self.job, self.generation)
 
     def to_json(self) -> bytes:
         return json.dumps(vars(self)).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Lease | None:
-        """The lease, or None for an object that is not one (damaged, or written by hand): treated as expired."""
+        """The lease, or None for an object that is not one (damaged, or written by hand): taken over at once."""
         try:
             fields: dict[str, Any] = json.loads(data)
             return cls(str(fields["host"]), int(fields["pid"]), float(fields["since"]), float(fields["expires"]),
-                       str(fields["token"]))  # fmt: skip
-        except (ValueError, KeyError, TypeError):
+                       str(fields["token"]), _optional(fields, "node", str), _optional(fields, "start", int),
+                       _optional(fields, "job", str), _optional(fields, "generation", int))  # fmt: skip
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             return None
 
     def describe(self, now: float) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        left = self.expires - now
-        return f"host {self.host}, pid {self.pid}, since {since} (its lease expires in {left:.0f} s unless renewed)"
+        renewed = now - (self.expires - LEASE_SECONDS)
+        return (
+            f"{self.holder.describe()}, since {since} (held {now - self.since:.0f} s, renewed {renewed:.0f} s ago; "
+            f"its lease expires in {self.expires - now:.0f} s unless renewed)"
+        )
 
 
 class PrefixLease:
     """The write lease of one checkpoint folder on an object store. Local; the same face as
-    :class:`~dist_resume._manager.lock.FolderLock` (``acquire``, ``release``, ``held``, ``path``)."""
+    :class:`~dist_resume._manager.lock.FolderLock` (``acquire``, ``release``, ``held``, ``path``).
 
-    def __init__(self, folder: RemotePath) -> None:
+    ``wait``: how long :meth:`acquire` waits for a live-looking lease (seconds; None: :func:`wait_seconds`)."""
+
+    def __init__(self, folder: RemotePath, *, wait: float | None = None) -> None:
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e9):
+            raise ValueError(f"lease_wait must be a number of seconds >= 0 (0: refuse at once), got {wait!r}")
         self.path = folder / LEASE_NAME
+        self.wait = wait
         self._token: str | None = None
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -111,21 +173,30 @@ class PrefixLease:
     def _new(self, since: float | None = None) -> Lease:
         now = time.time()
         assert self._token is not None
+        me = this_process()
         return Lease(
-            socket.gethostname(), os.getpid(), now if since is None else since, now + LEASE_SECONDS, self._token
+            me.host,
+            me.pid,
+            now if since is None else since,
+            now + LEASE_SECONDS,
+            self._token,
+            me.node,
+            me.start,
+            me.job,
+            me.generation,
         )
 
-    def _read(self) -> tuple[Lease | None, bool]:
-        """The lease there now (None for a damaged one) and whether an object is there at all."""
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return None, False
-        return Lease.from_json(data), True
+    def _read(self) -> tuple[Lease | None, str | None]:
+        """The lease there now (None for a damaged one) and its tag (None: no object there at all)."""
+        found = read_tagged(self.path)
+        if found is None:
+            return None, None
+        return Lease.from_json(found[0]), found[1]
 
     def acquire(self) -> None:
-        """Take the lease, or raise :class:`CheckpointWriteError` naming the holder. A lease this manager lost (it
-        stalled past the expiry and another job took it) raises too."""
+        """Take the lease, waiting for a live-looking holder's (see the module), or raise
+        :class:`CheckpointWriteError` naming the holder. A lease this manager lost (it stalled past the expiry and
+        another job took it) raises too."""
         if self._lost is not None:
             lost, self._lost = self._lost, None
             self._token = None
@@ -144,9 +215,10 @@ class PrefixLease:
                 self.path.protocol,
                 self.path.parent,
             )
+        bound = wait_seconds() if self.wait is None else self.wait
         self._token = secrets.token_hex(16)
         try:
-            self._take()
+            self._take(bound)
         except BaseException:
             self._token = None
             raise
@@ -158,40 +230,85 @@ class PrefixLease:
         _HELD.add(self)
         release_at_exit(_release_held)
 
-    def _take(self) -> None:
-        for _ in range(3):  # a lease that expired (or vanished) meanwhile is taken on the next round
+    def _take(self, bound: float) -> None:
+        """Create the lease, take it over from a holder that is gone, or wait up to ``bound`` seconds."""
+        folder = str(self.path.parent)
+        me = this_process()
+        deadline: float | None = None
+        changes = 0
+        while changes < _CHANGES:
             try:
-                if put_if_absent(self.path, self._new().to_json()):
+                mine = self._new().to_json()
+                if put_if_absent(self.path, mine):
                     return
-                current, present = self._read()
+                current, tag = self._read()
+                if tag is None:
+                    changes += 1
+                    continue  # released meanwhile: create it
+                now = time.time()
+                reason = self._takeover(current, now, me)
+                if reason is not None:
+                    if put_if_unchanged(self.path, mine, tag):
+                        logger.info("took over the write lease of %s: %s", folder, reason)
+                        return
+                    changes += 1
+                    continue  # another writer changed it first: judge the new one
             except OSError as err:
                 raise CheckpointWriteError(
-                    f"cannot take the write lease of checkpoint folder {str(self.path.parent)!r} ({self.path}): "
+                    f"cannot take the write lease of checkpoint folder {folder!r} ({self.path}): "
                     f"{type(err).__name__}: {err}; check the credentials and that the bucket exists"
                 ) from err
-            if not present:
-                continue
-            now = time.time()
-            if current is not None and current.expires > now:
-                raise CheckpointWriteError(
-                    f"cannot save into checkpoint folder {str(self.path.parent)!r}: it is leased by "
-                    f"{current.describe(now)}: another job is saving into this folder (a relaunch while the old "
-                    "allocation still runs?). One writer per folder: stop the other writer or save into another "
-                    f"folder; reading (resume, latest_checkpoint) needs no lease. The lease object is {str(self.path)!r}; "
-                    f"a job that died leaves it to expire within {LEASE_SECONDS:.0f} s"
-                )
-            again, _ = self._read()  # expired (or not a lease): delete it only if it is still the same one
-            if again == current:
-                self.path.unlink(missing_ok=True)
-                what = (
-                    "damaged"
-                    if current is None
-                    else f"expired {now - current.expires:.0f} s ago ({current.host}, pid {current.pid})"
-                )
-                logger.info("took over the write lease of %s: the previous one %s", self.path.parent, what)
+            assert current is not None  # a damaged lease is taken over
+            if deadline is None:
+                deadline = time.monotonic() + bound
+                if bound > 0 and not _mine(current, me):
+                    logger.info(
+                        "the write lease of %s is held by %s: waiting up to %.0f s (%s) for it to be released or to "
+                        "expire",
+                        folder,
+                        current.describe(now),
+                        bound,
+                        WAIT_ENV,
+                    )
+            left = deadline - time.monotonic()
+            if left <= 0 or _mine(current, me):
+                raise CheckpointWriteError(self._refusal(current, now, me, bound))
+            time.sleep(min(POLL_SECONDS, left))
         raise CheckpointWriteError(
-            f"cannot take the write lease of checkpoint folder {str(self.path.parent)!r}: another writer keeps "
-            "replacing it; stop the other writer"
+            f"cannot take the write lease of checkpoint folder {folder!r}: another writer keeps replacing it; stop "
+            "the other writer"
+        )
+
+    @staticmethod
+    def _takeover(current: Lease | None, now: float, me: Holder) -> str | None:
+        """Why the lease there may be replaced at once, or None."""
+        if current is None:
+            return "the previous one was damaged"
+        if current.expires <= now:
+            return f"the previous one ({current.holder.describe()}) expired {now - current.expires:.0f} s ago"
+        reason = takeover_reason(current.holder, me)
+        return None if reason is None else f"the previous one ({current.holder.describe()}) was left behind: {reason}"
+
+    def _refusal(self, current: Lease, now: float, me: Holder, bound: float) -> str:
+        folder = str(self.path.parent)
+        head = f"cannot save into checkpoint folder {folder!r}: it is leased by {current.describe(now)}"
+        if _mine(current, me):
+            return (
+                f"{head}: another CheckpointManager of this process holds it. One writer per folder: close() that "
+                f"manager first, or save into another folder. The lease object is {str(self.path)!r}"
+            )
+        where = (
+            "a live process of this host"
+            if me.same_host(current.holder)
+            else "a process this host cannot check (another host, or an older dist_resume)"
+        )
+        return (
+            f"{head}: another job is saving into this folder ({where}; waited {bound:.0f} s, {WAIT_ENV}, for it to "
+            "be released or to expire). One writer per folder: stop the other writer or save into another folder; "
+            "reading (resume, latest_checkpoint) needs no lease. If that job is dead, its lease expires by itself "
+            f"within {LEASE_SECONDS:.0f} s of its last renewal: relaunch then, or set {WAIT_ENV} longer. A relaunch "
+            "of the same torchrun job, or on the same host after its process died, takes the lease over at once. "
+            f"The lease object is {str(self.path)!r}"
         )
 
     def _renew(self) -> None:
@@ -201,12 +318,16 @@ class PrefixLease:
             if token is None:
                 return
             try:
-                current, _ = self._read()
+                current, tag = self._read()
+                lost = None
                 if current is None or current.token != token:
-                    self._lost = f"its lease object was {'replaced by ' + current.host + ' pid ' + str(current.pid) if current else 'deleted'}"
+                    lost = f"replaced by {current.holder.describe()}" if current else "deleted"
+                elif tag is None or not put_if_unchanged(self.path, self._new(since).to_json(), tag):
+                    lost = "replaced while it was renewed"
+                if lost is not None:
+                    self._lost = f"its lease object was {lost}"
                     logger.error("lost the write lease of %s: %s", self.path.parent, self._lost)
                     return
-                self.path.fs.pipe_file(self.path.key, self._new(since).to_json())
             except Exception as err:  # a transient store error: the next round tries again
                 logger.log(logging.WARNING, "could not renew the write lease of %s: %s", self.path.parent, err)
 
@@ -228,6 +349,12 @@ class PrefixLease:
             logger.warning("could not delete the write lease %s (it expires by itself): %s", self.path, err)
 
 
-def writer_lock(folder: Location) -> FolderLock | PrefixLease:
-    """The one-writer guard of ``folder``: ``flock`` on a local folder, a lease on an object store. Local."""
-    return PrefixLease(folder) if isinstance(folder, RemotePath) else FolderLock(folder)
+def _mine(lease: Lease, me: Holder) -> bool:
+    """Whether ``lease`` is held by this very process (another manager of it): waiting would never end."""
+    return me.same_host(lease.holder) and lease.pid == me.pid
+
+
+def writer_lock(folder: Location, *, lease_wait: float | None = None) -> FolderLock | PrefixLease:
+    """The one-writer guard of ``folder``: ``flock`` on a local folder, a lease on an object store (``lease_wait``:
+    see :class:`PrefixLease`). Local."""
+    return PrefixLease(folder, wait=lease_wait) if isinstance(folder, RemotePath) else FolderLock(folder)

@@ -84,7 +84,8 @@ class CheckpointManager:
     object store the lock is a lease object, ``<folder>/.dist_resume.lease``, renewed while it is held and ignored
     once expired; it is deleted by :meth:`close` and, for a script that never called it, when the process ends
     (normally or by an exception): only a process killed by a signal it does not handle (SIGKILL, a plain
-    SIGTERM) or ended by ``os._exit`` leaves it, for at most a minute.
+    SIGTERM) or ended by ``os._exit`` leaves it: a relaunch of the same torchrun job, or on the same host, takes it
+    over at once; another job waits up to ``$DIST_RESUME_LEASE_WAIT`` seconds (75) for it to expire.
 
     ``save``, ``save_async``, ``resume`` and a ``close`` that waits for a save are collective: every rank calls them
     (rank 0 writes by itself). Each first checks in through the process group's store, so a call made on some ranks only

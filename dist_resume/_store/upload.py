@@ -8,19 +8,33 @@ visible. Stores without such a file (``memory://``, and protocols dist_resume do
 one put at the end, from a local temporary file.
 
 :func:`put_if_absent` is a conditional put (S3's ``If-None-Match: *``) where :func:`conditional_put` says the store
-makes one; elsewhere it is a check and then a put.
+makes one; elsewhere it is a check and then a put. :func:`read_tagged` reads an object with a tag that changes whenever
+it is written again (S3: its ETag, from the same GET), and :func:`put_if_unchanged` replaces it only while it still
+has that tag (S3's ``If-Match``; ``memory://``: under a lock of this process): of two writers replacing the same
+object, exactly one succeeds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any, BinaryIO, Final
 
 from .._core.location import RemotePath
 
-__all__ = ["PART_BYTES", "STREAMING", "upload", "put_if_absent", "conditional_put", "abort_unfinished"]
+__all__ = [
+    "PART_BYTES",
+    "STREAMING",
+    "upload",
+    "put_if_absent",
+    "conditional_put",
+    "read_tagged",
+    "put_if_unchanged",
+    "abort_unfinished",
+]
 
 # the library logger (:mod:`dist_resume._core.log`, which imports torch: this module is read by torch-free commands)
 logger = logging.getLogger("dist_resume")
@@ -29,7 +43,11 @@ PART_BYTES: Final = 16 << 20  # one part of a multipart upload: S3 wants 5 MiB o
 STREAMING: Final = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _CONDITIONAL: Final = frozenset({"s3", "s3a", "memory"})
 _ONE_PUT: Final = frozenset({"memory"})  # a put that replaces the whole object at once
+_S3: Final = frozenset({"s3", "s3a"})
+# S3's answers to a conditional put that lost: the object changed (412), a concurrent conditional write (409)
+_LOST_RACE: Final = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"})
 _warned: set[str] = set()
+_swap_lock = threading.Lock()  # elsewhere than S3: the compare and the put of put_if_unchanged, one at a time here
 
 
 def conditional_put(path: RemotePath) -> bool:
@@ -46,6 +64,62 @@ def put_if_absent(path: RemotePath, data: bytes) -> bool:
     except FileExistsError:
         return False
     finally:
+        fs.invalidate_cache(path.key)
+    return True
+
+
+def read_tagged(path: RemotePath) -> tuple[bytes, str] | None:
+    """The object at ``path`` and its tag, which changes whenever the object is written again (S3: the ETag of the
+    same GET; elsewhere: the SHA-256 of its bytes), or None where there is no object. Local."""
+    fs = path.fs
+    if path.protocol in _S3:
+        from fsspec.asyn import sync  # s3fs is an fsspec async filesystem: its response body is read on its loop
+
+        bucket, key, _ = fs.split_path(path.key)
+        try:
+            response = fs.call_s3("get_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        body = response["Body"]
+        try:
+            data = bytes(sync(fs.loop, body.read))
+        finally:
+            body.close()
+        return data, str(response["ETag"])
+    try:
+        data = bytes(fs.cat_file(path.key))
+    except FileNotFoundError:
+        return None
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _lost_race(err: OSError) -> bool:
+    """Whether s3fs's ``err`` is S3 refusing a conditional put (s3fs keeps the botocore error as the cause)."""
+    response = getattr(err.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return isinstance(err, FileNotFoundError) or code in _LOST_RACE
+
+
+def put_if_unchanged(path: RemotePath, data: bytes, tag: str) -> bool:
+    """Replace the object at ``path`` with ``data`` only while it still has ``tag`` (from :func:`read_tagged`);
+    whether it was replaced. S3: one request with ``If-Match``; ``memory://``: the compare and the put under one lock
+    of this process; other stores: the same, which another process can interleave with. Local."""
+    fs = path.fs
+    if path.protocol in _S3:
+        try:
+            fs.pipe_file(path.key, data, IfMatch=tag)
+        except OSError as err:
+            if _lost_race(err):
+                return False
+            raise
+        finally:
+            fs.invalidate_cache(path.key)
+        return True
+    with _swap_lock:
+        current = read_tagged(path)
+        if current is None or current[1] != tag:
+            return False
+        fs.pipe_file(path.key, data)
         fs.invalidate_cache(path.key)
     return True
 
