@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import dist_resume.testing
 from dist_resume.errors import CheckCommandError
@@ -120,14 +121,19 @@ def test_a_command_that_saves_only_at_its_end_is_exit_2(tmp_path: Path) -> None:
 
 def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
     # seeded as most scripts are, torch alone: Python's and NumPy's streams differ between the runs (OS entropy), and
-    # nothing it trains draws from them: exact, with a note
-    train = (sys.executable, TRAIN, "{dir}", "--torch-seed-only")
+    # nothing it trains draws from them: exact, with a note. It saves its arguments in extra (as nanoGPT's config and
+    # torchvision's args), its checkpoint folder among them, another in each run: compared as <run folder>, said
+    train = (sys.executable, TRAIN, "{dir}", "--torch-seed-only", "--save-args")
     args = ("--json", "--keep", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", *train)
     done = check(tmp_path, *args)
     result = _json(done)
     assert done.returncode == 0 and result["exact"] is True, done.stdout
     assert result["schema"] == "dist-resume/check/1" and result["causes"] == [] and result["diagnosis"] is None
-    (note,) = result["notes"]
+    note, masked = result["notes"]
+    assert masked == (
+        "2 saved strings named the run's folder (extra ['args']['ckpt'], extra ['log_file']), another in each run; "
+        "compared with it replaced by <run folder>"
+    )
     if importlib.util.find_spec("numpy") is not None:  # rng_state_dict saves NumPy's stream where it is installed
         assert note.startswith("Python's `random` and NumPy's global stream differ between the two runs at every step")
         assert "the command does not seed them" in note and "numpy.random.seed(seed)" in note
@@ -140,6 +146,8 @@ def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
     ref, got = Path(result["folders"]["reference"]), Path(result["folders"]["interrupted"])
     assert ref.parent.parent == got.parent.parent == tmp_path  # --keep: both folders, in TMPDIR
     assert sorted(p.name for p in got.glob("ckpt_*")) == [f"ckpt_{s:08d}.pt" for s in (20, 24, 28, 32)]
+    saved = torch.load(got / "ckpt_00000032.pt", weights_only=True)["extra"]
+    assert saved["args"]["ckpt"] == str(got) and saved["log_file"] == str(got / "train.log")  # each run's own
     walls = result["wall_seconds"]
     assert walls["total"] >= walls["reference"] + walls["interrupted"] and walls["compare"] < walls["reference"]
     assert _leftovers(tmp_path) == []
@@ -174,6 +182,46 @@ def test_check_resume_in_a_test_names_each_mistake() -> None:
     with pytest.raises(CheckCommandError, match="failed on its own") as failed:
         dist_resume.testing.check_resume([sys.executable, "-c", fails, "{dir}"], timeout=60)
     assert failed.value.run == "reference" and failed.value.returncode == 1 and "does not exist" in failed.value.stderr
+
+
+def test_a_batch_held_across_the_save_is_named_with_its_evidence() -> None:
+    # the next step's batch drawn before the save (as nanoGPT's loop prefetches it): the saved position counts it, and
+    # the resumed run skips it. Its RNG streams are restored and equal: nothing shows them as a cause
+    train = [sys.executable, TRAIN, "{dir}", "--bug", "held-batch"]
+    check = dist_resume.testing.check_resume(train, interrupts=1, timeout=60)
+    assert not check.exact and check.causes == (Cause.BATCH_HELD,), check.report()
+    first = check.first_difference
+    assert first is not None and first.written_by == 2 and first.step is not None
+    assert {"model", "data position"} <= {p.part for p in first.parts} and "rng" not in {p.part for p in first.parts}
+    text = check.diagnosis or ""
+    assert text.startswith(
+        f"the data position at step {first.step} ({first.interrupted}, written after a resume) is "
+        "8 samples ahead of the reference's"
+    )
+    assert "8 samples a step in the reference" in text and "one step's worth: a batch drawn before the save" in text
+    for unfounded in ("RNG", "generator=", "not restored", "register the DataLoader", "workers"):
+        assert unfounded not in text, unfounded
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(420)
+def test_an_evaluation_on_rank_0_between_a_save_and_the_next_step_is_named(tmp_path: Path) -> None:
+    # rank 0 evaluates on a random subset right after each save, drawing from its own stream; a relaunch resumes after
+    # the save: rank 0's stream is behind, rank 1's equal, at the first checkpoint written after the resume
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = ("--json", "--interrupts", "1", "--timeout", "120", "--", *torchrun, TRAIN, "{dir}", "--bug", "eval-rank0")
+    result = _json(check(tmp_path, *args, timeout=400))
+    assert result["exact"] is False and result["causes"] == ["draws-on-some-ranks"], result["diagnosis"]
+    first = result["first_difference"]
+    assert first["written_by_launch"] == 2 and "rng" in {p["part"] for p in first["parts"]}
+    text = result["diagnosis"]
+    assert f"the RNG streams differ at step {first['step']} ({first['interrupted']}, written after a resume): " in text
+    assert "rank 0's torch stream is " in text and " behind the reference's, while the streams of rank 1 are equal" in (
+        text
+    )
+    assert "not restored" not in text and "generator=" not in text
+    assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.slow

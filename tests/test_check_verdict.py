@@ -120,4 +120,6 @@ def test_an_unseeded_stream_with_another_difference_is_named_with_it(tmp_path: P
     lines = (check.diagnosis or "").splitlines()
     assert lines[0].startswith("Python's `random` differs already at ckpt_00000002.pt, written before the first")
     assert "does not seed it" in lines[0] and "random.seed(seed)" in lines[0] and "numpy" not in lines[0]
-    assert lines[1].startswith("the RNG streams differ at ckpt_00000006.pt")
+    assert lines[1].startswith("the RNG streams differ at step 6 (ckpt_00000006.pt, written after a resume): rank 0's")
+    assert "torch stream is not the reference's within 65,536 draws either way" in lines[1]  # zeroed: not one stream
+    assert "they were not restored" in lines[1] and "Python" not in lines[1]  # unseeded: not evidence of a restore

@@ -4,7 +4,8 @@ COMMAND runs once uninterrupted in a fresh folder (``{dir}``: the reference), th
 stopped ``interrupts`` times and relaunched unchanged after each stop. Each stop comes at a moment drawn (``seed``)
 over the reference's timeline, between the checkpoint after the one the launch resumes from and the reference's last
 (:func:`_stop_rule`), so never before the folder holds a checkpoint newer than at that launch's start. Then the newest checkpoint of each folder, and every earlier step both still hold, are read as ``resume`` reads
-them and compared part by part (:mod:`._check_compare`); what differs is diagnosed where a cause is known
+them and compared part by part (:mod:`._check_compare`), a saved string that names a run's folder compared as
+``<run folder>`` (:mod:`._check_mask`); a known cause of what differs is named only with its evidence
 (:mod:`._check_diagnose`). A command that fails by itself, writes no checkpoint, or outlives ``timeout`` is an error
 (:class:`~dist_resume.errors.CheckCommandError`), never a verdict; so is one that writes a single checkpoint, or
 whose relaunches write none (nothing would be checked).

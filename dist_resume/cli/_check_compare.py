@@ -23,6 +23,7 @@ from .._layout.layout import CheckpointParts
 from .._source.listing import numbered_checkpoints
 from .._state.optim_keys import NOT_HYPERPARAMETERS
 from ._check_folder import SUFFIXES, step_of
+from ._check_mask import Masks, mask_parts
 from ._check_result import HyperparameterDifference, PartDifference
 from ._compare import Report, compare_parts, compare_values
 from ._verify import read_parts
@@ -98,7 +99,8 @@ def pairs_to_compare(reference: Path, interrupted: Path) -> list[Pair]:
 class PairResult:
     """How one pair differs (``parts``, ``hyperparameters``) and what the diagnosis asks of it: which parts each
     checkpoint holds (``held``: part -> (reference has it, interrupted has it)), group 0's ``lr`` in each, and the
-    world sizes they were saved at."""
+    world sizes they were saved at; ``rng`` and ``position``: each checkpoint's RNG streams and data position, as
+    saved; ``masked``: where a saved string named the run's folder (:mod:`._check_mask`)."""
 
     pair: Pair
     parts: tuple[PartDifference, ...]
@@ -107,6 +109,9 @@ class PairResult:
     lr: tuple[Any, Any]
     world_size: tuple[Any, Any]
     streams: tuple[str, ...] = ()  # which of UNSEEDED_STREAMS differ (the keys of the UNSEEDED_PART difference)
+    rng: tuple[Any, Any] = (None, None)
+    position: tuple[Any, Any] = (None, None)
+    masked: tuple[str, ...] = ()
 
     @property
     def equal(self) -> bool:
@@ -180,9 +185,10 @@ def _compare_rng(report: Report, x: Any, y: Any) -> tuple[str, ...]:
     return tuple(differ)
 
 
-def compare_pair(pair: Pair) -> PairResult:
-    """Read both checkpoints of ``pair`` and compare them part by part. Local."""
-    a, b = read_parts(pair.reference), read_parts(pair.interrupted)
+def compare_pair(pair: Pair, masks: Masks = ()) -> PairResult:
+    """Read both checkpoints of ``pair`` and compare them part by part, every saved string that names a folder of
+    ``masks`` (:func:`~._check_mask.masks_for`: the runs' folders) with it replaced. Local."""
+    (a, in_a), (b, in_b) = (mask_parts(read_parts(p), masks) for p in (pair.reference, pair.interrupted))
     report = compare_parts(a, b)
     for note in report.not_compared:  # "optimizer (only B has one)": a part one run saved and the other did not
         part, _, why = note.partition(" (")
@@ -214,4 +220,7 @@ def compare_pair(pair: Pair) -> PairResult:
         (_group_lr(a.optimizer), _group_lr(b.optimizer)),
         sizes,
         streams,
+        (a.rng, b.rng),
+        (a.sampler, b.sampler),
+        tuple(dict.fromkeys((*in_a, *in_b))),
     )

@@ -1,37 +1,27 @@
 """Why a resume is not exact, where the two runs' checkpoints show a known cause: each :class:`Cause` found, in words
-with its fix. Torch-free.
+with its evidence (the part and the step that show it) and its fix; where none fits, a sentence that says so and
+points to the first difference.
 
-The primary causes are read from what differs and what the checkpoints hold; two weaker ones (no data position, no
-RNG streams in the checkpoints) are named only when no primary cause explains the difference.
+The primary causes are read from what differs and what the checkpoints hold (those read at the first checkpoint
+written after a resume: :mod:`._check_diagnose_resume`); two weaker ones (no data position, no RNG streams in the
+checkpoints) are named only when no primary cause explains a model that differs after a resume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from .._core.text import preview, shown
 from ._check_compare import UNSEEDED_PART, PairResult, unseeded_said
+from ._check_diagnose_resume import data_position_after_resume, rng_after_resume
+from ._check_evidence import Evidence, where
 from ._check_result import Cause
-from ._check_run import Launch, stderr_tail
+from ._check_run import stderr_tail
 
-__all__ = ["Evidence", "diagnose"]
+__all__ = ["diagnose"]
 
 _TRUNCATED = ("central directory", "zip archive", "EOFError", "Ran out of input", "truncated", "unexpected end")
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What the diagnosis reads: the compared pairs (ascending, the newest last), the first that differs, the
-    interrupted run's launches and which launch wrote each of its checkpoints (by name; 1 is the first launch).
-    ``unseeded``: Python's and NumPy's streams differ at every pair (a command that does not seed them); ``first`` is
-    then the first pair where something else differs too."""
-
-    results: Sequence[PairResult]
-    first: PairResult | None
-    launches: Sequence[Launch]
-    written_by: dict[str, int]
-    unseeded: bool = False
+Rule = Callable[[Evidence], "tuple[Cause, str] | None"]
 
 
 def _relaunch_failed(ev: Evidence) -> str | None:
@@ -55,10 +45,11 @@ def _not_deterministic(ev: Evidence) -> str | None:
     first = ev.first
     if first is None or ev.written_by.get(first.pair.interrupted.name) != 1 or len(ev.launches) < 2:
         return None
+    parts = preview((p.part for p in first.parts), 4, quote=False)
     return (
-        f"the runs differ already at {first.pair.interrupted.name}, which the interrupted run wrote before its first "
-        "interruption: the command is not deterministic by itself, so no resume can be exact (seed every RNG; on "
-        "GPUs torch.use_deterministic_algorithms(True); no data order from the clock or a directory listing)"
+        f"the runs differ already at {where(ev, first)} ({parts}): the command is not deterministic by itself, so no "
+        "resume can be exact (seed every RNG; on GPUs torch.use_deterministic_algorithms(True); no data order from "
+        "the clock or a directory listing)"
     )
 
 
@@ -86,100 +77,116 @@ def _world_size(ev: Evidence) -> str | None:
         return None
     a, b = changed.world_size
     return (
-        f"the world size changed ({a} -> {b}): at another world size a resume is not bitwise equal (each rank's RNG "
-        "streams and share of the data change); run the check with a fixed number of processes"
+        f"the world size changed ({a} -> {b}, at {where(ev, changed)}): at another world size a resume is not bitwise "
+        "equal (each rank's RNG streams and share of the data change); run the check with a fixed number of processes"
     )
 
 
+def _model_after(ev: Evidence) -> PairResult | None:
+    """The first checkpoint written after a resume, where its model differs (the training went another way)."""
+    after = ev.after
+    return after if after is not None and after.differs("model") else None
+
+
+def _model_said(ev: Evidence, result: PairResult) -> str:
+    model = next(p for p in result.parts if p.part == "model")
+    return f"the model differs at {where(ev, result)} ({model})"
+
+
 def _optimizer(ev: Evidence) -> str | None:
-    if not any(r.held["optimizer"] == (False, False) for r in ev.results):
+    after = _model_after(ev)
+    if after is None or after.held["optimizer"] != (False, False):
         return None
     return (
-        "the checkpoints hold no optimizer state (as PyTorch's DDP tutorial's snapshot: the model and the epoch): a "
-        "resumed run starts the optimizer afresh (momentum buffers, Adam's moments, its step counts); save "
-        "optimizer.state_dict() and load it, or register the optimizer (CheckpointManager(..., optimizer=opt))"
+        "the checkpoints hold no optimizer state (as PyTorch's DDP tutorial's snapshot: the model and the epoch), and "
+        f"{_model_said(ev, after)}: a resumed run starts the optimizer afresh (momentum buffers, Adam's moments, its "
+        "step counts); save optimizer.state_dict() and load it, or register the optimizer (CheckpointManager(..., "
+        "optimizer=opt))"
     )
 
 
 def _scheduler(ev: Evidence) -> str | None:
     if any(r.held["scheduler"] != (False, False) for r in ev.results):
         return None
-    if not any(h.name == "lr" for r in ev.results for h in r.hyperparameters):
+    lr = next(((r, h) for r in ev.results for h in r.hyperparameters if h.name == "lr"), None)
+    if lr is None:
         return None  # lr is the same in both runs at every step compared: whatever moves it, it is not the cause
+    at, h = lr
     series = [r.lr[0] for r in ev.results if r.lr[0] is not None]
     moves = len({shown(v) for v in series}) > 1
     seen = f" ({preview((shown(v) for v in series), 4, quote=False)} at the steps compared)" if moves else ""
     return (
-        f"the checkpoints hold no LR scheduler, but lr moves{seen} and differs after a resume: the scheduler is not "
-        "saved (not registered), so a resumed run restarts its schedule; register it (CheckpointManager(..., scheduler=sched)) or save and load "
+        f"the checkpoints hold no LR scheduler, but lr moves{seen} and differs at {where(ev, at)} (group {h.group}: "
+        f"{shown(h.reference)} -> {shown(h.interrupted)}): the scheduler is not saved (not registered), so a resumed "
+        "run restarts its schedule; register it (CheckpointManager(..., scheduler=sched)) or save and load "
         "sched.state_dict()"
     )
 
 
-def _rng(ev: Evidence) -> str | None:
-    first = ev.first
-    if first is None or ev.written_by.get(first.pair.interrupted.name, 1) == 1:
-        return None
-    if not (first.differs("rng") or (not ev.unseeded and first.differs(UNSEEDED_PART))):
-        return None
-    return (
-        f"the RNG streams differ at {first.pair.interrupted.name}, written after a resume: the RNG streams are not "
-        "restored (ResumeOptions(rng=False), or a checkpoint saved without them), or a DataLoader without generator= "
-        "was not given to the checkpoint (each new iterator draws from the global RNG, and a resumed run creates one "
-        "more); resume with the RNG streams (dist_resume's default) and pass the DataLoader as dataloader= (its "
-        "resumed iterators then leave the global stream as it was), or give it generator=torch.Generator()"
-    )
-
-
-def _data_position(ev: Evidence) -> str | None:
-    if ev.first is None or not ev.first.differs("data position"):
-        return None
-    return (
-        f"the data position differs at {ev.first.pair.interrupted.name}: a DataLoader with workers prefetches "
-        "batches beyond those trained on, so a sampler's own position runs ahead of the training; pass the "
-        "DataLoader as dataloader= with persistent_workers=True, or use torchdata's StatefulDataLoader, or save "
-        "dataloader=sampler.state_dict(consumed=<samples trained on>)"
-    )
-
-
 def _not_saved(part: str, text: str) -> Callable[[Evidence], str | None]:
-    """The rule "neither checkpoint holds ``part``", said as ``text``."""
+    """The rule "neither checkpoint holds ``part``, and the model differs after a resume", said as ``text``."""
 
     def rule(ev: Evidence) -> str | None:
-        return text if ev.first is not None and ev.first.held[part] == (False, False) else None
+        after = _model_after(ev)
+        if after is None or after.held[part] != (False, False):
+            return None
+        return text.format(model=_model_said(ev, after))
 
     return rule
 
 
 _no_data_position = _not_saved(
     "sampler",
-    "the checkpoints hold no data position: a resumed run starts its epoch over, or draws another order; register "
-    "the DataLoader (CheckpointManager(..., dataloader=loader), its sampler a ResumableDistributedSampler) so that "
-    "the position is saved and restored",
+    "the checkpoints hold no data position, and {model}: a resumed run starts its epoch over, or draws another order; "
+    "register the DataLoader (CheckpointManager(..., dataloader=loader), its sampler a ResumableDistributedSampler) "
+    "so that the position is saved and restored",
 )
 _no_rng = _not_saved(
     "rng",
-    "the checkpoints hold no RNG streams: after a resume, random draws (dropout, augmentation, shuffling) differ from "
-    "the uninterrupted run's; save and restore every rank's streams (dist_resume's default)",
+    "the checkpoints hold no RNG streams, and {model}: after a resume, random draws (dropout, augmentation, "
+    "shuffling) differ from the uninterrupted run's; save and restore every rank's streams (dist_resume's default)",
 )
 
 
-_PRIMARY = (
-    (Cause.RELAUNCH_FAILED, _relaunch_failed),
-    (Cause.NOT_DETERMINISTIC, _not_deterministic),
-    (Cause.RNG_NOT_SEEDED, _not_seeded),
-    (Cause.WORLD_SIZE_CHANGED, _world_size),
-    (Cause.OPTIMIZER_NOT_SAVED, _optimizer),
-    (Cause.SCHEDULER_NOT_SAVED, _scheduler),
-    (Cause.RNG_AFTER_RESUME, _rng),
-    (Cause.DATA_POSITION, _data_position),
+def _named(cause: Cause, rule: Callable[[Evidence], str | None]) -> Rule:
+    def found(ev: Evidence) -> tuple[Cause, str] | None:
+        text = rule(ev)
+        return (cause, text) if text else None
+
+    return found
+
+
+_PRIMARY: tuple[Rule, ...] = (
+    _named(Cause.RELAUNCH_FAILED, _relaunch_failed),
+    _named(Cause.NOT_DETERMINISTIC, _not_deterministic),
+    _named(Cause.RNG_NOT_SEEDED, _not_seeded),
+    _named(Cause.WORLD_SIZE_CHANGED, _world_size),
+    _named(Cause.OPTIMIZER_NOT_SAVED, _optimizer),
+    _named(Cause.SCHEDULER_NOT_SAVED, _scheduler),
+    rng_after_resume,
+    data_position_after_resume,
 )
-_FALLBACK = ((Cause.DATA_POSITION_NOT_SAVED, _no_data_position), (Cause.RNG_NOT_SAVED, _no_rng))
+_FALLBACK: tuple[Rule, ...] = (
+    _named(Cause.DATA_POSITION_NOT_SAVED, _no_data_position),
+    _named(Cause.RNG_NOT_SAVED, _no_rng),
+)
+
+
+def _none_fits(ev: Evidence) -> str | None:
+    first = ev.first
+    if first is None or not first.parts:
+        return None
+    return (
+        f"no known cause fits: the first difference is at {where(ev, first)}, {first.parts[0]}; compare what the "
+        "command saves and restores with what it changes between a save and the next step"
+    )
 
 
 def diagnose(ev: Evidence) -> tuple[tuple[Cause, ...], str | None]:
-    """The known causes ``ev`` shows, and the diagnosis: each one's sentence, a line each (None when none is known)."""
-    found = [(cause, text) for cause, rule in _PRIMARY if (text := rule(ev))]
+    """The known causes ``ev`` shows, and the diagnosis: each one's sentence with its evidence, a line each; where no
+    known cause fits, a sentence that says so and points to the first difference (None when nothing differs)."""
+    found = [hit for rule in _PRIMARY if (hit := rule(ev))]
     if not found:
-        found = [(cause, text) for cause, rule in _FALLBACK if (text := rule(ev))]
-    return tuple(c for c, _ in found), ("\n".join(t for _, t in found) or None)
+        found = [hit for rule in _FALLBACK if (hit := rule(ev))]
+    causes = tuple(dict.fromkeys(c for c, _ in found))
+    return causes, ("\n".join(t for _, t in found) or _none_fits(ev))

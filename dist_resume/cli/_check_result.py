@@ -19,7 +19,8 @@ _SHOWN: Final = 20  # hyperparameter differences in the report (--json lists all
 
 
 class Cause(enum.Enum):
-    """A known reason for a resume that is not exact (the diagnosis names each one found, with its fix)."""
+    """A known reason for a resume that is not exact (the diagnosis names each one found, with the evidence that
+    shows it and its fix)."""
 
     RELAUNCH_FAILED = "relaunch-failed"
     NOT_DETERMINISTIC = "not-deterministic"
@@ -27,6 +28,8 @@ class Cause(enum.Enum):
     OPTIMIZER_NOT_SAVED = "optimizer-not-saved"
     SCHEDULER_NOT_SAVED = "scheduler-not-saved"
     RNG_AFTER_RESUME = "rng-after-resume"
+    BATCH_HELD = "batch-held-ahead"
+    DRAWS_ON_SOME_RANKS = "draws-on-some-ranks"
     DATA_POSITION = "data-position"
     DATA_POSITION_NOT_SAVED = "data-position-not-saved"
     RNG_NOT_SAVED = "rng-not-saved"
@@ -100,11 +103,12 @@ class ResumeCheck:
     ``exact``: the run interrupted ``interrupts`` times (of ``interrupts_asked``) ended bitwise equal to the one that
     never stopped, at every step both folders hold. Otherwise ``first_difference`` says where they part
     (:class:`StepDifference`), ``hyperparameters`` lists every hyperparameter that differs at a common step with both
-    values, and ``diagnosis`` names the known causes found, each with its fix (None when none is known; ``causes``:
-    the same as :class:`Cause` members). ``steps`` lists the steps compared (``(step, equal)``, ascending; the newest
+    values, and ``diagnosis`` names the known causes found, each with the part and step that show it and its fix (when
+    no known cause fits, it says so and where the first difference is; None only when exact; ``causes``: the causes
+    named, as :class:`Cause` members). ``steps`` lists the steps compared (``(step, equal)``, ascending; the newest
     last), ``reference`` and ``launches`` the runs (wall times, when each was stopped), ``folders`` the two checkpoint
     folders when they were kept, ``notes`` what the check saw that does not change the verdict (Python's and NumPy's
-    streams left unseeded). ``report()`` is what the command prints.
+    streams left unseeded, saved strings that named the run's folder). ``report()`` is what the command prints.
     """
 
     command: tuple[str, ...]
@@ -202,7 +206,7 @@ class ResumeCheck:
             if len(self.hyperparameters) > _SHOWN:
                 lines.append(f"    ... and {len(self.hyperparameters) - _SHOWN} more (--json lists all)")
         if not self.exact:
-            causes = (self.diagnosis or "no known cause matches; the differences above say where").splitlines()
+            causes = (self.diagnosis or "no known cause fits; the differences above say where").splitlines()
             lines += [f"  {'diagnosis' if i == 0 else '':<12} {text}" for i, text in enumerate(causes)]
         lines += [f"  note         {note}" for note in self.notes]
         interrupted = sum(launch.seconds for launch in self.launches)

@@ -6,6 +6,9 @@ interruption checked nothing: an error (:class:`~dist_resume.errors.CheckCommand
 ``random`` and NumPy's global stream differing at *every* compared step while all else is equal is a command that
 does not seed them and draws nothing it trains from them: exact, with a note (a restore that went wrong would leave
 the checkpoints written before any interruption equal).
+
+Every saved string that names a run's folder is compared with it replaced by ``<run folder>``
+(:mod:`._check_mask`): each run has its own folder, and a script that saves its arguments saves it; a note says where.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from pathlib import Path
 
 from .._core.errors import CheckCommandError
 from ._check_compare import UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
-from ._check_diagnose import Evidence, diagnose
-from ._check_result import ResumeCheck, StepDifference
+from ._check_diagnose import diagnose
+from ._check_evidence import collect_evidence
+from ._check_mask import masked_said, masks_for
+from ._check_result import Cause, ResumeCheck, StepDifference
 from ._check_run import Launch, stderr_tail
 
 __all__ = ["verdict"]
@@ -66,7 +71,9 @@ def verdict(
     """
     start = time.monotonic()
     written_by = {seen.name: number for number, run in enumerate(launches, 1) for seen in run.seen}
-    results = [compare_pair(pair) for pair in pairs_to_compare(*folders)]
+    root = folders[0].parent if folders[0].parent == folders[1].parent else None
+    masks = masks_for(folders, root)
+    results = [compare_pair(pair, masks) for pair in pairs_to_compare(*folders)]
     first = next((r for r in results if not r.equal), None)
     interrupts = sum(run.stopped_at is not None for run in launches)
     ok = bool(results) and interrupts > 0 and not launches[-1].failed
@@ -77,8 +84,12 @@ def verdict(
     if ok and other is None and not resumed:
         raise _nothing_checked(launches, results)
     exact = ok and other is None
-    evidence = Evidence(results, other, launches, written_by, unseeded=unseeded)
-    causes, diagnosis = ((), None) if exact else diagnose(evidence)
+    causes: tuple[Cause, ...] = ()
+    diagnosis = None
+    if not exact:
+        causes, diagnosis = diagnose(collect_evidence(results, other, launches, written_by, unseeded=unseeded))
+    masked = tuple(dict.fromkeys(key for r in results for key in r.masked))
+    notes = ((_unseeded_note(results),) if exact and unseeded else ()) + ((masked_said(masked),) if masked else ())
     return ResumeCheck(
         command=tuple(argv),
         exact=exact,
@@ -103,5 +114,5 @@ def verdict(
         launches=tuple(launches),
         wall_seconds=0.0,
         compare_seconds=round(time.monotonic() - start, 3),
-        notes=(_unseeded_note(results),) if exact and unseeded else (),
+        notes=notes,
     )

@@ -13,11 +13,16 @@ check must find (repeatable):
     generator   the DataLoader has no generator= and the manager gets its sampler, not the DataLoader: each new
                 iterator draws from the global RNG, and a resumed epoch creates one more (given as dataloader=, the
                 same loader is exact)
+    held-batch  the next step's batch is drawn before the save and held in a variable (as nanoGPT's loop prefetches
+                its next batch): the saved data position counts it, and a resumed run never trains it
+    eval-rank0  rank 0 evaluates right after each save on a random subset (torch.randint from its global stream),
+                between the save and the next step: a resumed run does not redo that evaluation
     fail        raises before training (a script that fails on its own)
 
 ``--torch-seed-only`` seeds torch alone (``torch.manual_seed(0)``, as the README's quick start and most scripts do)
 instead of every stream (``dr.seed_rng``): Python's ``random`` and NumPy's global stream start from the OS's entropy,
-differ between runs, and nothing the script trains draws from them.
+differ between runs, and nothing the script trains draws from them. ``--save-args`` saves the script's arguments in
+each checkpoint's ``extra`` (as nanoGPT's ``config`` and torchvision's ``args``), its checkpoint folder among them.
 """
 
 from __future__ import annotations
@@ -33,11 +38,17 @@ import dist_resume as dr
 
 p = argparse.ArgumentParser()
 p.add_argument("ckpt", type=Path)
-p.add_argument("--bug", action="append", default=[], choices=["scheduler", "rng", "sampler", "generator", "fail"])
+p.add_argument(
+    "--bug",
+    action="append",
+    default=[],
+    choices=["scheduler", "rng", "sampler", "generator", "held-batch", "eval-rank0", "fail"],
+)
 p.add_argument("--steps", type=int, default=32)
 p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--step-seconds", type=float, default=0.025)
 p.add_argument("--torch-seed-only", action="store_true")
+p.add_argument("--save-args", action="store_true")
 args = p.parse_args()
 if "fail" in args.bug:
     raise SystemExit("train.py: the data folder 'no-such-data' does not exist")
@@ -70,18 +81,49 @@ mgr = dr.CheckpointManager(
 )
 res = mgr.resume(options=dr.ResumeOptions(rng="rng" not in args.bug))
 step = res.step or 0 if res is not None else 0
-while step < args.steps:
-    for x, y in loader:
-        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        time.sleep(args.step_seconds)
+saved_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+extra = {"args": saved_args, "log_file": str(args.ckpt / "train.log")} if args.save_args else None
+
+
+def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    time.sleep(args.step_seconds)
+
+
+def save(step: int) -> None:
+    mgr.save(step, epoch=sampler.epoch, extra=extra)
+    if "eval-rank0" in args.bug and info.rank == 0:  # an evaluation on rank 0 only, on a random subset
+        with torch.no_grad():
+            subset = torch.randint(0, len(data), (16,))
+            net(data.tensors[0][subset].to(device))
+
+
+def batches():  # the loader's batches, epoch after epoch
+    while True:
+        yield from loader
+
+
+if "held-batch" in args.bug:
+    stream = batches()
+    batch = next(stream)
+    while step < args.steps:
+        train_step(*batch)
         step += 1
+        batch = next(stream)  # the next step's batch, drawn ahead of the save
         if step % args.save_every == 0:
-            mgr.save(step, epoch=sampler.epoch)
-        if step == args.steps:
-            break
+            save(step)
+else:
+    while step < args.steps:
+        for x, y in loader:
+            train_step(x, y)
+            step += 1
+            if step % args.save_every == 0:
+                save(step)
+            if step == args.steps:
+                break
 mgr.close()
 dr.destroy_distributed()

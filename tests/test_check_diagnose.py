@@ -1,0 +1,192 @@
+"""dist-resume check's diagnosis names a cause only with its evidence (the part, the step, the numbers that show it),
+and says "no known cause fits" where none does. Checkpoints are built with the RNG streams and data positions the
+known mistakes leave, without launching a training run; the scripts that make them: tests/test_check_cli.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dist_resume as dr
+from dist_resume.cli._check_result import Cause, ResumeCheck
+from dist_resume.cli._check_streams import WORDS, rank_streams
+from tests.test_check_verdict import STEPS, _verdict
+
+
+def _stream(draws: int) -> torch.Tensor:
+    """torch's CPU stream seeded with 5, after ``draws`` 32-bit draws."""
+    g = torch.Generator().manual_seed(5)
+    if draws:
+        torch.empty(draws, dtype=torch.int32).random_(generator=g)
+    return g.get_state()
+
+
+def _rank(draws: int, rank: int = 0) -> dict[str, Any]:
+    return {
+        "python": random.Random(rank).getstate(),
+        "torch": _stream(draws + 100 * rank),
+        "device": None,
+        "numpy": None,
+        "seed": 0,
+    }
+
+
+def _save(folder: Path, step: int, *, rng: Sequence[dict[str, Any]] | None, moved: bool, **more: Any) -> None:
+    """A checkpoint of ``step`` with these RNG streams (a list, index = rank; None: none saved) and parts; ``moved``
+    changes its model (the training went another way)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.add_(0.5 if moved else 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = dr.save_checkpoint(
+        folder / f"ckpt_{step:08d}.pt", model=model, optimizer=opt, step=step, rng=rng is not None
+    )
+    obj = torch.load(path, weights_only=True)
+    if rng is not None:
+        obj["rng"] = list(rng)
+        obj["meta"]["world_size"] = len(rng)
+    obj.update(more)
+    torch.save(obj, path)
+
+
+def _check(tmp_path: Path, ref: dict[int, dict[str, Any]], got: dict[int, dict[str, Any]]) -> ResumeCheck:
+    """Both runs' folders (``{step: _save keywords}``), launch 1 wrote step 2 and a relaunch the rest: the verdict."""
+    folders = (tmp_path / "reference", tmp_path / "interrupted")
+    for folder, steps in zip(folders, (ref, got)):
+        folder.mkdir()
+        for step in STEPS:
+            _save(folder, step, **steps[step])
+    return _verdict(tmp_path, folders, by_launch_1=(2,))
+
+
+def _ranks(*draws: int) -> list[dict[str, Any]]:
+    return [_rank(n, rank) for rank, n in enumerate(draws)]
+
+
+def _rng_case(tmp_path: Path, ref: tuple[int, ...], got: tuple[int, ...]) -> ResumeCheck:
+    """Equal at step 2; from step 4 on, each rank's torch stream ``got[r] - ref[r]`` draws apart, the model moved."""
+    same = {"rng": _ranks(*ref), "moved": False}
+    return _check(
+        tmp_path,
+        {2: same, 4: same, 6: same},
+        {2: same, 4: {"rng": _ranks(*got), "moved": True}, 6: {"rng": _ranks(*got), "moved": True}},
+    )
+
+
+def test_a_batch_drawn_from_the_rng_ahead_of_the_save_is_named_by_its_draws(tmp_path: Path) -> None:
+    # nanoGPT's loop: the next batch's indices are drawn (torch.randint, 8 draws) before the save; a relaunch draws
+    # another batch from the restored streams: 8 draws ahead, on every rank
+    check = _rng_case(tmp_path, (40, 40), (48, 48))
+    assert not check.exact and check.causes == (Cause.BATCH_HELD,), check.diagnosis
+    text = check.diagnosis or ""
+    assert text.startswith(
+        "the RNG streams differ at step 4 (ckpt_00000004.pt, written after a resume): rank 0's "
+        "torch stream is 8 draws (32-bit) ahead of the reference's, rank 1's torch stream is 8 "
+    )
+    assert "a batch drawn from the RNG ahead of the save and held in a variable" in text
+    assert "not restored" not in text and "generator=" not in text  # no evidence for either
+
+
+def test_an_evaluation_on_rank_0_after_the_save_is_named_by_the_ranks_it_touched(tmp_path: Path) -> None:
+    # rank 0 evaluates between a save and the next step, drawing 40 times; a relaunch resumes after the save and does
+    # not: rank 0's stream is 40 draws behind, rank 1's equal
+    check = _rng_case(tmp_path, (40, 40), (0, 40))
+    assert check.causes == (Cause.DRAWS_ON_SOME_RANKS,), check.diagnosis
+    text = check.diagnosis or ""
+    assert (
+        "rank 0's torch stream is 40 draws (32-bit) behind the reference's, while the streams of rank 1 are equal"
+        in (text)
+    )
+    assert "on some ranks only between a save and the next step (an evaluation on rank 0)" in text
+    assert "torch.random.fork_rng()" in text and "not restored" not in text and "generator=" not in text
+
+
+def test_one_64_bit_draw_more_is_a_new_dataloader_iterator_and_unrelated_streams_were_not_restored(
+    tmp_path: Path,
+) -> None:
+    check = _rng_case(tmp_path, (40, 40), (42, 42))
+    assert check.causes == (Cause.RNG_AFTER_RESUME,)
+    assert "one 64-bit draw more, on every rank: what a DataLoader without generator= draws" in (check.diagnosis or "")
+    assert "not restored" not in (check.diagnosis or "")
+    far = tmp_path / "far"
+    far.mkdir()
+    check = _rng_case(far, (40, 40), (40 + WORDS + 1, 40 + WORDS + 1))  # no shift within reach: another stream
+    assert check.causes == (Cause.RNG_AFTER_RESUME,)
+    assert f"not the reference's within {WORDS:,} draws either way" in (check.diagnosis or "")
+    assert "so they were not restored" in (check.diagnosis or "") and "DataLoader" not in (check.diagnosis or "")
+
+
+def test_stream_distances_are_measured_both_ways_and_in_pythons_stream() -> None:
+    a, b = _rank(10), _rank(10)
+    r = random.Random(0)
+    r.getrandbits(32 * 700)  # across a block of the twister
+    b["python"] = r.getstate()
+    (found,) = rank_streams([a], [b])
+    assert found.differ == ("python",) and found.shifts == {"python": 700}
+    (back,) = rank_streams([b], [a])
+    assert back.shifts == {"python": -700}
+    assert rank_streams([a], [a, a]) == () and rank_streams({"torch": 1}, [a]) == ()
+    bad = dict(a, torch=torch.zeros(3, dtype=torch.uint8))  # not a generator's state: not measured, never raised
+    assert rank_streams([a], [bad])[0].shifts == {"torch": None}
+
+
+def _position(step: int, ahead: int = 0) -> dict[str, Any]:
+    """A ResumableDistributedSampler's state: 4 samples a step over a dataset of 96, one process."""
+    consumed = 4 * step + ahead
+    return {
+        "epoch": consumed // 96,
+        "consumed": consumed % 96,
+        "num_samples": 96,
+        "shuffle": True,
+        "seed": 0,
+        "drop_last": False,
+        "world_size": 1,
+    }
+
+
+@pytest.mark.parametrize(("ahead", "cause"), [(4, Cause.BATCH_HELD), (12, Cause.DATA_POSITION)], ids=["1", "3"])
+def test_a_data_position_ahead_after_a_resume_is_named_by_how_far(tmp_path: Path, ahead: int, cause: Cause) -> None:
+    # one step's samples ahead: the batch held across the save was skipped; three steps': workers that prefetched
+    rng = _ranks(40)
+    ref = {s: {"rng": rng, "moved": False, "sampler": _position(s)} for s in STEPS}
+    got = {s: {"rng": rng, "moved": s > 2, "sampler": _position(s, ahead if s > 2 else 0)} for s in STEPS}
+    check = _check(tmp_path, ref, got)
+    assert check.causes == (cause,), check.diagnosis
+    text = check.diagnosis or ""
+    assert text.startswith(
+        f"the data position at step 4 (ckpt_00000004.pt, written after a resume) is {ahead} "
+        f"samples ahead of the reference's (sample {16 + ahead} of the run vs 16; 4 samples a step"
+    )
+    assert ("one step's worth: a batch drawn before the save" in text) == (cause is Cause.BATCH_HELD)
+    assert ("workers prefetches" in text) == (cause is Cause.DATA_POSITION)
+
+
+def test_no_cause_is_named_without_evidence(tmp_path: Path) -> None:
+    # nanoGPT's checkpoint holds no data position and no RNG streams; here only what it keeps in extra differs after
+    # the resume (a loss history): nothing shows the data position or the streams as a cause
+    def steps(history: str) -> dict[int, dict[str, Any]]:
+        return {s: {"rng": None, "moved": False, "extra": {"history": history if s > 2 else "a"}} for s in STEPS}
+
+    check = _check(tmp_path, steps("a,b"), steps("a,c"))
+    assert not check.exact and check.causes == ()
+    assert check.diagnosis == (
+        "no known cause fits: the first difference is at step 4 (ckpt_00000004.pt, written after a resume), extra: "
+        "['history']: A str 'a,b', B str 'a,c'; compare what the command saves and restores with what it changes "
+        "between a save and the next step"
+    )
+    assert "  diagnosis    no known cause fits: the first difference is at step 4" in check.report()
+    # the model differs too: the checkpoints' missing data position and streams are then evidence enough to name
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    check = _check(moved, steps("a"), {s: {**v, "moved": s > 2} for s, v in steps("a").items()})
+    assert check.causes == (Cause.DATA_POSITION_NOT_SAVED, Cause.RNG_NOT_SAVED)
+    assert (check.diagnosis or "").startswith(
+        "the checkpoints hold no data position, and the model differs at step 4 (ckpt_00000004.pt, written after a "
+        "resume) (model weight: values differ"
+    )
