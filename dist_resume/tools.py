@@ -18,6 +18,7 @@ from ._convert.formats import ConvertFormat
 from ._core.location import RemotePath, RemoteStat
 from ._core.publish import publish
 from ._format.zip_verify import ArchiveFinding, FindingKind
+from ._manager.adopt import FolderConvertResult, convert_into_folder
 from ._source.consensus import resolve_checkpoint
 from ._source.integrity import CheckpointInfo, inspect_checkpoint, verify_archive
 from ._source.listing import latest_checkpoint
@@ -40,6 +41,8 @@ __all__ = [
     "ConvertResult",
     "KeyForm",
     "ConvertFormat",
+    "convert_into_folder",
+    "FolderConvertResult",
     # devices
     "device_report",
 ]

@@ -358,7 +358,12 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
                     + "\n"
                 )
             if step % args.log_every == 0:
-                log.info("step %d  epoch %d  loss %.4f  lr %.2e", step, epoch, loss.item(), scheduler.get_last_lr()[0])
+                # the epoch a checkpoint saved now records: the one the loop continues in (the next, after an
+                # epoch's last batch), so that this line and the save's "saved ... (step N, epoch E)" agree
+                now = sampler.state_dict()["epoch"]
+                ended = f" (epoch {epoch} done)" if now != epoch else ""
+                lr = scheduler.get_last_lr()[0]
+                log.info("step %d  epoch %d%s  loss %.4f  lr %.2e", step, now, ended, loss.item(), lr)
             if step == args.kill_at_step and attempt == 0 and rank == kill_rank:
                 log.warning("rank %d: SIGKILL at step %d (--kill-at-step, first attempt only)", rank, step)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -368,18 +373,21 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
                 break
     if saved_at != step:
         save()  # --epochs ended the run between checkpoints
+    position = sampler.state_dict()  # where the loop continues, as the last checkpoint records it
     if args.stop_after is not None and step == args.stop_after < args.steps:
         log.info(
             "stopping at step %d as if preempted (--stop-after %d): epoch %d, sample %d of %d; "
             "run the same command without --stop-after to resume",
             step,
             args.stop_after,
-            sampler.epoch,
-            sampler.consumed,
+            position["epoch"],
+            position["consumed"],
             len(dataset),
         )
     else:
-        log.info("done: step %d, epoch %d, sample %d of %d", step, sampler.epoch, sampler.consumed, len(dataset))
+        log.info(
+            "done: step %d, epoch %d, sample %d of %d", step, position["epoch"], position["consumed"], len(dataset)
+        )
     if args.dump_final is not None and rank == 0:
         torch.save(
             {

@@ -113,8 +113,9 @@ def test_a_mistyped_folder_raises(tmp_path: Path) -> None:
 
 def test_a_file_given_as_the_folder_raises(tmp_path: Path) -> None:
     (tmp_path / "run").write_text("not a folder")
-    with pytest.raises(dr.errors.CheckpointNotFoundError, match="is a file, not a folder"):
+    with pytest.raises(dr.errors.NotACheckpointError, match="is a file, not a folder") as caught:
         dr.CheckpointManager(tmp_path / "run").resume(model=_model(1.0))
+    assert not isinstance(caught.value, FileNotFoundError)  # code that catches it to start fresh must not swallow it
 
 
 def test_only_damaged_checkpoints_raise_even_with_init_from(tmp_path: Path) -> None:

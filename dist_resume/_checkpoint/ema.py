@@ -68,8 +68,8 @@ def adapt_ema_state(saved: Any, ema: nn.Module, *, strict: bool, source: str) ->
         out[N_AVERAGED] = _n_averaged(saved[N_AVERAGED], ema.n_averaged, source)
     elif strict:
         raise KeyMismatchError(
-            f"{source}: the EMA state has no {N_AVERAGED!r} but the EMA is an AveragedModel; pass strict=False "
-            f"to keep its own {N_AVERAGED}",
+            f"{source}: the EMA state has no {N_AVERAGED!r} but the EMA is an AveragedModel; pass "
+            f"options=ResumeOptions(strict=False) to keep its own {N_AVERAGED}",
             missing=[N_AVERAGED],
         )
     return out

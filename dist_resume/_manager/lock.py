@@ -31,7 +31,7 @@ from typing import Final
 
 from .._core.errors import CheckpointWriteError
 
-__all__ = ["LOCK_NAME", "FolderLock"]
+__all__ = ["LOCK_NAME", "FolderLock", "remove_new_folder"]
 
 LOCK_NAME: Final = ".dist_resume.lock"
 _NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
@@ -219,3 +219,21 @@ class FolderLock:
             pass
         finally:
             os.close(fd)  # closing the only descriptor releases the flock
+
+
+def remove_new_folder(folder: Path) -> bool:
+    """Undo a first run's folder after a failure: delete ``folder``'s lock file, then ``folder``, when it holds
+    nothing else; whether it was removed. Local.
+
+    Call it while this process still holds the lock of ``folder`` (it created the folder to take the lock and
+    nothing was saved): the lock file is unlinked first, so a process that opens it afterwards creates a new one,
+    and the held descriptor is released as usual. A folder holding anything but the lock file is left as it is.
+    """
+    try:
+        if [entry.name for entry in os.scandir(folder)] != [LOCK_NAME]:
+            return False
+        os.unlink(folder / LOCK_NAME)
+        os.rmdir(folder)
+    except OSError:
+        return False  # another process wrote into it meanwhile, or it is gone: leave what is there
+    return True

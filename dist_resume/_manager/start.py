@@ -11,6 +11,7 @@ import difflib
 import enum
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 from .._checkpoint.objects import LiveObjects
@@ -19,6 +20,7 @@ from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.location import Location, RemotePath
 from .._core.log import log_rank0
+from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
@@ -28,11 +30,14 @@ from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
 from .._source.source import Source
 from .._store.url import location
+from .lock import remove_new_folder
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
 # what an init_from file may lack: a weights-only file (the usual fine-tune start) initialises the model alone
 _INIT_OPTIONAL: Final = ("optimizer", "ema")
+# the names of a single checkpoint file: one such file in a folder without ckpt_<step>.pt is another run's
+_FILE_SUFFIXES: Final = frozenset({".pt", ".pth", ".ckpt", ".bin", ".safetensors"})
 
 
 class FolderState(enum.Enum):
@@ -68,26 +73,67 @@ def folder_state(folder: Location) -> tuple[FolderState, list[tuple[int, Locatio
             )
         _warn_near_miss(folder, parent)
         return FolderState.NONE_YET, []
-    if not folder.is_dir():
-        raise CheckpointNotFoundError(
-            f"checkpoint folder {str(folder)!r} is a file, not a folder; pass the folder a CheckpointManager "
-            "saves into (to resume from a single file use dist_resume.resume(path, ...))"
+    if not folder.is_dir():  # not a FileNotFoundError: code that starts fresh on one must not swallow this
+        raise NotACheckpointError(
+            f"checkpoint folder {str(folder)!r} is a file, not a folder: a CheckpointManager saves numbered "
+            f"checkpoints into a folder of its own. {_adopt_advice(folder)}"
         )
     numbered = numbered_checkpoints(folder)
     if numbered:
         return FolderState.HOLDS_CHECKPOINTS, numbered
     kind = foreign_kind(folder)
-    if kind is not None or checkpoint_subfolders(folder):  # starting fresh here would drop that run
-        what = (
-            f"it is itself a checkpoint (layout {kind.value!r})"
-            if kind is not None
-            else str(unrecognised_folder(folder))
-        )
+    if kind is not None:  # starting fresh here would drop that run
         raise NotACheckpointError(
-            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: {what}; a CheckpointManager saves into a "
-            "folder of its own: give it a new folder and pass that checkpoint as init_from="
+            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: it is itself a checkpoint (layout "
+            f"{kind.value!r}), and a CheckpointManager saves into a folder of its own. {_adopt_advice(folder)}"
+        )
+    if checkpoint_subfolders(folder):
+        raise NotACheckpointError(
+            f"checkpoint folder {str(folder)!r} holds no ckpt_<step>.pt: {unrecognised_folder(folder)}; a "
+            "CheckpointManager saves into a folder of its own: give it a new folder, and pass that checkpoint as "
+            "init_from= to start a new run from its weights, or run `dist-resume convert CHECKPOINT --into FOLDER` "
+            "to continue its run at its step"
         )
     return FolderState.NONE_YET, []
+
+
+def _adopt_advice(checkpoint: Location) -> str:
+    """What to do with another run's checkpoint given where a ``CheckpointManager`` folder belongs."""
+    return (
+        f"To start a new run from its weights, pass it as init_from={str(checkpoint)!r} with a new folder; to "
+        f"continue its run at its step, write it into a new folder as that folder's checkpoint: "
+        f"`dist-resume convert {checkpoint} --into NEW_FOLDER`"
+    )
+
+
+def _loose_checkpoints(folder: Location) -> list[Location]:
+    """The files in ``folder`` named like checkpoints that a ``CheckpointManager`` does not read (``ckpt.pt``)."""
+    try:
+        return sorted(
+            entry for entry in folder.iterdir() if entry.suffix in _FILE_SUFFIXES and not entry.name.startswith(".")
+        )
+    except OSError:
+        return []
+
+
+def _warn_loose(folder: Location) -> None:
+    """Say at WARNING, before a fresh start, which checkpoint files of another run ``folder`` holds (nanoGPT's
+    ``out/ckpt.pt``): the manager reads ``ckpt_<step>.pt`` only, and would quietly start from step 0 beside them."""
+    loose = _loose_checkpoints(folder)
+    if not loose:
+        return
+    first = str(loose[0])
+    log_rank0(
+        logging.WARNING,
+        "checkpoint folder %s holds no ckpt_<step>.pt but holds %s, which CheckpointManager.resume does not read; "
+        "starting fresh. To start a new run from its weights pass init_from=%r; to continue its run at its step "
+        "write it into this folder as its checkpoint first: dist-resume convert %s --into %s",
+        folder,
+        preview((str(p) for p in loose), 4, quote=False),
+        first,
+        first,
+        folder,
+    )
 
 
 def _warn_near_miss(folder: Location, parent: Location) -> None:
@@ -141,32 +187,67 @@ def start_run(
     rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``).
     """
 
-    def look_lock_choose() -> CheckpointInfo | None:
-        state, numbered = folder_state(folder)
-        take_lock()
-        return choose_newest(folder, numbered) if state is FolderState.HOLDS_CHECKPOINTS else None
+    created = False  # rank 0: this resume created the folder (to take its lock)
 
-    chosen: CheckpointInfo | None = run_on_rank0(
-        look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
-    )
-    broadcast = options.broadcast_from_rank0 and is_distributed()
-    if chosen is not None:
-        path = chosen.path if broadcast else confirm_choice(folder, chosen)
-        source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)
-        return restore_from(source, objects, options)
-    if init_from is None:
-        log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
+    def look_lock_choose() -> CheckpointInfo | None:
+        nonlocal created
+        state, numbered = folder_state(folder)
+        new = isinstance(folder, Path) and not folder.exists()
+        take_lock()
+        created = new
+        if state is FolderState.HOLDS_CHECKPOINTS:
+            return choose_newest(folder, numbered)
+        if init_from is None:
+            _warn_loose(folder)
         return None
-    other = location(init_from)
-    exists: bool = run_on_rank0(other.exists, fallback=CheckpointError)
-    if not exists:
+
+    try:
+        chosen: CheckpointInfo | None = run_on_rank0(
+            look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
+        )
+        broadcast = options.broadcast_from_rank0 and is_distributed()
+        if chosen is not None:
+            path = chosen.path if broadcast else confirm_choice(folder, chosen)
+            source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)
+            return restore_from(source, objects, options)
+        if init_from is None:
+            log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
+            return None
+        other = location(init_from)
+        run_on_rank0(lambda: _check_init_from(other, folder), fallback=CheckpointError)
+        if not broadcast:
+            _every_rank_sees(other, "init_from")
+        return _init(resolve_source(other, broadcast=broadcast), objects, options)
+    except BaseException:
+        if created and isinstance(folder, Path):  # a failed first start leaves no folder behind (lock held still)
+            remove_new_folder(folder)
+        raise
+
+
+def _check_init_from(other: Location, folder: Location) -> None:
+    """Refuse an ``init_from`` that does not exist, or a folder that holds no checkpoint ``init_from`` reads, with
+    advice for ``init_from`` (rank 0 looks for everyone)."""
+    if not other.exists():
         raise CheckpointNotFoundError(
             f"init_from {str(other)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
             "holds no checkpoint: fix the path, or pass init_from=None to start from scratch"
         )
-    if not broadcast:
-        _every_rank_sees(other, "init_from")
-    return _init(resolve_source(other, broadcast=broadcast), objects, options)
+    if not other.is_dir() or numbered_checkpoints(other) or foreign_kind(other) is not None:
+        return
+    if checkpoint_subfolders(other):
+        raise unrecognised_folder(other)
+    loose = _loose_checkpoints(other)
+    if loose:
+        raise NotACheckpointError(
+            f"init_from {str(other)!r} is a folder with no ckpt_<step>.pt, holding {preview((str(p) for p in loose), 4)}: "
+            f"pass the file itself, init_from={str(loose[-1])!r}"
+        )
+    found = sorted(p.name for p in other.iterdir())
+    raise CheckpointNotFoundError(
+        f"init_from {str(other)!r} is a folder with no checkpoint in it ("
+        + (f"it holds {preview(found, 8)}" if found else "it is empty")
+        + "): pass a checkpoint file or folder, or init_from=None to start from scratch"
+    )
 
 
 def _init(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:

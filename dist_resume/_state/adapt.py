@@ -126,7 +126,10 @@ def _mismatch_message(
             f"attribute): pass key_prefix={key_prefix!r}"
         )
     elif strict and (missing or unexpected) and not mismatched:
-        hint += "; pass strict=False to load only the keys that fit"
+        hint += (
+            "; pass options=ResumeOptions(strict=False) to resume() (strict=False to adapt_state_dict) to load "
+            "only the keys that fit"
+        )
     lines.append(f"  what to do: {hint}")
     return "\n".join(lines)
 

@@ -113,7 +113,8 @@ def regroup_by_name(
         raise OptimizerStateMismatchError(
             f"{source}: the optimizer holds different parameters than the file (parameter group sizes: saved "
             f"{saved_sizes}, {kind} has {live_sizes}): {differ}; the model's parameters changed since the "
-            "checkpoint was written (pass strict=False to restore the state of the parameters both have; "
+            "checkpoint was written (pass options=ResumeOptions(strict=False) to restore the state of the parameters "
+            "both have; "
             "new ones start fresh)"
         )
     how = f"{describe_groups(saved_sizes)} params in the file, {describe_groups(live_sizes)} now"

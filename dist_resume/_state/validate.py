@@ -30,7 +30,7 @@ def check_dtypes(adapted: Mapping[str, Any], model: nn.Module, strict: bool, sou
         shown = preview(problems, 5, sep="; ", quote=False)
         raise KeyMismatchError(
             f"{source}: dtypes differ ({shown}); convert the model (model.to(dtype)) to the checkpoint's dtype "
-            "before resuming, or pass strict=False to cast floating-point tensors on load",
+            "before resuming, or pass options=ResumeOptions(strict=False) to cast floating-point tensors on load",
             mismatched=problems,
         )
 
@@ -85,7 +85,7 @@ def check_scaler(saved: Any, scaler: Any, source: str) -> None:
     if not saved:
         raise StateMismatchError(
             f"{source}: the GradScaler state is empty (it was saved from a disabled scaler) but this scaler is "
-            "enabled; pass strict=False to keep the scaler's fresh state"
+            "enabled; pass options=ResumeOptions(strict=False) to keep the scaler's fresh state"
         )
     problems = [
         f"{key}: {'missing' if key not in saved else type(saved[key]).__name__}"

@@ -44,6 +44,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .._convert.convert import convert_checkpoint
 
+    if args.into is not None or args.step is not None:
+        return _convert_into(args)
+    if args.dst is None:
+        raise UsageError(
+            "convert needs DST, or --into FOLDER",
+            "DST: the file or folder to write (with --to, --format or both); --into FOLDER: SRC as the checkpoint "
+            "of its step in a CheckpointManager folder",
+        )
     if args.to is None and args.format is None:
         raise UsageError(
             "convert needs --to, --format or both",
@@ -87,6 +95,61 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"model keys {result.prefix_before} -> {result.prefix_after} ({result.renamed_keys} of "
             f"{result.model_keys} renamed)"
             + (f", optimizer param_names re-keyed ({result.param_names})" if result.param_names else "")
+        )
+    return ExitCode.OK
+
+
+def _convert_into(args: argparse.Namespace) -> int:
+    """``convert SRC --into FOLDER [--step N]``: SRC as FOLDER's checkpoint of its step."""
+    from .._manager.adopt import convert_into_folder
+
+    if args.into is None:
+        raise UsageError(
+            "--step applies to --into FOLDER only", "e.g. dist-resume convert ckpt.pt --into run --step 300"
+        )
+    if args.dst is not None:
+        raise UsageError(
+            f"give DST or --into FOLDER, not both (DST {str(args.dst)!r}, --into {str(args.into)!r})",
+            "--into FOLDER names the checkpoint file itself (FOLDER/ckpt_<step>.pt)",
+        )
+    if args.to == "ddp" or args.format not in (None, "pt"):
+        given = "--to ddp" if args.to == "ddp" else f"--format {args.format}"
+        raise UsageError(
+            f"{given} does not apply to --into: a CheckpointManager folder holds files in its own format (model "
+            "keys without module./_orig_mod., read into any wrapper)",
+            f"leave {given.split()[0]} out",
+        )
+    result = convert_into_folder(
+        args.src,
+        args.into,
+        step=args.step,
+        force=args.force,
+        part_keys=part_keys_arg(args.part) or None,
+        check_crc=args.check_crc,
+    )
+    if args.json:
+        print_json(
+            {
+                "schema": "dist-resume/convert-into/1",
+                "src": str(result.src),
+                "path": str(result.path),
+                "step": result.step,
+                "step_from": result.step_from,
+                "epoch": result.epoch,
+                "layout": result.layout.value,
+                "prefix_before": result.prefix_before,
+                "model_keys": result.model_keys,
+                "replaced": result.replaced,
+                "bytes_written": result.bytes_written,
+                "seconds": round(result.seconds, 3),
+            }
+        )
+    elif not args.quiet:
+        print(
+            f"wrote {result.path} ({human_bytes(result.bytes_written)}, {result.seconds:.2f}s): {result.layout.value} "
+            f"as the checkpoint of step {result.step} (from {result.step_from}), model keys {result.prefix_before} "
+            f"-> none ({result.model_keys} keys){'; replaced the one there' if result.replaced else ''}\n"
+            f"CheckpointManager({str(result.path.parent)!r}, ...).resume() continues at step {result.step}"
         )
     return ExitCode.OK
 

@@ -3,8 +3,11 @@ and the one ``resume`` would pick; for an HF Trainer output folder, its ``checkp
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -122,12 +125,31 @@ def _crc_check_newest(folder: Location, checkpoints: list[dict[str, Any]]) -> No
     """Mark damaged the newest checkpoints that ``resume`` (which checks every CRC) would skip."""
     from .._source.listing import find_latest
 
-    _, skipped = find_latest(folder, verify=True)
+    with _rows_say_it():
+        _, skipped = find_latest(folder, verify=True)
     reasons = {path.name: err for path, err in skipped}
     for entry in checkpoints:
         if entry["status"] == "valid" and (err := reasons.get(entry["name"])) is not None:
             reason = str(err).replace(str(folder / entry["name"]), entry["name"])
             entry |= {"status": "damaged", "reason": f"{type(err).__name__}: {reason}"}
+
+
+class _Skipped(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("skipping checkpoint ")
+
+
+@contextlib.contextmanager
+def _rows_say_it() -> Iterator[None]:
+    """Drop the library's "skipping checkpoint" warning while the report is built: the checkpoint's DAMAGED row
+    says it, one statement per fact."""
+    quiet = _Skipped()
+    logger = logging.getLogger("dist_resume")  # by name: _core.log imports torch, and list may run without it
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> dict[str, Any]:

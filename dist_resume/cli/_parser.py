@@ -94,7 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
         "print a JSON summary (schema dist-resume/convert/1)",
     )
     p.add_argument("src", type=_location, metavar="SRC", help="a .pt/.ckpt/.safetensors file or a checkpoint folder")
-    p.add_argument("dst", type=_location, metavar="DST")
+    p.add_argument("dst", type=_location, metavar="DST", nargs="?", help="the file or folder to write (or --into)")
+    p.add_argument(
+        "--into",
+        type=_location,
+        metavar="FOLDER",
+        help="instead of DST: write SRC into the CheckpointManager folder FOLDER as its checkpoint of SRC's step "
+        "(FOLDER/ckpt_<step>.pt, the manager's format), so that CheckpointManager(FOLDER).resume() continues "
+        "that run at that step; refused if FOLDER holds a later checkpoint, or one of that step without --force",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="with --into: the step to write the checkpoint at, instead of the one SRC records (needed when SRC "
+        "records none)",
+    )
     p.add_argument(
         "--to",
         choices=["ddp", "single"],
@@ -118,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="which entry holds a part, where detection should not decide (e.g. model=MODEL_STATE, "
         "optimizer=state.opt); repeatable",
     )
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace DST if it exists (--into: a checkpoint of the same step)"
+    )
     p.add_argument(
         "--check-crc",
         action="store_true",
