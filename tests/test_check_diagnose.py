@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume.cli._check_result import Cause, ResumeCheck
-from dist_resume.cli._check_streams import WORDS, rank_streams
+from dist_resume.cli.check._result import Cause, ResumeCheck
+from dist_resume.cli.check._streams import WORDS, rank_streams
 from tests.test_check_verdict import STEPS, _verdict
 
 

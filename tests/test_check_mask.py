@@ -11,8 +11,8 @@ import torch
 
 import dist_resume as dr
 from dist_resume._layout.layout import CheckpointParts, Layout
-from dist_resume.cli._check_compare import compare_pair, pairs_to_compare
-from dist_resume.cli._check_mask import CHECK_FOLDER, RUN_FOLDER, mask_parts, masked_said, masks_for
+from dist_resume.cli.check._compare import compare_pair, pairs_to_compare
+from dist_resume.cli.check._mask import CHECK_FOLDER, RUN_FOLDER, mask_parts, masked_said, masks_for
 from tests.test_check_verdict import _verdict
 
 STEPS = (2, 4, 6)

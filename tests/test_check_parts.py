@@ -19,12 +19,13 @@ import torch
 
 import dist_resume as dr
 from dist_resume._core.procs import descendants, marked_processes
-from dist_resume.cli._check import _stop_rule, command_argv
-from dist_resume.cli._check_compare import PairResult, compare_pair, folder_checkpoints, pairs_to_compare
-from dist_resume.cli._check_diagnose import Evidence, diagnose
-from dist_resume.cli._check_folder import SETTLE_S, FolderWatch, step_of
-from dist_resume.cli._check_result import Cause, ResumeCheck
-from dist_resume.cli._check_run import Launch, Seen, StopRule, StopSignal, _due
+from dist_resume.cli.check._command import _stop_rule, command_argv
+from dist_resume.cli.check._compare import PairResult, compare_pair, folder_checkpoints, pairs_to_compare
+from dist_resume.cli.check._diagnose import diagnose
+from dist_resume.cli.check._evidence import Evidence
+from dist_resume.cli.check._launch import Launch, Seen, StopRule, StopSignal, _due
+from dist_resume.cli.check._result import Cause, ResumeCheck
+from dist_resume.cli.check._watch import SETTLE_S, FolderWatch, step_of
 from dist_resume.errors import UsageError
 from dist_resume.testing import kill_tree
 from tests.helpers import save_with_device_tag

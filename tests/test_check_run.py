@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_resume.cli._check_folder import FolderWatch
-from dist_resume.cli._check_run import Launch, launch, stderr_tail
+from dist_resume.cli.check._launch import Launch, launch, stderr_tail
+from dist_resume.cli.check._watch import FolderWatch
 from dist_resume.errors import CheckCommandError
 
 # the stderr of `torchrun --standalone --nproc_per_node=2 train.py` whose rank 0 raised RuntimeError (torch 2.x, CPU,

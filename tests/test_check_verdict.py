@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dist_resume.cli._check_compare import UNSEEDED_PART, unseeded_said
-from dist_resume.cli._check_result import Cause, ResumeCheck
-from dist_resume.cli._check_run import Launch, Seen
-from dist_resume.cli._check_verdict import verdict
+from dist_resume.cli.check._compare import UNSEEDED_PART, unseeded_said
+from dist_resume.cli.check._launch import Launch, Seen
+from dist_resume.cli.check._result import Cause, ResumeCheck
+from dist_resume.cli.check._verdict import verdict
 from dist_resume.errors import CheckCommandError
 from tests.test_check_parts import _save
 

@@ -192,6 +192,6 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ._check import main_check
+    from .check import main_check
 
     return main_check(args)

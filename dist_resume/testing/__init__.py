@@ -52,9 +52,18 @@ from pathlib import Path
 
 from .._core.procs import kill_process_group, kill_tree
 from .._core.publish import publish
-from ..cli._check import CheckOptions, run_check
-from ..cli._check_result import Cause, HyperparameterDifference, PartDifference, ResumeCheck, StepDifference
-from ..cli._check_run import Launch, Seen, StopSignal
+from ..cli.check import (
+    Cause,
+    CheckOptions,
+    HyperparameterDifference,
+    Launch,
+    PartDifference,
+    ResumeCheck,
+    Seen,
+    StepDifference,
+    StopSignal,
+    run_check,
+)
 from ._ranks import RankFailure, run_ranks
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import torch
 
-from ._compare import compare_values
+from .._compare import compare_values
 
 __all__ = ["WORDS", "RankStreams", "rank_streams"]
 

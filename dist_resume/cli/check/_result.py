@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.text import preview, shown
-from ._check_run import Launch
-from ._common import SCHEMA_PREFIX
+from ..._core.text import preview, shown
+from .._common import SCHEMA_PREFIX
+from ._launch import Launch
 
 __all__ = ["SCHEMA", "Cause", "PartDifference", "StepDifference", "HyperparameterDifference", "ResumeCheck"]
 

@@ -2,7 +2,7 @@
 (every checkpoint before it is equal): how far apart each rank's RNG streams are there, and how far apart the data
 positions. Each rule returns its cause with the evidence in its sentence (the part, the step, the numbers), or None.
 
-What the numbers tell apart (:mod:`._check_streams`): a resumed run whose torch stream is 2 draws ahead made one
+What the numbers tell apart (:mod:`._streams`): a resumed run whose torch stream is 2 draws ahead made one
 64-bit draw more (a ``DataLoader`` without ``generator=`` creating one more iterator); ahead by more, it drew again
 something the saved streams had drawn already (a batch drawn ahead of the save); behind on some ranks only, the
 uninterrupted run drew more there (an evaluation on rank 0 between a save and the next step); behind on every rank,
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Final
 
-from .._core.text import preview
-from ._check_compare import UNSEEDED_PART, UNSEEDED_STREAMS
-from ._check_evidence import Evidence, sample_index, samples_per_step, where
-from ._check_result import Cause
-from ._check_streams import WORDS, RankStreams
+from ..._core.text import preview
+from ._compare import UNSEEDED_PART, UNSEEDED_STREAMS
+from ._evidence import Evidence, sample_index, samples_per_step, where
+from ._result import Cause
+from ._streams import WORDS, RankStreams
 
 __all__ = ["rng_after_resume", "data_position_after_resume"]
 

@@ -3,7 +3,7 @@ with its evidence (the part and the step that show it) and its fix; where none f
 points to the first difference.
 
 The primary causes are read from what differs and what the checkpoints hold (those read at the first checkpoint
-written after a resume: :mod:`._check_diagnose_resume`); two weaker ones (no data position, no RNG streams in the
+written after a resume: :mod:`._diagnose_resume`); two weaker ones (no data position, no RNG streams in the
 checkpoints) are named only when no primary cause explains a model that differs after a resume.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._core.text import preview, shown
-from ._check_compare import UNSEEDED_PART, PairResult, unseeded_said
-from ._check_diagnose_resume import data_position_after_resume, rng_after_resume
-from ._check_evidence import Evidence, where
-from ._check_result import Cause
-from ._check_run import stderr_tail
+from ..._core.text import preview, shown
+from ._compare import UNSEEDED_PART, PairResult, unseeded_said
+from ._diagnose_resume import data_position_after_resume, rng_after_resume
+from ._evidence import Evidence, where
+from ._launch import stderr_tail
+from ._result import Cause
 
 __all__ = ["diagnose"]
 

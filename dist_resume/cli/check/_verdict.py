@@ -1,5 +1,5 @@
 """The verdict of ``dist-resume check``: both folders compared pair by pair, the first difference, the diagnosis,
-assembled into a :class:`~dist_resume.cli._check_result.ResumeCheck`.
+assembled into a :class:`~dist_resume.cli.check._result.ResumeCheck`.
 
 Two cases are not "every pair equal" read plainly. A run whose compared checkpoints were all written before the first
 interruption checked nothing: an error (:class:`~dist_resume.errors.CheckCommandError`), not exact. Python's
@@ -8,7 +8,7 @@ does not seed them and draws nothing it trains from them: exact, with a note (a 
 the checkpoints written before any interruption equal).
 
 Every saved string that names a run's folder is compared with it replaced by ``<run folder>``
-(:mod:`._check_mask`): each run has its own folder, and a script that saves its arguments saves it; a note says where.
+(:mod:`._mask`): each run has its own folder, and a script that saves its arguments saves it; a note says where.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._core.errors import CheckCommandError
-from ._check_compare import UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
-from ._check_diagnose import diagnose
-from ._check_evidence import collect_evidence
-from ._check_mask import masked_said, masks_for
-from ._check_result import Cause, ResumeCheck, StepDifference
-from ._check_run import Launch, stderr_tail
+from ..._core.errors import CheckCommandError
+from ._compare import UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
+from ._diagnose import diagnose
+from ._evidence import collect_evidence
+from ._launch import Launch, stderr_tail
+from ._mask import masked_said, masks_for
+from ._result import Cause, ResumeCheck, StepDifference
 
 __all__ = ["verdict"]
 

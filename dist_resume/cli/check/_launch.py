@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .._core.errors import CheckCommandError, UsageError
-from .._core.procs import kill_process_group, kill_tree, marked_processes
-from ._check_folder import SETTLE_S, FolderWatch
+from ..._core.errors import CheckCommandError, UsageError
+from ..._core.procs import kill_process_group, kill_tree, marked_processes
+from ._watch import SETTLE_S, FolderWatch
 
 __all__ = ["MARK_ENV", "POLL_S", "TERM_GRACE_S", "StopSignal", "StopRule", "Seen", "Launch", "launch", "stderr_tail"]
 

@@ -1,6 +1,6 @@
 """What ``dist-resume check``'s diagnosis reads (:class:`Evidence`): the compared pairs, which launch wrote each
 checkpoint, and, at the first checkpoint that differs and was written after a resume, how far apart each rank's RNG
-streams are (:mod:`._check_streams`) and how far apart the data positions are, in samples and in steps."""
+streams are (:mod:`._streams`) and how far apart the data positions are, in samples and in steps."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from ._check_compare import PairResult
-from ._check_run import Launch
+from ._compare import PairResult
+from ._launch import Launch
 
 if TYPE_CHECKING:
-    from ._check_streams import RankStreams
+    from ._streams import RankStreams
 
 __all__ = ["Evidence", "collect_evidence", "where", "sample_index", "samples_per_step"]
 
@@ -56,7 +56,7 @@ def collect_evidence(
     after = ev.after
     if after is None or not any(p.part.startswith("rng") for p in after.parts):
         return ev
-    from ._check_streams import rank_streams  # torch: only where streams differ
+    from ._streams import rank_streams  # torch: only where streams differ
 
     measured = ("torch",) if unseeded else ("torch", "python")
     return Evidence(results, first, launches, written_by, unseeded, rank_streams(*after.rng, shifts=measured))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from ._fast import CHECKPOINT_NAME
+from .._fast import CHECKPOINT_NAME
 
 __all__ = ["SETTLE_S", "SUFFIXES", "Entry", "FolderWatch", "step_of", "complete_versions"]
 

@@ -4,9 +4,9 @@ COMMAND runs once uninterrupted in a fresh folder (``{dir}``: the reference), th
 stopped ``interrupts`` times and relaunched unchanged after each stop. Each stop comes at a moment drawn (``seed``)
 over the reference's timeline, between the checkpoint after the one the launch resumes from and the reference's last
 (:func:`_stop_rule`), so never before the folder holds a checkpoint newer than at that launch's start. Then the newest checkpoint of each folder, and every earlier step both still hold, are read as ``resume`` reads
-them and compared part by part (:mod:`._check_compare`), a saved string that names a run's folder compared as
-``<run folder>`` (:mod:`._check_mask`); a known cause of what differs is named only with its evidence
-(:mod:`._check_diagnose`). A command that fails by itself, writes no checkpoint, or outlives ``timeout`` is an error
+them and compared part by part (:mod:`._compare`), a saved string that names a run's folder compared as
+``<run folder>`` (:mod:`._mask`); a known cause of what differs is named only with its evidence
+(:mod:`._diagnose`). A command that fails by itself, writes no checkpoint, or outlives ``timeout`` is an error
 (:class:`~dist_resume.errors.CheckCommandError`), never a verdict; so is one that writes a single checkpoint, or
 whose relaunches write none (nothing would be checked).
 """
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .._core.errors import CheckCommandError, UsageError
-from ._check_folder import FolderWatch
-from ._check_result import ResumeCheck
-from ._check_run import Launch, StopRule, StopSignal, launch, stderr_tail
-from ._common import ExitCode, print_json
+from ..._core.errors import CheckCommandError, UsageError
+from .._common import ExitCode, print_json
+from ._launch import Launch, StopRule, StopSignal, launch, stderr_tail
+from ._result import ResumeCheck
+from ._watch import FolderWatch
 
 __all__ = ["PLACEHOLDER", "DEVICES", "CheckOptions", "command_argv", "run_check", "main_check"]
 
@@ -94,15 +94,15 @@ def command_argv(command: str | Sequence[str]) -> list[str]:
 def _environment(options: CheckOptions) -> dict[str, str]:
     env = {**os.environ, **(options.env or {})}
     if options.device == "sim":
-        from .._sim.activate import DEVICES_ENV
-        from .._sim.boot import startup_dir, worker_env
-        from .._sim.build import built_library, unavailable_reason
+        from ..._sim.activate import DEVICES_ENV
+        from ..._sim.boot import startup_dir, worker_env
+        from ..._sim.build import built_library, unavailable_reason
 
         reason = unavailable_reason()
         if reason is not None:
             raise UsageError(f"--device sim: {reason}", hint="run the check without --device on this machine")
         if built_library() is None:
-            from .._core.log import logger  # torch's (via the rank look-up): imported where it logs
+            from ..._core.log import logger  # torch's (via the rank look-up): imported where it logs
 
             logger.warning("building the test accelerator (first use here: about 15 s on 2 cores)")
         count = env.get(DEVICES_ENV, "").strip()
@@ -174,7 +174,7 @@ def _failed(run: Launch, what: str) -> CheckCommandError:
 
 
 def _import_compare() -> None:
-    from ._check_compare import compare_pair  # noqa: F401  (torch and the readers, while the command runs)
+    from ._compare import compare_pair  # noqa: F401  (torch and the readers, while the command runs)
 
 
 def _interrupted_run(
@@ -215,7 +215,7 @@ def _interrupted_run(
             raise _failed(first, "the interrupted run's first launch (the reference had succeeded)")
         if first.stopped_at is not None:
             return folder, launches
-        from .._core.log import logger
+        from ..._core.log import logger
 
         logger.info("launch 1 ended by itself before its stop; once more, stopped at its first new checkpoint")
     raise CheckCommandError(
@@ -258,7 +258,7 @@ def run_check(command: str | Sequence[str], options: CheckOptions) -> ResumeChec
         if len(ref.seen) < 2:  # a version each: a snapshot rewritten in place counts once per save
             raise _one_checkpoint(ref)
         got_dir, launches = _interrupted_run(argv, ref, work, options, env)
-        from ._check_verdict import verdict
+        from ._verdict import verdict
 
         folders = (ref_dir, got_dir)
         check = verdict(argv, ref, launches, folders, asked=options.interrupts, signal=options.signal.value)

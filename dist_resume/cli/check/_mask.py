@@ -13,13 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from .._layout.layout import CheckpointParts
+from ..._layout.layout import CheckpointParts
 
 __all__ = ["RUN_FOLDER", "CHECK_FOLDER", "Masks", "masks_for", "mask_parts", "masked_said"]
 
 RUN_FOLDER: Final = "<run folder>"
 CHECK_FOLDER: Final = "<check folder>"
-_PARTS: Final = (  # CheckpointParts field -> the part's name in the report (as _check_compare names them)
+_PARTS: Final = (  # CheckpointParts field -> the part's name in the report (as ._compare names them)
     ("model", "model"),
     ("optimizer", "optimizer"),
     ("scheduler", "scheduler"),
@@ -93,7 +93,7 @@ def mask_parts(parts: CheckpointParts, masks: Masks) -> tuple[CheckpointParts, t
 
 def masked_said(keys: Sequence[str]) -> str:
     """The report's note on the strings masked (``keys``: distinct, as :func:`mask_parts` gives them)."""
-    from .._core.text import preview
+    from ..._core.text import preview
 
     runs = [k for k in keys if not k.startswith(CHECK_FOLDER)]
     roots = [k.removeprefix(CHECK_FOLDER) for k in keys if k.startswith(CHECK_FOLDER)]

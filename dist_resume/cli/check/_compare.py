@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import UsageError
-from .._core.text import preview
-from .._foreign.folders import checkpoint_subfolders, foreign_kind
-from .._layout.layout import CheckpointParts
-from .._source.listing import numbered_checkpoints
-from .._state.optim_keys import NOT_HYPERPARAMETERS
-from ._check_folder import SUFFIXES, step_of
-from ._check_mask import Masks, mask_parts
-from ._check_result import HyperparameterDifference, PartDifference
-from ._compare import Report, compare_parts, compare_values
-from ._verify import read_parts
+from ..._core.errors import UsageError
+from ..._core.text import preview
+from ..._foreign.folders import checkpoint_subfolders, foreign_kind
+from ..._layout.layout import CheckpointParts
+from ..._source.listing import numbered_checkpoints
+from ..._state.optim_keys import NOT_HYPERPARAMETERS
+from .._compare import Report, compare_parts, compare_values
+from .._verify import read_parts
+from ._mask import Masks, mask_parts
+from ._result import HyperparameterDifference, PartDifference
+from ._watch import SUFFIXES, step_of
 
 __all__ = [
     "UNSEEDED_PART",
@@ -100,7 +100,7 @@ class PairResult:
     """How one pair differs (``parts``, ``hyperparameters``) and what the diagnosis asks of it: which parts each
     checkpoint holds (``held``: part -> (reference has it, interrupted has it)), group 0's ``lr`` in each, and the
     world sizes they were saved at; ``rng`` and ``position``: each checkpoint's RNG streams and data position, as
-    saved; ``masked``: where a saved string named the run's folder (:mod:`._check_mask`)."""
+    saved; ``masked``: where a saved string named the run's folder (:mod:`._mask`)."""
 
     pair: Pair
     parts: tuple[PartDifference, ...]
@@ -187,7 +187,7 @@ def _compare_rng(report: Report, x: Any, y: Any) -> tuple[str, ...]:
 
 def compare_pair(pair: Pair, masks: Masks = ()) -> PairResult:
     """Read both checkpoints of ``pair`` and compare them part by part, every saved string that names a folder of
-    ``masks`` (:func:`~._check_mask.masks_for`: the runs' folders) with it replaced. Local."""
+    ``masks`` (:func:`~._mask.masks_for`: the runs' folders) with it replaced. Local."""
     (a, in_a), (b, in_b) = (mask_parts(read_parts(p), masks) for p in (pair.reference, pair.interrupted))
     report = compare_parts(a, b)
     for note in report.not_compared:  # "optimizer (only B has one)": a part one run saved and the other did not
