@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from ._checkpoint.objects import TrainingObjects
     from ._checkpoint.options import OptimizerHparams, ResumeOptions
     from ._checkpoint.restore import ResumeResult, resume
+    from ._core.log import set_verbosity
     from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
     from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
     from ._exact.sampler import ResumableDistributedSampler
@@ -77,6 +78,8 @@ __all__ = [
     "seed_rng",
     "derive_seed",
     "sample_seed",
+    # logging
+    "set_verbosity",
     # errors (the rest in dist_resume.errors)
     "DistResumeError",
 ]
@@ -101,6 +104,7 @@ _HOMES: Final = {
     "optimizer_to": "._state.optim",
     **dict.fromkeys(("add_prefix", "canonical_key", "strip_prefix", "unwrap_model"), "._state.prefix"),
     "DistResumeError": ".errors",
+    "set_verbosity": "._core.log",
 }
 _SUBMODULES: Final = ("errors", "tools", "testing")
 

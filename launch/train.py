@@ -294,7 +294,7 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
         )
     elif res is not None:
         step = res.step or 0  # optimizer steps completed: the loop continues with step + 1
-        # dist_resume has logged "resumed from <file> (... restored ...)" (INFO); say where training goes on
+        # dist_resume has logged "resumed from <file> at step N (epoch E) in T s (restored ...)"; say where training goes on
         log.info(
             "continuing at step %d, epoch %d, sample %d of %d (saved by %s rank(s), now %d; attempt %d)",
             step,

@@ -33,6 +33,7 @@ def _worker(folder: str, rounds: int) -> None:
     from dist_resume._manager import manager as manager_module
 
     dr.init_distributed()
+    dr.set_verbosity("warning")  # no line per save
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1024, 1024))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

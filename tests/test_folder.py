@@ -111,6 +111,7 @@ def test_latest_skips_damaged_and_foreign_files_and_logs_why(tmp_path: Path, cap
     torch.save({"w": torch.ones(2)}, p400)  # a torch file without dist_resume metadata
     os.replace(tmp_path / checkpoint_name(100), p300)  # renamed by hand: metadata says step 100
     (tmp_path / "ckpt_00000600.pt").write_bytes(b"")  # empty
+    caplog.clear()  # the save lines logged at INFO above
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         assert mgr.latest() == tmp_path / checkpoint_name(200)
     skipped = [r.getMessage() for r in caplog.records if r.name == "dist_resume"]
@@ -153,6 +154,7 @@ def test_temp_files_are_ignored_by_latest_and_only_ours_are_cleaned(tmp_path: Pa
 
 def test_saving_an_earlier_step_never_deletes_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mgr = _save_steps(tmp_path, [200], keep_last=1)
+    caplog.clear()  # the save lines logged at INFO above
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         mgr.save(150, model=Net())
     assert _names(mgr) == ["ckpt_00000150.pt", "ckpt_00000200.pt"]
@@ -272,6 +274,7 @@ def test_a_valid_later_step_is_what_the_warning_names_and_latest_picks(
 
     mgr = _save_steps(tmp_path, [100, 400, 500], keep_last=3)
     flip_byte_in_tensor_record(tmp_path / checkpoint_name(500))
+    caplog.clear()  # the save lines logged at INFO above
     with caplog.at_level(logging.WARNING, logger="dist_resume"):
         mgr.save(300, model=_filled(300))
     later, damaged = _warnings(caplog)

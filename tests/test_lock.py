@@ -157,6 +157,7 @@ def test_the_lock_file_is_neither_a_checkpoint_nor_a_temp_file(
     with CheckpointManager(tmp_path, keep_last=1) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, model=_linear(float(step)))
+        caplog.clear()  # the save lines logged at INFO above
         with caplog.at_level(logging.WARNING, logger="dist_resume"):
             assert mgr.latest() == tmp_path / checkpoint_name(3)
         assert not caplog.records  # not skipped as a damaged checkpoint either

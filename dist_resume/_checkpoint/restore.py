@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -12,7 +13,7 @@ from torch import nn
 
 from .._core.errors import PartialRestoreError, RestoreError, UsageError
 from .._core.location import Location
-from .._core.log import log_rank0
+from .._core.log import log_rank0, shown_path
 from .._core.types import PathLike
 from .._dist.agree import agree_across_ranks
 from .._dist.env import is_distributed
@@ -140,9 +141,10 @@ def resume(
         >>> dist_resume.resume(path, model=torch.nn.Linear(2, 2), options=opts).restored
         ('model',)
     """
+    started = time.perf_counter()
     opts = checked_options(options)
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=False), ema)
-    return restore_from(resolve_source(path, broadcast=opts.broadcast_from_rank0), objects, opts)
+    return restore_from(resolve_source(path, broadcast=opts.broadcast_from_rank0), objects, opts, started=started)
 
 
 def checked_options(options: Any) -> ResumeOptions:
@@ -157,13 +159,27 @@ def checked_options(options: Any) -> ResumeOptions:
     return options
 
 
-def restore_from(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
+def restore_from(
+    source: Source,
+    objects: LiveObjects,
+    options: ResumeOptions,
+    *,
+    started: float | None = None,
+    announce: bool = True,
+) -> ResumeResult:
     """:func:`_restore_once`; a folder's chosen checkpoint that some rank finds damaged as it reads it (before anything
-    changed) is left for the previous complete one, on every rank (:func:`~.fallback.restore_newest`)."""
-    return restore_newest(source, lambda chosen: _restore_once(chosen, objects, options))
+    changed) is left for the previous complete one, on every rank (:func:`~.fallback.restore_newest`).
+
+    Global rank 0 says what was restored in one INFO line (``resumed from /abs/run/ckpt_00000080.pt at step 80
+    (epoch 4) in 0.41 s (restored model, ...)``), the time counted from ``started`` (a ``time.perf_counter()``; this
+    call's start when None); ``announce=False`` leaves the line to a caller that says it its own way (``init_from``).
+    """
+    began = time.perf_counter() if started is None else started
+    said = began if announce else None
+    return restore_newest(source, lambda chosen: _restore_once(chosen, objects, options, said))
 
 
-def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
+def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions, began: float | None) -> ResumeResult:
     """Read ``source`` (decided already), validate it against ``objects``, apply it; say what was restored.
 
     Collective under torch.distributed (every rank validates before anything changes, and after applying every
@@ -179,16 +195,8 @@ def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions) 
     parts = plan.parts
     if "optimizer" in restored and objects.optimizer is not None:
         check_first_step(objects.model, objects.optimizer)  # a model.to() after this: named at the first step
-    log_rank0(
-        logging.INFO,
-        "resumed from %s (%s layout%s, step %s, epoch %s; restored %s)",
-        contents.path,
-        parts.layout.value,
-        _key_sources(parts),
-        parts.step,
-        parts.epoch,
-        ", ".join(restored),
-    )
+    if began is not None:
+        log_rank0(logging.INFO, "%s", _resumed_line(contents.path, parts, restored, time.perf_counter() - began))
     return ResumeResult(
         contents.path,
         parts.layout,
@@ -244,6 +252,17 @@ def _split(obj: Any, source: str, objects: LiveObjects, options: ResumeOptions) 
 
 _COUNTERS: Final = {"step": ("global_step",)}  # Lightning's and HF Trainer's name for it
 _FOREIGN: Final = (Layout.HF_TRAINER, Layout.ACCELERATE, Layout.DCP, Layout.SAFETENSORS)  # parts named by files
+
+
+def _resumed_line(path: Location, parts: CheckpointParts, restored: tuple[str, ...], seconds: float) -> str:
+    """``resumed from /abs/run/ckpt_00000080.pt at step 80 (epoch 4) in 0.41 s (restored model, optimizer)``; another
+    layout than dist_resume's, or parts under other keys, named after the path (``(lightning layout)``)."""
+    keys = _key_sources(parts)
+    layout = "" if parts.layout is Layout.TOOLKIT and not keys else f" ({parts.layout.value} layout{keys})"
+    at = "" if parts.step is None else f" at step {parts.step}"
+    epoch = "" if parts.epoch is None else f" (epoch {parts.epoch})"
+    what = f"restored {', '.join(restored)}" if restored else "nothing restored"
+    return f"resumed from {shown_path(path)}{layout}{at}{epoch} in {seconds:.2f} s ({what})"
 
 
 def _key_sources(parts: CheckpointParts) -> str:

@@ -205,7 +205,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, **kwargs)  # type: ignore[arg-type]
     else:
         dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, **kwargs)  # type: ignore[arg-type]
-    log_rank0(logging.INFO, "initialised %s process group: world size %d", backend, info.world_size)
+    log_rank0(logging.DEBUG, "initialised %s process group: world size %d", backend, info.world_size)
     return info
 
 

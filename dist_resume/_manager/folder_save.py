@@ -9,6 +9,7 @@ background thread), and rotation once the new checkpoint is durable.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,20 +59,24 @@ def _check_step(step: Any) -> int:
 
 def _begin(
     target: SaveTarget, live: LiveObjects, step: int, epoch: int | None, extra: Any
-) -> tuple[Location, Callable[[], dict[str, Any]], int | None]:
-    """The steps both saves share: the path, the previous save waited for, the writer prepared, the payload."""
+) -> tuple[Location, Callable[[], dict[str, Any]], int | None, float]:
+    """The steps both saves share: the path, the previous save waited for, the writer prepared, the payload; and
+    when this save began (after the wait: the log line's time is this save's own)."""
     path = target.path(live, step)
     wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
+    started = time.perf_counter()
     run_on_rank0(target.prepare)
     build, epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
-    return path, build, epoch
+    return path, build, epoch, started
 
 
 def save_into(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> Location:
     """Save ``live`` as the checkpoint of ``step`` into the target's folder, then rotate; return its path.
     Collective under torch.distributed (see :meth:`CheckpointManager.save`)."""
-    path, build, epoch = _begin(target, live, step, epoch, extra)
-    write_checkpoint(path, build, step=step, epoch=epoch, model=live.model, full_state=target.full_state)
+    path, build, epoch, started = _begin(target, live, step, epoch, extra)
+    write_checkpoint(
+        path, build, step=step, epoch=epoch, model=live.model, full_state=target.full_state, started=started
+    )
     run_on_rank0(lambda: target.rotate(path, step))
     return path
 
@@ -79,7 +84,7 @@ def save_into(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | 
 def save_into_async(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> AsyncSave:
     """Like :func:`save_into`, the write and the rotation in a background thread once the state is snapshotted.
     Collective under torch.distributed (see :meth:`CheckpointManager.save_async`)."""
-    path, build, epoch = _begin(target, live, step, epoch, extra)
+    path, build, epoch, started = _begin(target, live, step, epoch, extra)
     return write_in_background(
         path,
         build,
@@ -88,4 +93,5 @@ def save_into_async(target: SaveTarget, live: LiveObjects, step: int, *, epoch: 
         after_write=lambda done: target.rotate(done, step),
         model=live.model,
         full_state=target.full_state,
+        started=started,
     )

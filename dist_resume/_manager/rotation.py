@@ -92,7 +92,7 @@ def remove_leftovers(folder: Location) -> None:
         if found and CHECKPOINT_NAME.match(found.group("dest")):
             try:
                 remove_path(folder / name)
-                log_rank0(logging.INFO, "removed %s, left by an interrupted save", folder / name)
+                log_rank0(logging.DEBUG, "removed %s, left by an interrupted save", folder / name)
             except OSError as err:
                 logger.warning("could not remove %s, left by an interrupted save: %s", name, err)
 
@@ -105,11 +105,11 @@ def _remove_remote_leftovers(folder: RemotePath) -> None:
     for path in leftovers:
         try:
             remove_path(path)
-            log_rank0(logging.INFO, "removed %s, left by an interrupted save", path)
+            log_rank0(logging.DEBUG, "removed %s, left by an interrupted save", path)
         except OSError as err:
             logger.warning("could not remove %s, left by an interrupted save: %s", path, err)
     for key in abort_unfinished(folder, lambda name: CHECKPOINT_NAME.match(name) is not None):
-        log_rank0(logging.INFO, "aborted the unfinished upload of %s, left by an interrupted save", key)
+        log_rank0(logging.DEBUG, "aborted the unfinished upload of %s, left by an interrupted save", key)
 
 
 def _reason(path: Location, err: Exception) -> str:
@@ -198,7 +198,7 @@ def _delete(path: Location, why: str) -> None:
             remove_path(path)  # a symlink goes as a link: its target is never touched
         if exists(path):
             raise OSError(f"{path.name} is still there (a file in it could not be deleted)")
-        log_rank0(logging.INFO, "rotated out %s (%s)", path, why)
+        log_rank0(logging.DEBUG, "rotated out %s (%s)", path, why)
     except OSError as err:
         logger.warning("could not delete old checkpoint %s: %s", path, err)
     forget(path)

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import enum
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -19,7 +20,7 @@ from .._checkpoint.options import OptimizerHparams, ResumeOptions
 from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.location import Location, RemotePath
-from .._core.log import log_rank0
+from .._core.log import log_rank0, shown_path
 from .._core.text import preview
 from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
@@ -187,6 +188,7 @@ def start_run(
     rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``).
     """
 
+    started = time.perf_counter()
     created = False  # rank 0: this resume created the folder (to take its lock)
 
     def look_lock_choose() -> CheckpointInfo | None:
@@ -209,9 +211,9 @@ def start_run(
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)
-            return restore_from(source, objects, options)
+            return restore_from(source, objects, options, started=started)
         if init_from is None:
-            log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", folder)
+            log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", shown_path(folder))
             return None
         other = location(init_from)
         run_on_rank0(lambda: _check_init_from(other, folder), fallback=CheckpointError)
@@ -260,13 +262,13 @@ def _init(source: Source, objects: LiveObjects, options: ResumeOptions) -> Resum
         rng=False,
         allow_missing=frozenset(options.allow_missing).union(_INIT_OPTIONAL),
     )
-    result = restore_from(source, only, init_options)
+    result = restore_from(source, only, init_options, announce=False)
     absent = [part for part in _INIT_OPTIONAL if part in result.skipped]
     log_rank0(
         logging.INFO,
         "initialised %s from %s (step %s of that run); this run starts at step 0%s",
         " and ".join(result.restored),
-        result.path,
+        shown_path(result.path),
         result.step,
         f"; that file holds no {' or '.join(absent)} state: left as built" if absent else "",
     )

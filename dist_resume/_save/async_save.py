@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
 from .._core.exit import wait_at_exit
 from .._core.location import Location
-from .._core.log import log_rank0
+from .._core.log import log_saved
 from .._core.tree import map_tensors
 from .._core.types import PathLike
 from .._dist.accelerator import pinned_staging, synchronize
@@ -26,7 +27,7 @@ from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
 from .._store.url import location
-from .save import prepare_payload
+from .save import prepare_payload, tell
 from .sharded import begin_sharded, finish_sharded, save_full
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
@@ -177,9 +178,10 @@ def save_checkpoint_async(
         PosixPath('ckpt.pt')
     """
     wait_pending()
+    started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_in_background(path, build, step=step, epoch=epoch, model=model, full_state=full_state)
+    return write_in_background(path, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
 
 
 _background: tuple[Any, Any] = (None, None)  # (the default process group, the second group made for it)
@@ -193,10 +195,21 @@ def _background_group() -> Any:
     return _background[1]
 
 
+_IN_BACKGROUND = ", in the background"  # what the save's log line adds after its time
+
+
 def _sharded_in_background(
-    dest: Location, build: Callable[[], dict[str, Any]], model: nn.Module, *, step: Any, epoch: Any, after: Any
+    dest: Location,
+    build: Callable[[], dict[str, Any]],
+    model: nn.Module,
+    *,
+    step: Any,
+    epoch: Any,
+    after: Any,
+    started: float,
 ) -> AsyncSave:
-    save = begin_sharded(dest, build, model, step=step, epoch=epoch).staged()
+    begun = begin_sharded(dest, build, model, step=step, epoch=epoch, started=started)
+    save = dataclasses.replace(begun, how=_IN_BACKGROUND).staged()
     group = _background_group()
     handle = AsyncSave(dest, None, every_rank=True)
 
@@ -218,28 +231,41 @@ def write_in_background(
     after_write: Callable[[Location], None] | None = None,
     model: nn.Module | None = None,
     full_state: bool = False,
+    started: float | None = None,
 ) -> AsyncSave:
     """Rank 0 snapshots ``build()``'s payload and a thread writes it atomically, then runs ``after_write`` (e.g.
     rotation) once the file is durable. Local; the caller has waited for the previous save (:func:`wait_pending`).
-    An FSDP2 ``model``: collective, every rank writes its shards in a thread (``full_state``: one file, now)."""
+    An FSDP2 ``model``: collective, every rank writes its shards in a thread (``full_state``: one file, now).
+    Rank 0 logs the save's line once the write is durable, its time counted from ``started`` (a
+    ``time.perf_counter()``; this call's start when None)."""
     global _pending
+    began = time.perf_counter() if started is None else started
     dest = location(path)
     if model is not None and is_sharded(model):
         if full_state:
-            written = save_full(dest, build, step=step, epoch=epoch)
+            written = save_full(dest, build, step=step, epoch=epoch, started=began)
             if after_write is not None:
                 run_on_rank0(lambda: after_write(written))
             handle = AsyncSave(written, None)
         else:
-            handle = _sharded_in_background(dest, build, model, step=step, epoch=epoch, after=after_write)
+            handle = _sharded_in_background(
+                dest, build, model, step=step, epoch=epoch, after=after_write, started=began
+            )
     elif not is_distributed() or dist.get_rank() == 0:
         snapshot, queued = _snapshot(build())
         synchronize(queued)  # the non-blocking copies must land before the thread reads them
         handle = AsyncSave(dest, None)
 
         def write() -> None:
-            atomic_write(dest, lambda f: torch.save(snapshot, f))
-            log_rank0(logging.INFO, "saved checkpoint %s in the background (step %s)", dest, step)
+            size: list[int | None] = [None]
+
+            def dump(f: Any) -> None:
+                torch.save(snapshot, f)
+                size[0] = tell(f)
+
+            atomic_write(dest, dump)
+            seconds = time.perf_counter() - began
+            log_saved(dest, step=step, epoch=epoch, size=size[0], seconds=seconds, how=_IN_BACKGROUND)
             if after_write is not None:
                 after_write(dest)
 

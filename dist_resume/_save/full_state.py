@@ -100,7 +100,7 @@ def _write_on_rank0(path: PathLike | Location, state: Any, tensors: list[torch.T
     except BaseException:
         _drain(tensors, streams, scratch, bucket_bytes)
         raise
-    log_rank0(logging.INFO, "saved %s, gathered tensor by tensor (buffer %d bytes)", dest, scratch.nbytes)
+    log_rank0(logging.DEBUG, "saved %s, gathered tensor by tensor (buffer %d bytes)", dest, scratch.nbytes)
     return dest
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -17,7 +16,7 @@ from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
-from .._core.log import log_rank0
+from .._core.log import log_saved
 from .._core.text import article
 from .._core.tree import structure_problem
 from .._core.types import PathLike
@@ -35,7 +34,14 @@ from .._state.sharded import is_sharded
 from .._store.url import location
 from .sharded import save_full, save_sharded
 
-__all__ = ["save_checkpoint", "write_checkpoint", "prepare_payload", "build_payload", "check_weights_only_safe"]
+__all__ = [
+    "save_checkpoint",
+    "write_checkpoint",
+    "prepare_payload",
+    "build_payload",
+    "check_weights_only_safe",
+    "tell",
+]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
 
@@ -149,22 +155,32 @@ def write_checkpoint(
     epoch: int | None,
     model: nn.Module | None = None,
     full_state: bool = False,
+    started: float | None = None,
 ) -> Location:
     """Rank 0 builds the payload and writes it atomically; every rank returns its path (or raises rank 0's error).
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
     by every rank into a sharded checkpoint folder (:func:`~dist_resume._save.sharded.save_sharded`),
-    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`).
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`). Rank 0 logs the
+    save's one line (:func:`~dist_resume._core.log.log_saved`), its time counted from ``started`` (a
+    ``time.perf_counter()``; this call's start when None).
     """
+    began = time.perf_counter() if started is None else started
     if model is not None and is_sharded(model):
         if full_state:
-            return save_full(location(path), build, step=step, epoch=epoch)
-        return save_sharded(location(path), build, model, step=step, epoch=epoch)
+            return save_full(location(path), build, step=step, epoch=epoch, started=began)
+        return save_sharded(location(path), build, model, step=step, epoch=epoch, started=began)
 
     def write() -> Location:
         payload = build()
-        dest = atomic_write(path, lambda f: torch.save(payload, f))
-        log_rank0(logging.INFO, "saved checkpoint %s (step %s, epoch %s)", dest, step, epoch)
+        size: list[int | None] = [None]
+
+        def dump(f: Any) -> None:
+            torch.save(payload, f)
+            size[0] = tell(f)
+
+        dest = atomic_write(path, dump)
+        log_saved(dest, step=step, epoch=epoch, size=size[0], seconds=time.perf_counter() - began)
         return dest
 
     result: Location = run_on_rank0(write)
@@ -222,6 +238,16 @@ def save_checkpoint(
         >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
         PosixPath('ckpt.pt')
     """
+    started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state)
+    return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
+
+
+def tell(f: Any) -> int | None:
+    """The bytes written so far into ``f`` (a file ``torch.save`` wrote from its start: its size), or None when
+    ``f`` cannot say. Local; never raises (a log line's size must not fail a save)."""
+    try:
+        return int(f.tell())
+    except Exception:
+        return None

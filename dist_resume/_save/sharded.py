@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from .._core.errors import CheckpointWriteError, DistResumeError, UsageError
 from .._core.location import Location, RemotePath
-from .._core.log import log_rank0
+from .._core.log import file_size, log_saved
 from .._core.text import preview
 from .._core.tree import map_tensors
 from .._dist.agree import first_failure
@@ -159,6 +159,8 @@ class ShardedSave:
     mesh: tuple[tuple[int, ...] | None, tuple[str, ...] | None]
     step: int | None
     epoch: int | None
+    started: float = field(default_factory=time.perf_counter)  # when the save began, for its log line
+    how: str = ""  # what the log line adds after the time (", in the background")
 
     def staged(self) -> ShardedSave:
         """The same save holding private CPU copies of this rank's shards: training may go on meanwhile. Local."""
@@ -179,7 +181,13 @@ def _cleanup(save_tmp: Path, dest: Location) -> None:
 
 
 def begin_sharded(
-    path: Location, build: Build, model: nn.Module, *, step: int | None, epoch: int | None
+    path: Location,
+    build: Build,
+    model: nn.Module,
+    *,
+    step: int | None,
+    epoch: int | None,
+    started: float | None = None,
 ) -> ShardedSave:
     """Steps 1 and 2 of a sharded save (see the module): the temporary folder, every rank's payload, the train
     state. Collective (the default group). On failure every rank raises and the folder is gone. On an object store
@@ -214,7 +222,8 @@ def begin_sharded(
     except BaseException:
         _cleanup(tmp, dest)
         raise
-    return ShardedSave(dest, tmp, state, _mesh_of(model), step, epoch)
+    began = time.perf_counter() if started is None else started
+    return ShardedSave(dest, tmp, state, _mesh_of(model), step, epoch, began)
 
 
 def finish_sharded(save: ShardedSave, group: Any = None) -> Location:
@@ -246,34 +255,40 @@ def _finish(save: ShardedSave, rank: int, group: Any) -> Location:
         run_on_rank0(lambda: commit_remote(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)
     else:
         run_on_rank0(lambda: _commit(save.tmp, dest, manifest), task=f"commit {str(dest)!r}", group=group)
-    log_rank0(
-        logging.INFO,
-        "saved sharded checkpoint %s (step %s, %d ranks, %d files, %d bytes)",
-        dest,
-        save.step,
-        manifest.world_size,
-        len(entries),
-        manifest.size,
-    )
+    seconds = time.perf_counter() - save.started
+    log_saved(dest, step=save.step, epoch=save.epoch, size=manifest.size, seconds=seconds, how=save.how)
     return dest
 
 
-def save_sharded(path: Location, build: Build, model: nn.Module, *, step: int | None, epoch: int | None) -> Location:
+def save_sharded(
+    path: Location,
+    build: Build,
+    model: nn.Module,
+    *,
+    step: int | None,
+    epoch: int | None,
+    started: float | None = None,
+) -> Location:
     """Write the sharded checkpoint folder ``path`` from every rank's shards; return its path (see the module).
 
     Collective: call it on every rank. ``build()`` runs on every rank (DTensor leaves everywhere; rank 0's
     payload holds the gathered RNG and sampler states). Raises the same :class:`CheckpointWriteError` on every
-    rank when any rank fails, and leaves no folder behind.
+    rank when any rank fails, and leaves no folder behind. Rank 0 logs the save's line, its time counted from
+    ``started`` (a ``time.perf_counter()``; this call's start when None), its size the folder's total.
     """
-    return finish_sharded(begin_sharded(path, build, model, step=step, epoch=epoch))
+    return finish_sharded(begin_sharded(path, build, model, step=step, epoch=epoch, started=started))
 
 
-def save_full(path: Location, build: Build, *, step: int | None, epoch: int | None) -> Location:
+def save_full(
+    path: Location, build: Build, *, step: int | None, epoch: int | None, started: float | None = None
+) -> Location:
     """One ordinary torch file from an FSDP2 model (``full_state=True``), gathered tensor by tensor. Collective.
 
     Every rank builds its payload (agreed before anything streams); rank 0 writes the file atomically through
-    :func:`save_full_state`, holding at most one bucket beyond its own shards.
+    :func:`save_full_state`, holding at most one bucket beyond its own shards. Rank 0 logs the save's line, its time
+    counted from ``started`` (this call's start when None).
     """
+    began = time.perf_counter() if started is None else started
     dest = path
     error: BaseException | None = None
     payload: dict[str, Any] = {}
@@ -283,7 +298,7 @@ def save_full(path: Location, build: Build, *, step: int | None, epoch: int | No
         error = err
     _agree(error, None, "preparing the save", dest, None)
     written = save_full_state(dest, payload, bucket_bytes=DEFAULT_BUCKET_BYTES)
-    log_rank0(
-        logging.INFO, "saved checkpoint %s, gathered from every rank's shards (step %s, epoch %s)", dest, step, epoch
-    )
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the file's one stat, on the rank that logs
+        size = file_size(written)
+        log_saved(written, step=step, epoch=epoch, size=size, seconds=time.perf_counter() - began)
     return written

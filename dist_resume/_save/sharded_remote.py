@@ -42,7 +42,7 @@ def clear_destination(dest: RemotePath) -> None:
         committed = (dest / MANIFEST).exists()
         remove_path(dest)
         if committed:
-            logger.info("replaced the sharded checkpoint %s saved earlier for the same step", dest)
+            logger.debug("replaced the sharded checkpoint %s saved earlier for the same step", dest)
 
 
 def upload_own(tmp: Path, dest: RemotePath, entries: list[FileEntry]) -> None:
