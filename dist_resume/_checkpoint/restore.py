@@ -16,6 +16,7 @@ from .._core.location import Location
 from .._core.log import log_rank0, shown_path
 from .._core.types import PathLike
 from .._dist.agree import agree_across_ranks
+from .._dist.checkin import check_in
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
@@ -83,7 +84,8 @@ def resume(
     """Restore model, optimizer, LR scheduler, GradScaler, data position, RNG streams and EMA, all or nothing.
 
     Collective under torch.distributed (call it on every rank, after wrapping the model in DDP or before,
-    either works), local in a single process: each rank reads the file and restores its own objects.
+    either works; a call on some ranks only is named within seconds, see :class:`CheckpointManager`), local in a
+    single process: each rank reads the file and restores its own objects.
     ``path`` may also be a checkpoint folder (:class:`CheckpointManager`): rank 0 picks the newest complete
     checkpoint and every rank confirms it sees the same file (see :func:`dist_resume.tools.resolve_checkpoint`).
     How the file is read and what may be missing is
@@ -144,6 +146,7 @@ def resume(
     started = time.perf_counter()
     opts = checked_options(options)
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=False), ema)
+    check_in("dist_resume.resume()")  # a call made on some ranks only is named, not hung
     return restore_from(resolve_source(path, broadcast=opts.broadcast_from_rank0), objects, opts, started=started)
 
 

@@ -85,8 +85,8 @@ def _base(number: int) -> str:
 
 def _fix(call: str) -> str:
     return (
-        f"{call} is collective: call it on every rank, not inside `if rank == 0:`; dist_resume writes from rank 0 "
-        "itself (and logs from rank 0 only)"
+        f"{call} is collective: call it on every rank, not inside `if rank == 0:`; dist_resume leaves the writing "
+        "and the logging to rank 0 by itself"
     )
 
 

@@ -21,6 +21,7 @@ from .._core.log import log_saved
 from .._core.tree import map_tensors
 from .._core.types import PathLike
 from .._dist.accelerator import pinned_staging, synchronize
+from .._dist.checkin import check_in
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
@@ -156,7 +157,8 @@ def save_checkpoint_async(
 ) -> AsyncSave:
     """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
 
-    Collective under torch.distributed: call it on every rank. It first waits for the previous
+    Collective under torch.distributed: call it on every rank (a call on some ranks only is named within seconds,
+    see :class:`CheckpointManager`). It first waits for the previous
     asynchronous save (so its errors surface here at the latest), then rank 0 copies the state to
     CPU memory (pinned memory for accelerator tensors where the backend supports it, waiting for the
     copies with ``torch.accelerator.synchronize``) and a thread writes it atomically. Training may
@@ -177,6 +179,7 @@ def save_checkpoint_async(
         >>> handle.wait()
         PosixPath('ckpt.pt')
     """
+    check_in(f"dist_resume.save_checkpoint_async(step={step!r})")  # a call on some ranks only is named, not hung
     wait_pending()
     started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)

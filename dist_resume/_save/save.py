@@ -21,6 +21,7 @@ from .._core.text import article
 from .._core.tree import structure_problem
 from .._core.types import PathLike
 from .._core.version import __version__
+from .._dist.checkin import check_in
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.env import is_distributed
 from .._exact.data import loop_epoch, stateful_data
@@ -205,7 +206,8 @@ def save_checkpoint(
 ) -> Location:
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
-    Collective under torch.distributed: call it on every rank; global rank 0 writes and every rank
+    Collective under torch.distributed: call it on every rank, not inside ``if rank == 0:`` (a call on some ranks
+    only is named within seconds, see :class:`CheckpointManager`); global rank 0 writes and every rank
     returns once the file is in place (or raises rank 0's error). Local in a single process.
     Model keys are stored in canonical form (no ``module.``/``_orig_mod.``) and optimizer groups
     carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
@@ -240,6 +242,7 @@ def save_checkpoint(
     """
     started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    check_in(f"dist_resume.save_checkpoint(step={step!r})")  # a call made on some ranks only is named, not hung
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
 

@@ -9,6 +9,7 @@ group's timeout or the manager's ``collective_timeout``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,3 +132,31 @@ def test_the_bound_is_the_groups_timeout_or_the_managers(tmp_path: Path, bound: 
     expected = 6.0 if bound is None else bound
     assert expected <= took < expected + 4, took
     assert results[1][0] == "no error"
+
+
+def public_call_on_rank_0_alone(rank: int, world_size: int, folder: str, call: str) -> str:
+    model = torch.nn.Linear(2, 2)
+    path = os.path.join(folder, "one.pt")
+    if call == "resume":  # the file must exist for the call to reach its check-in
+        dr.save_checkpoint(path, model=model, step=1)
+    if rank != 0:
+        return "not called"
+    try:
+        if call == "resume":
+            dr.resume(path, model=model)
+        elif call == "save_checkpoint":
+            dr.save_checkpoint(path, model=model, step=2)
+        else:
+            dr.save_checkpoint_async(path, model=model, step=2).wait()
+    except dr.errors.UsageError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("call", ["resume", "save_checkpoint", "save_checkpoint_async"])
+def test_the_public_collective_functions_check_in_too(tmp_path: Path, call: str) -> None:
+    env = {"DIST_RESUME_COLLECTIVE_TIMEOUT": "2"}
+    results = run_ranks(
+        public_call_on_rank_0_alone, 2, tmp_path=tmp_path, args=(str(tmp_path), call), env=env, deadline=40
+    )
+    assert re.search(rf"rank 0 waited \d+ s in dist_resume\.{call}\(", results[0]) and FIX in results[0], results[0]
