@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dist_resume.cli import main
 from tests import accelerator as sim
 from tests.helpers import DESELECTED, TORCHRUN_VARS, save_with_device_tag
 
@@ -160,3 +162,15 @@ def mem() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+    """The ``dist-resume`` command in this process: ``run(*args)`` gives (exit status, stdout, stderr)."""
+
+    def _run(*args: Any) -> tuple[int, str, str]:
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return _run

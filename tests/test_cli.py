@@ -32,18 +32,6 @@ from tests.models import compile_module
 Run = Callable[..., tuple[int, str, str]]
 
 
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str]) -> Run:
-    """``main(args)`` in this process: (exit status, stdout, stderr)."""
-
-    def _run(*args: Any) -> tuple[int, str, str]:
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return _run
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
