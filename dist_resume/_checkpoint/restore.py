@@ -23,7 +23,7 @@ from .._layout.kinds import CONVENTIONAL
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._source.consensus import resolve_source
 from .._source.read import SourceContents, read_source
-from .._source.source import Source
+from .._source.source import Source, SourceKind
 from .._state.devices import check_first_step
 from .._state.prefix import model_key_map
 from .apply import Stage
@@ -51,6 +51,8 @@ class ResumeResult:
     model keys loaded of ``len(model.state_dict())``, ``applied["optimizer"]`` the parameters whose state
     was restored of the optimizer's parameters, ``applied["ema"]`` the EMA keys loaded of its total; a part
     not passed, or absent from the file, has no entry. ``extra`` holds the file's other entries (e.g. ``args``).
+    ``source`` says where the state came from: ``"folder"`` (a ``CheckpointManager`` folder's newest checkpoint),
+    ``"memory"`` (a snapshot in the node's shared memory, see :meth:`CheckpointManager.snapshot`) or ``"file"``.
     ``part_keys`` names the key each part came from in a torch file (``{"model": "MODEL_STATE", "epoch":
     "EPOCHS_RUN"}``; ``"state.net"`` one level down): what ``part_keys=`` would pass to choose the same.
     """
@@ -67,6 +69,7 @@ class ResumeResult:
     unexpected_keys: list[str] = field(default_factory=list)
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)
     part_keys: dict[str, str] = field(default_factory=dict)
+    source: str = "file"
 
 
 @refuses_moved_keywords
@@ -213,6 +216,7 @@ def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions, 
         list(plan.unexpected_keys),
         dict(plan.applied),
         dict(parts.keys),
+        "folder" if source.kind is SourceKind.FOLDER_NEWEST else "file",
     )
 
 

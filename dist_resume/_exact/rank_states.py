@@ -19,9 +19,10 @@ __all__ = ["gather_rank_states", "merge_rank_states"]
 
 
 def gather_rank_states(
-    *, rng: bool, sampler: Any = None, device: torch.device | None = None
+    *, rng: bool, sampler: Any = None, device: torch.device | None = None, everywhere: bool = False
 ) -> list[dict[str, Any]] | None:
-    """Every rank's RNG and sampler state, gathered on rank 0 (``None`` on the others).
+    """Every rank's RNG and sampler state, gathered on rank 0 (``None`` on the others; on every rank with
+    ``everywhere``: each node's memory snapshot holds every rank's).
 
     Collective under torch.distributed (one object all-gather): call it on every rank. Local in a
     single process. ``sampler`` is a sampler with ``state_dict()`` or such a state dict itself.
@@ -31,7 +32,7 @@ def gather_rank_states(
     if not is_distributed():
         return [mine]
     everyone = all_gather_objects(mine)
-    return everyone if dist.get_rank() == 0 else None
+    return everyone if everywhere or dist.get_rank() == 0 else None
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:

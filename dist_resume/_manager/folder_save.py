@@ -42,6 +42,10 @@ class SaveTarget:
         folder = writes_folder(live.model, self.full_state)
         return self.folder / (sharded_checkpoint_name if folder else checkpoint_name)(_check_step(step))
 
+    def file(self, step: int) -> Location:
+        """``ckpt_<step>.pt``: the file a snapshot of ``step`` is copied into."""
+        return self.folder / checkpoint_name(_check_step(step))
+
     def prepare(self) -> None:
         """On the writing rank: the lock, before anything is written or removed; then the leftovers."""
         self.lock.acquire()

@@ -21,14 +21,17 @@ from .._checkpoint.restore import ResumeResult, checked_options
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import logger
+from .._core.rank import global_rank
 from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
+from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
 from .folder_save import SaveTarget, save_into, save_into_async
 from .lease import PrefixLease, writer_lock
 from .lock import FolderLock
+from .memory import MemoryTier
 from .start import start_run
 
 if sys.version_info >= (3, 11):
@@ -137,6 +140,7 @@ class CheckpointManager:
         self._objects: dict[str, Any] = dict(objects)
         self._lock = writer_lock(self.folder)
         self._pending: AsyncSave | None = None
+        self._memory = MemoryTier(self.folder)
         # the lock is released when the manager is garbage-collected, as on close()
         self._finalizer = weakref.finalize(self, _release, self._lock)
 
@@ -167,9 +171,11 @@ class CheckpointManager:
         """
         pending, self._pending = self._pending, None
         try:
-            if pending is not None and not pending.waited:
+            if (pending is not None and not pending.waited) or self._memory.used:
                 self._check_in("close()")
+            if pending is not None and not pending.waited:
                 pending.wait()
+            self._memory.close(self._target())
         finally:
             self._lock.release()
 
@@ -251,7 +257,11 @@ class CheckpointManager:
         opts = self.options if options is None else checked_options(options)
         held = self._lock.held
         try:
-            return start_run(self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume)
+            result = start_run(
+                self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume, memory=self._memory
+            )
+            self._memory.watch(self._target())
+            return result
         except BaseException:
             if not held:  # a resume that raises leaves nothing held: the relaunch after the fix takes the folder
                 self._lock.release()
@@ -275,7 +285,38 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
-        return save_into(self._target(), live, step, epoch=epoch, extra=extra)
+        target = self._target()
+        if self._memory.used:
+            self._memory.wait_copy()
+            if run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots"):
+                path = target.file(step)
+                if global_rank() == 0:
+                    self._memory.copy_in_background(target, path, step)
+                return path
+        return save_into(target, live, step, epoch=epoch, extra=extra)
+
+    def snapshot(
+        self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]
+    ) -> None:
+        """Keep the state of ``step`` in this node's shared memory (``/dev/shm``); a restart resumes from it.
+
+        Collective under torch.distributed, like :meth:`save`: call it on every rank. It returns once the state is
+        in host shared memory: each node's local rank 0 writes the registered objects and every rank's RNG streams
+        and data position, as the standard torch file ``save`` writes, into one of two slots (the newest complete
+        snapshot is never the one being written; a snapshot counts once its commit record follows its CRC-32, so a
+        process killed halfway leaves the previous one). Nothing reaches the folder: ``save(step)`` of the same step
+        copies the snapshot there in a background thread (no second copy from the device), ``close()`` copies the
+        newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
+        copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot
+        newer than the folder's newest checkpoint can restore every rank (``ResumeResult.source == "memory"``).
+        Linux only (elsewhere :class:`~dist_resume.errors.UsageError`); an FSDP2 model is refused
+        (:class:`~dist_resume.errors.UsageError`); too little shared memory is a
+        :class:`~dist_resume.errors.CheckpointWriteError` before the previous snapshot is touched. ``$DIST_RESUME_SHM_DIR``
+        puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
+        """
+        live = self._live(objects, saving=True, where="snapshot")
+        self._check_in(f"snapshot(step={step!r})")
+        self._memory.take(self._target(), live, step, epoch=epoch, extra=extra)
 
     def save_async(
         self, step: int, *, epoch: int | None = None, extra: Any = None, **objects: Unpack[TrainingObjects]

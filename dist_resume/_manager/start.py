@@ -32,6 +32,7 @@ from .._source.listing import numbered_checkpoints
 from .._source.source import Source
 from .._store.url import location
 from .lock import remove_new_folder
+from .memory import MemoryTier, choose_snapshot, forget_stale
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -180,12 +181,15 @@ def start_run(
     *,
     init_from: PathLike | None,
     take_lock: Callable[[], None],
+    memory: MemoryTier | None = None,
 ) -> ResumeResult | None:
     """The body of :meth:`CheckpointManager.resume` (see there). Collective under torch.distributed.
 
     In one step, rank 0 lists the folder, takes its write lock (``take_lock``: a second job on the folder is
     refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
-    rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``).
+    rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``). With ``memory``, a
+    snapshot in shared memory at least as new as that checkpoint, which can restore every rank, is taken instead
+    (:func:`~dist_resume._manager.memory.choose_snapshot`); snapshots older than the folder's newest are freed.
     """
 
     started = time.perf_counter()
@@ -208,6 +212,14 @@ def start_run(
             look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
         )
         broadcast = options.broadcast_from_rank0 and is_distributed()
+        if memory is not None:
+            choice = choose_snapshot(folder, chosen.step if chosen is not None else None)
+            if choice is not None:
+                source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
+                result = restore_from(source, objects, options, started=started)
+                memory.resumed_from(choice)
+                return dataclasses.replace(result, source="memory")
+            forget_stale(folder, choice)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)

@@ -126,10 +126,11 @@ def build_payload(
 
 
 def prepare_payload(
-    objects: LiveObjects, *, step: int | None, epoch: int | None, extra: Any, rng: bool
+    objects: LiveObjects, *, step: int | None, epoch: int | None, extra: Any, rng: bool, everywhere: bool = False
 ) -> tuple[Callable[[], dict[str, Any]], int | None]:
-    """The collective part of a save (every rank's RNG state and data position to rank 0); returns rank 0's payload
-    builder and the epoch saved: ``epoch``, or without one the epoch the loop continues in (the data position's)."""
+    """The collective part of a save (every rank's RNG state and data position to rank 0, or to every rank with
+    ``everywhere``); returns the payload builder (rank 0's, or every rank's) and the epoch saved: ``epoch``, or without
+    one the epoch the loop continues in (the data position's)."""
     world_size = dist.get_world_size() if is_distributed() else 1
     data = objects.data
     position = data if data is None or isinstance(data, Mapping) else data.state_dict()
@@ -137,7 +138,9 @@ def prepare_payload(
     rank_states = None
     if rng or position is not None:
         with collective_step("gathering every rank's RNG and sampler state for the checkpoint", CheckpointWriteError):
-            rank_states = gather_rank_states(rng=rng, sampler=position, device=param_device(objects.model))
+            rank_states = gather_rank_states(
+                rng=rng, sampler=position, device=param_device(objects.model), everywhere=everywhere
+            )
 
     def build() -> dict[str, Any]:
         rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)

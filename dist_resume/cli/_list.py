@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import CheckpointError, CheckpointNotFoundError, UsageError
+from .._core.errors import CheckpointError, CheckpointNotFoundError, DistResumeError, UsageError
 from .._core.location import Location, RemotePath
 from .._core.text import preview
 from .._core.types import PathLike
@@ -231,7 +231,28 @@ def _report(folder: Location, verify: bool, now: float, checkpoints: list[dict[s
         "other_files": others,
         "pick": pick,
         "pick_note": why,
+        "memory_snapshots": _memory_rows(folder, now),
     }
+
+
+def _memory_rows(folder: Location, now: float) -> list[dict[str, Any]]:
+    """This node's complete snapshots of ``folder`` in shared memory (:meth:`CheckpointManager.snapshot`)."""
+    from .._memory import snapshots
+
+    try:
+        found = snapshots(folder)
+    except DistResumeError:
+        return []
+    return [
+        {
+            "step": s.step,
+            "file": str(s.path),
+            "bytes": s.size,
+            "age_seconds": max(0.0, now - s.created),
+            "in_folder": s.persisted,
+        }
+        for s in found
+    ]
 
 
 def _subfolders(folder: Location) -> list[Location]:
@@ -274,6 +295,15 @@ def render_list(report: dict[str, Any]) -> str:
         lines += [f"  {t['name']}  {human_bytes(t['bytes'])}  {_age_text(t['age_seconds'])}" for t in temps]
     if report["other_files"]:
         lines.append(f"other files (not listed as checkpoints): {preview(report['other_files'], 8)}")
+    if snaps := report.get("memory_snapshots"):
+        lines.append(
+            "snapshots in this node's shared memory (resume takes the newest when the folder has nothing newer):"
+        )
+        lines += [
+            f"  step {m['step']}  {human_bytes(m['bytes'])}  {_age_text(m['age_seconds'])}"
+            f"  {'in the folder too' if m['in_folder'] else 'not in the folder yet'}  {m['file']}"
+            for m in snaps
+        ]
     if report["pick"] is not None:
         picked = next(e for e in rows if e["name"] == report["pick"])
         if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder

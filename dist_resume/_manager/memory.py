@@ -1,0 +1,326 @@
+"""The memory tier of a checkpoint folder: snapshots in the node's shared memory, a restart resumed from them, and their
+copy into the folder.
+
+:meth:`CheckpointManager.snapshot` is the public face. Each node's local rank 0 writes the whole state (a DDP model's
+is the same on every rank) and every rank's RNG streams and data position into the node's shared memory
+(:mod:`dist_resume._memory`: double-buffered, complete once its commit record follows its CRC-32), so losing a node
+loses no rank's state. ``resume()`` asks :func:`choose_snapshot` whether a snapshot newer than the folder's newest
+checkpoint can restore every rank; the folder gets a snapshot's bytes, not a second copy from the device, at
+``save(step)`` of the same step (in a background thread), at ``close()``, and when the process ends otherwise (an
+exception, or the SIGTERM with which a preemption or torchrun's restart of the node's workers begins), which keeps the
+snapshots for the restart that may follow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._checkpoint.objects import LiveObjects
+from .._core.errors import CheckpointWriteError, UsageError
+from .._core.exit import release_at_exit
+from .._core.location import Location
+from .._core.log import log_rank0, logger, shown_path, shown_size
+from .._core.rank import global_rank
+from .._core.tree import iter_tensors
+from .._dist.agree import gather_agreed
+from .._dist.comm import all_gather_objects, run_on_rank0
+from .._dist.env import is_distributed, rank_info
+from .._memory import (
+    Snapshot,
+    mark_persisted,
+    newest_snapshot,
+    persist_snapshot,
+    remove_snapshots,
+    size_estimate,
+    snapshots,
+    write_snapshot,
+)
+from .._memory.place import required_root, shm_root
+from .._save.async_save import wait_pending
+from .._save.save import prepare_payload
+from .._state.sharded import is_sharded
+from .folder_save import SaveTarget
+
+__all__ = ["MemoryTier", "MemoryChoice", "choose_snapshot", "forget_stale"]
+
+
+class MemoryTier:
+    """What one manager's process knows of its folder's snapshots: the newest this process wrote (each node's local
+    rank 0 writes), whether the folder holds it, and the copy into the folder running in the background (rank 0)."""
+
+    def __init__(self, folder: Location) -> None:
+        self.folder = folder
+        self.newest: Snapshot | None = None
+        self.used = False  # this process snapshotted or resumed from memory: close() copies and frees
+        self._copy: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    # --- snapshot ---
+
+    def take(
+        self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any
+    ) -> Snapshot | None:
+        """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed."""
+        if live.model is not None and is_sharded(live.model):
+            raise UsageError(
+                "CheckpointManager.snapshot() keeps a plain or DDP model's state in shared memory; an FSDP2 model's "
+                "shards are not snapshotted yet: use save_async(step) for it"
+            )
+        required_root()  # no shared memory (not Linux): a UsageError on every rank before anything is written
+        self.wait_copy()
+        wait_pending()
+        run_on_rank0(target.prepare)  # the folder's write lock: a second job on the folder stops here too
+        started = time.perf_counter()
+        build, saved_epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
+        error: BaseException | None = None
+        if rank_info().local_rank == 0:
+            try:
+                self.newest = _write(self.folder, build(), step, saved_epoch)
+            except Exception as err:
+                error = err
+        if is_distributed():
+            gather_agreed(error, what="could not take the snapshot", fallback=CheckpointWriteError)
+        if error is not None:
+            raise error
+        self.used = True
+        _watch(self, target)
+        if self.newest is not None:
+            logger.debug(
+                "snapshot of step %d in %s (%d bytes) in %.3f s",
+                step,
+                self.newest.path,
+                self.newest.size,
+                time.perf_counter() - started,
+            )
+        return self.newest
+
+    # --- the copy into the folder ---
+
+    def copies_step(self, step: int) -> bool:
+        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` instead of saving again."""
+        newest = self.newest
+        return newest is not None and newest.step == step
+
+    def copy_in_background(self, target: SaveTarget, dest: Location, step: int) -> None:
+        """On rank 0: copy the snapshot of ``step`` into ``dest``, then rotate, in a thread (errors at the next call)."""
+        snapshot = self.newest
+        if snapshot is None or snapshot.step != step:  # copies_step() said otherwise: nothing to copy
+            raise CheckpointWriteError(f"no snapshot of step {step} in shared memory to copy into {str(dest)!r}")
+
+        def run() -> None:
+            try:
+                self._copy_now(target, snapshot, dest)
+            except BaseException as err:
+                self._copy_error = err
+
+        self._copy = threading.Thread(target=run, name=f"dist_resume-copy-{step}", daemon=False)
+        self._copy.start()
+
+    def _copy_now(self, target: SaveTarget, snapshot: Snapshot, dest: Location) -> None:
+        started = time.perf_counter()
+        persist_snapshot(snapshot, dest)
+        marked = mark_persisted(snapshot)
+        with self._lock:
+            if marked is not None and self.newest is not None and self.newest.seq == snapshot.seq:
+                self.newest = marked
+        log_rank0(
+            logging.INFO,
+            "saved %s (step %d, %s, copied from shared memory) in %.2f s",
+            shown_path(dest),
+            snapshot.step,
+            shown_size(snapshot.size),
+            time.perf_counter() - started,
+        )
+        target.rotate(dest, snapshot.step)
+
+    def wait_copy(self) -> None:
+        """Collective: wait for rank 0's background copy; its error is raised on every rank."""
+        run_on_rank0(self._join_copy, fallback=CheckpointWriteError, task="copy a snapshot into the folder")
+
+    def _join_copy(self) -> None:
+        thread, self._copy = self._copy, None
+        if thread is not None:
+            thread.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise CheckpointWriteError(f"copying a snapshot into {str(self.folder)!r} failed: {error}") from error
+
+    def copy_newest(self, target: SaveTarget) -> None:
+        """On rank 0: copy this process's newest snapshot into the folder unless it holds that step already."""
+        self._join_copy()
+        snapshot = self.newest
+        if snapshot is None or snapshot.persisted:
+            return
+        newest_saved = max((s for s, _ in _numbered(target)), default=None)
+        if newest_saved is not None and newest_saved >= snapshot.step:
+            return
+        self._copy_now(target, snapshot, target.file(snapshot.step))
+
+    # --- the end ---
+
+    def close(self, target: SaveTarget) -> None:
+        """Collective: copy the newest snapshot into the folder (rank 0), then free every node's shared memory."""
+        if not self.used:
+            return
+        run_on_rank0(lambda: self.copy_newest(target), fallback=CheckpointWriteError, task="copy a snapshot")
+        if rank_info().local_rank == 0:
+            remove_snapshots(self.folder)
+        self.newest = None
+        self.used = False
+        _tiers.discard(self)
+
+    def resumed_from(self, choice: MemoryChoice) -> None:
+        """After a resume from ``choice``: this node's copy is the newest snapshot (close() copies it into the folder if
+        the folder does not hold its step; :meth:`watch` arms the same at an unplanned end). Local."""
+        if rank_info().local_rank == 0 and choice.own is not None:
+            self.newest = choice.own
+        self.used = True
+
+    def watch(self, target: SaveTarget) -> None:
+        """Copy the newest snapshot into the folder if the process ends without ``close()`` (rank 0). Local."""
+        if self.used:
+            _watch(self, target)
+
+    def at_exit(self, target: SaveTarget) -> None:
+        """Local, at an unplanned end (exception, SIGTERM, no close()): rank 0 copies its newest snapshot into the
+        folder; the snapshots stay, for the restart that may follow."""
+        if not self.used or global_rank() != 0:
+            return
+        try:
+            self.copy_newest(target)
+        except Exception as err:
+            logger.warning("at exit, copying the newest snapshot into %s failed: %s", shown_path(self.folder), err)
+
+
+def _write(folder: Location, payload: dict[str, Any], step: int, epoch: int | None) -> Snapshot:
+    tensors = list(iter_tensors(payload))
+    size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
+    world_size = dist.get_world_size() if is_distributed() else 1
+    return write_snapshot(
+        folder,
+        step,
+        lambda f: torch.save(payload, f),
+        size_hint=size,
+        metadata={"world_size": world_size, "epoch": epoch},
+    )
+
+
+def _numbered(target: SaveTarget) -> list[tuple[int, Location]]:
+    from .._source.listing import numbered_checkpoints
+
+    return numbered_checkpoints(target.folder)
+
+
+# --- resume ---
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The snapshot every rank resumes from: its step, the file this rank reads (rank 0's under ``broadcast``: rank 0's
+    node holds it and another does not, so rank 0 reads and sends), this rank's own copy if its node holds it, and
+    whether rank 0 sends it."""
+
+    step: int
+    path: Location
+    own: Snapshot | None
+    broadcast: bool
+
+
+def choose_snapshot(folder: Location, folder_step: int | None) -> MemoryChoice | None:
+    """The newest snapshot of ``folder`` that can restore every rank and is at least as new as the folder's newest
+    checkpoint (``folder_step``), or None. Collective under torch.distributed (one all-gather).
+
+    Every rank lists its node's complete snapshots (CRC-32 checked); a step every rank holds is read by every rank from
+    its own node, a step only rank 0's node holds is read by rank 0 and broadcast (a node replaced). A damaged snapshot
+    is never chosen (one WARNING)."""
+    mine = _complete_steps(folder)
+    everyone: list[dict[int, Snapshot]] = all_gather_objects(mine) if is_distributed() else [mine]
+    floor = -1 if folder_step is None else folder_step
+    everywhere = set(everyone[0]).intersection(*everyone[1:])
+    on_rank0 = set(everyone[0])
+    best = max((s for s in everywhere if s >= floor), default=None)
+    sent = max((s for s in on_rank0 if s >= floor), default=None)
+    if sent is not None and (best is None or sent > best):
+        return MemoryChoice(sent, everyone[0][sent].path, mine.get(sent), broadcast=is_distributed())
+    if best is None:
+        if any(s > floor for held in everyone for s in held):
+            log_rank0(
+                logging.WARNING,
+                "shared memory holds a snapshot of %s newer than its newest checkpoint, but not on rank 0's node nor on "
+                "every node: resuming from the folder",
+                shown_path(folder),
+            )
+        return None
+    return MemoryChoice(best, mine[best].path, mine[best], broadcast=False)
+
+
+def _complete_steps(folder: Location) -> dict[int, Snapshot]:
+    if shm_root() is None:
+        return {}
+    found: dict[int, Snapshot] = {}
+    newest = newest_snapshot(folder, verify=True)  # CRC-32 checked; a damaged one is skipped with one WARNING
+    if newest is not None:
+        found[newest.step] = newest
+    return found
+
+
+def forget_stale(folder: Location, choice: MemoryChoice | None) -> None:
+    """After a resume from the folder, every node's local rank 0 frees the snapshots it no longer needs (older than or
+    as old as the folder's newest checkpoint). Local."""
+    if choice is None and rank_info().local_rank == 0 and shm_root() is not None and snapshots(folder):
+        remove_snapshots(folder)
+
+
+# --- the process ending without close() ---
+
+_tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()
+_targets: weakref.WeakKeyDictionary[MemoryTier, SaveTarget] = weakref.WeakKeyDictionary()
+_previous_sigterm: Any = None
+_watching = False
+
+
+def _watch(tier: MemoryTier, target: SaveTarget) -> None:
+    """Copy ``tier``'s newest snapshot into the folder if the process ends without ``close()``: at exit, or at a
+    SIGTERM (the handler then ends the process as the previous handler would have). Local."""
+    global _watching, _previous_sigterm
+    _tiers.add(tier)
+    _targets[tier] = target
+    if _watching:
+        return
+    _watching = True
+    release_at_exit(_copy_all_at_exit)
+    if threading.current_thread() is threading.main_thread():
+        try:
+            _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            _previous_sigterm = None
+
+
+def _copy_all_at_exit() -> None:
+    for tier in list(_tiers):
+        target = _targets.get(tier)
+        if target is not None:
+            tier.at_exit(target)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _copy_all_at_exit()
+    _tiers.clear()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,127 @@
+"""A snapshot copied to the checkpoint folder, marked as copied, and a folder's snapshots removed. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .._core.errors import CheckpointCorruptError
+from .._core.location import Location
+from .._core.types import PathLike
+from .._format.atomic import atomic_write
+from .place import open_owned, owned_store, store_dir
+from .read import CHUNK, slot_snapshots
+from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
+
+__all__ = ["persist_snapshot", "mark_persisted", "remove_snapshots"]
+
+logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._core.log imports torch)
+
+
+def persist_snapshot(snapshot: Snapshot, dest: PathLike) -> Location:
+    """Copy ``snapshot``'s data file to ``dest`` (a local path or a URL) atomically: the same standard torch file a
+    save writes, through :func:`~dist_resume._format.atomic.atomic_write`. Local.
+
+    The bytes copied are checked against the snapshot's size and CRC-32 before the file is put in place: a snapshot
+    damaged or replaced meanwhile raises :class:`CheckpointCorruptError` (on a store, the upload's
+    :class:`CheckpointWriteError`) and nothing appears at ``dest``. The copy reads the file it opened first, so a
+    newer snapshot written into the same slot meanwhile cannot mix into it. Returns ``dest`` as a location.
+
+    Example::
+
+        >>> persist_snapshot(newest_snapshot("ckpts"), "ckpts/ckpt_00000080.pt")
+        PosixPath('ckpts/ckpt_00000080.pt')
+    """
+    try:
+        fd, _ = open_owned(snapshot.path)
+    except OSError as err:
+        raise CheckpointCorruptError(
+            f"the snapshot of step {snapshot.step} is gone from shared memory ({err}); save from the live state"
+        ) from err
+    try:
+
+        def copy(f: Any) -> None:
+            crc, total = 0, 0
+            buffer = bytearray(CHUNK)
+            view = memoryview(buffer)
+            with open(fd, "rb", buffering=0, closefd=False) as src:
+                while n := src.readinto(buffer):
+                    f.write(view[:n])
+                    crc = zlib.crc32(view[:n], crc)
+                    total += n
+            if (crc, total) != (snapshot.crc32, snapshot.size):
+                raise CheckpointCorruptError(
+                    f"the snapshot of step {snapshot.step} ({snapshot.path}) reads {total} bytes with CRC-32 "
+                    f"{crc:08x}, its record says {snapshot.size} bytes, {snapshot.crc32:08x}: it was damaged or "
+                    f"overwritten while it was copied; nothing was written to {str(dest)!r}, save from the live state"
+                )
+
+        written = atomic_write(dest, copy)
+    finally:
+        os.close(fd)
+    logger.debug("copied the snapshot of step %d to %s", snapshot.step, written)
+    return written
+
+
+def mark_persisted(snapshot: Snapshot) -> Snapshot | None:
+    """Rewrite ``snapshot``'s record with ``persisted=True`` (the folder holds a copy). Local.
+
+    Returns the updated snapshot, or None when its slot holds another snapshot by now (a newer write replaced it):
+    a record is never marked for a file it does not describe."""
+    store = snapshot.path.parent
+    with record_lock(store):
+        current = [s for s in slot_snapshots(store, snapshot.folder, snapshot.part) if s.slot == snapshot.slot]
+        if not current or current[0] != dataclasses.replace(snapshot, persisted=current[0].persisted):
+            return None
+        marked = dataclasses.replace(current[0], persisted=True)
+        write_record(marked)
+    return marked
+
+
+def _kept(keep: Iterable[Snapshot]) -> set[str]:
+    names: set[str] = set()
+    for snapshot in keep:
+        names.add(data_name(snapshot.part, snapshot.slot))
+        names.add(record_name(snapshot.part, snapshot.slot))
+    return names
+
+
+def remove_snapshots(folder: PathLike, *, keep: Iterable[Snapshot] = ()) -> int:
+    """Delete ``folder``'s snapshots on this node, except the slots of those in ``keep``, and the directory once
+    empty. Local. Records go before data files, so a process killed meanwhile leaves no record without its data.
+
+    Only this store's own names are removed (data files, records, temporary records) and only when this user owns
+    them; anything else stays, with the directory. Returns the bytes freed."""
+    store = store_dir(folder)
+    if store is None or not owned_store(store):
+        return 0
+    kept = _kept(keep)
+    names = sorted(
+        (n for n in os.listdir(store) if ENTRY.match(n) and n not in kept), key=lambda n: not n.endswith(".json")
+    )
+    freed = 0
+    with record_lock(store):
+        for name in names:
+            freed += _unlink_owned(store / name)
+    try:
+        os.rmdir(store)
+    except OSError:  # not empty: kept snapshots, or entries this store did not create
+        pass
+    return freed
+
+
+def _unlink_owned(path: Path) -> int:
+    try:
+        st = os.lstat(path)
+        if st.st_uid != os.getuid():
+            logger.warning("leaving %s in place: it is owned by uid %d, not by this user", path, st.st_uid)
+            return 0
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return st.st_size

@@ -1,0 +1,274 @@
+"""Writing one snapshot into a folder's shared-memory directory, double-buffered and complete only once committed.
+
+Each part has two slots; a write goes into the slot that does not hold the part's newest committed snapshot, so the
+newest is never the one overwritten. The order: the free space is checked first (nothing is touched when the
+snapshot cannot fit), then (1) the slot's old record is removed, (2) its data file is written anew by the caller's
+``dump(f)`` (``torch.save(payload, f)``), (3) its CRC-32 is computed, (4) its record is written (a rename). A process
+killed anywhere in that leaves the other slot's snapshot as the newest. (The newest is told by the records and the
+data files' sizes, never by reading a whole file: a snapshot damaged in place, its size intact, is not recognised.) :func:`begin_snapshot` is steps 1-2 (what the
+training loop waits for); :meth:`PendingSnapshot.commit` is 3-4 and may run in a background thread. One writer per
+folder and part: a second :func:`begin_snapshot` in this process before the first is committed is refused. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Final
+
+from .._core.errors import CheckpointWriteError, UsageError
+from .._core.types import PathLike
+from .._format.atomic import write_error
+from .place import check_part, folder_key, make_store, open_owned
+from .read import file_crc, slot_snapshots
+from .record import ENTRY, SLOTS, Snapshot, checked_metadata, data_name, record_lock, record_name, write_record
+from .space import NO_SPACE, check_space, free_bytes, no_space_error
+
+__all__ = ["PendingSnapshot", "begin_snapshot", "write_snapshot"]
+
+_CREATE_NEW: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+_claimed: set[tuple[Path, str]] = set()  # (directory, part) with a write begun and not yet committed or aborted
+_claimed_lock = threading.Lock()
+
+
+class _SlotFile:
+    """The file ``dump`` writes: every byte written (a short write is retried) and the ``OSError`` a write raised
+    remembered, since ``torch.save`` replaces it with an opaque ``RuntimeError``."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += self._f.write(view[done:]) or 0
+        except OSError as err:
+            self.error = err
+            raise
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class PendingSnapshot:
+    """A snapshot whose data is written and not yet committed: :meth:`commit` makes it complete, :meth:`abort`
+    drops it. Until one of them runs, readers see the part's previous snapshot as the newest. Local."""
+
+    def __init__(
+        self,
+        *,
+        store: Path,
+        folder: str,
+        part: str,
+        slot: str,
+        step: int,
+        seq: int,
+        size: int,
+        metadata: dict[str, Any],
+    ) -> None:
+        self.path = store / data_name(part, slot)
+        self.step = step
+        self.size = size
+        self._fields = (folder, part, slot, seq, metadata)
+        self._done = False
+        self._lock = threading.Lock()
+
+    def commit(self) -> Snapshot:
+        """Compute the data file's CRC-32 and write its commit record: the snapshot is then complete and the newest.
+
+        May run in another thread. Raises :class:`CheckpointWriteError` (the data file is removed) when the file
+        changed since it was written or the record cannot be written; :class:`UsageError` when already done."""
+        folder, part, slot, seq, metadata = self._fields
+        with self._lock:
+            self._finish("commit")
+            try:
+                fd, _ = open_owned(self.path)
+                try:
+                    crc, size = file_crc(fd)
+                finally:
+                    os.close(fd)
+                if size != self.size:
+                    raise CheckpointWriteError(
+                        f"the snapshot of step {self.step} changed after it was written ({size} bytes, "
+                        f"{self.size} written): another process writes {str(self.path)!r}; one writer per folder"
+                    )
+                snapshot = Snapshot(
+                    step=self.step,
+                    path=self.path,
+                    size=size,
+                    created=time.time(),
+                    metadata=metadata,
+                    part=part,
+                    slot=slot,
+                    seq=seq,
+                    crc32=crc,
+                    folder=folder,
+                    persisted=False,
+                )
+                with record_lock(self.path.parent):
+                    write_record(snapshot)
+            except BaseException as err:
+                self.path.unlink(missing_ok=True)
+                if isinstance(err, OSError):
+                    raise _write_failure(self.path, self.step, self.size, err) from err
+                raise
+            finally:
+                _release(self.path.parent, part)
+        return snapshot
+
+    def abort(self) -> None:
+        """Remove the uncommitted data file; the part's previous snapshot stays the newest. Idempotent."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            self.path.unlink(missing_ok=True)
+            _release(self.path.parent, self._fields[1])
+
+    def _finish(self, verb: str) -> None:
+        if self._done:
+            raise UsageError(f"this snapshot of step {self.step} was already committed or aborted; cannot {verb} it")
+        self._done = True
+
+
+def _release(store: Path, part: str) -> None:
+    with _claimed_lock:
+        _claimed.discard((store, part))
+
+
+def _claim(store: Path, part: str, step: int) -> None:
+    with _claimed_lock:
+        if (store, part) in _claimed:
+            raise UsageError(
+                f"a snapshot of part {part!r} of this folder is still being written (step {step} asked for)",
+                hint="commit() or abort() the pending snapshot before beginning the next",
+            )
+        _claimed.add((store, part))
+
+
+def _write_failure(path: Path, step: int, need: int, err: OSError) -> CheckpointWriteError:
+    if err.errno in NO_SPACE:
+        try:
+            free: int | None = free_bytes(path.parent)
+        except OSError:
+            free = None
+        return no_space_error(path.parent, step, need, free)
+    return write_error(path, err)
+
+
+def _remove_leftovers(store: Path, part: str) -> None:
+    """Temporary records of this part that a killed commit left."""
+    prefix = f".{part}."
+    for name in os.listdir(store):
+        if name.startswith(prefix) and name.endswith(".tmp") and ENTRY.match(name):
+            (store / name).unlink(missing_ok=True)
+
+
+def _reclaimed(path: Path) -> int:
+    """The bytes freed by removing the slot's old data file (0 when it is absent or not this user's file)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else 0
+
+
+def _checked_count(name: str, value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise UsageError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def begin_snapshot(
+    folder: PathLike,
+    step: int,
+    dump: Callable[[Any], None],
+    *,
+    size_hint: int,
+    part: str = "state",
+    metadata: Mapping[str, Any] | None = None,
+) -> PendingSnapshot:
+    """Write a snapshot of ``folder`` at ``step`` into the free slot: ``dump(f)`` writes a standard torch file. Local.
+
+    ``size_hint`` is the bytes the file will take (:func:`~dist_resume._memory.space.size_estimate`); when shared
+    memory cannot hold it, :class:`CheckpointWriteError` says what is needed, what is free and how to get more, and
+    nothing is touched. A write that fails (``ENOSPC``, an exception in ``dump``) removes the slot's partial file and
+    leaves the previous snapshot the newest; an ``OSError`` becomes a :class:`CheckpointWriteError`, anything else is
+    raised as it is. ``metadata``: a small JSON-able dict kept in the record (world size, epoch, ...).
+    Returns the :class:`PendingSnapshot` to commit.
+
+    Example::
+
+        >>> pending = begin_snapshot("ckpts", 80, lambda f: torch.save(payload, f), size_hint=2**20)
+        >>> pending.commit().step
+        80
+    """
+    step = _checked_count("step", step)
+    size_hint = _checked_count("size_hint", size_hint)
+    part = check_part(part)
+    meta = checked_metadata(metadata)
+    store = make_store(folder)
+    key = folder_key(folder)
+    _claim(store, part, step)
+    try:
+        return _write(store, key, part, step, dump, size_hint, meta)
+    except BaseException:
+        _release(store, part)
+        raise
+
+
+def _write(
+    store: Path, key: str, part: str, step: int, dump: Callable[[Any], None], need: int, meta: dict[str, Any]
+) -> PendingSnapshot:
+    committed = slot_snapshots(store, key, part)
+    newest = max(committed, key=lambda s: s.seq, default=None)
+    slot = SLOTS[0] if newest is None else next(s for s in SLOTS if s != newest.slot)
+    path = store / data_name(part, slot)
+    check_space(store, step, need, _reclaimed(path))
+    with record_lock(store):
+        (store / record_name(part, slot)).unlink(missing_ok=True)  # (1): from here the slot holds no snapshot
+    _remove_leftovers(store, part)
+    path.unlink(missing_ok=True)  # a new file: a reader still holding the old one keeps reading it whole
+    recorder: _SlotFile | None = None
+    try:
+        fd = os.open(path, _CREATE_NEW, 0o600)
+        with open(fd, "wb", buffering=0) as f:
+            recorder = _SlotFile(f)
+            dump(recorder)  # (2)
+            size = os.fstat(f.fileno()).st_size
+    except BaseException as err:
+        path.unlink(missing_ok=True)
+        cause = recorder.error if recorder is not None and recorder.error is not None else err
+        if isinstance(cause, OSError):
+            raise _write_failure(path, step, need, cause) from err
+        raise
+    seq = max((s.seq for s in committed), default=-1) + 1
+    return PendingSnapshot(store=store, folder=key, part=part, slot=slot, step=step, seq=seq, size=size, metadata=meta)
+
+
+def write_snapshot(
+    folder: PathLike,
+    step: int,
+    dump: Callable[[Any], None],
+    *,
+    size_hint: int,
+    part: str = "state",
+    metadata: Mapping[str, Any] | None = None,
+) -> Snapshot:
+    """:func:`begin_snapshot` then :meth:`PendingSnapshot.commit`: the snapshot complete when it returns. Local.
+
+    Example::
+
+        >>> write_snapshot("ckpts", 80, lambda f: torch.save({"step": 80}, f), size_hint=2**16).step
+        80
+    """
+    return begin_snapshot(folder, step, dump, size_hint=size_hint, part=part, metadata=metadata).commit()

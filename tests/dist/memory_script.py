@@ -1,0 +1,82 @@
+"""A DDP script as users write it that snapshots every step into host memory and saves every 5 steps
+(tests/dist/test_memory_tier.py runs it under torchrun with 2 ranks, kills it and relaunches it).
+
+    torchrun --standalone --nproc_per_node=2 [--max-restarts=1] tests/dist/memory_script.py DIR [--steps N]
+        [--kill-rank1-at K] [--all-die-at K] [--dump FILE]
+
+An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generator=`` over a
+``ResumableDistributedSampler``, all registered with one ``CheckpointManager``, no logging set up.
+``--kill-rank1-at K``: in torchrun's first generation, rank 1 SIGKILLs itself right after ``snapshot(K)``;
+``--all-die-at K``: in the generation that reaches step K every rank ends at once after ``snapshot(K)`` (``os._exit``:
+the whole job dies, as a node losing power would, nothing reaches the folder). Each rank appends the steps it runs to
+``DIR.steps_<rank>`` (``generation step`` lines); ``--dump`` writes rank 0's final model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import dist_resume as dr
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("folder")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--kill-rank1-at", type=int, default=None)
+    p.add_argument("--all-die-at", type=int, default=None)
+    p.add_argument("--dump", default=None)
+    args = p.parse_args()
+
+    dr.init_distributed()
+    rank = dist.get_rank()
+    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
+    sampler = dr.ResumableDistributedSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)  # 8 steps an epoch at 2 ranks
+    mgr = dr.CheckpointManager(args.folder, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+    result = mgr.resume()
+    print(f"rank {rank} generation {generation}: resumed {None if result is None else (result.step, result.source)}")
+    step = result.step if result is not None and result.step is not None else 0
+    log = Path(f"{args.folder}.steps_{rank}")
+    while step < args.steps:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            with log.open("a") as f:
+                f.write(f"{generation} {step}\n")
+            mgr.snapshot(step)  # every step, into host memory
+            if step % 5 == 0:
+                mgr.save(step)  # the folder gets the snapshot's bytes, in the background
+            if step == args.kill_rank1_at and rank == 1 and generation == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.all_die_at:
+                os._exit(1)
+            if step == args.steps:
+                break
+    mgr.close()  # copies the newest snapshot the folder lacks, frees the memory
+    if args.dump and rank == 0:
+        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, args.dump)
+    dr.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Snapshots in host memory, as a user reaches them: tests/dist/memory_script.py (snapshot every step, save every 5)
+under torchrun with 2 ranks, a worker SIGKILLed between saves and restarted by ``--max-restarts=1``, then the whole
+job dying at once and relaunched, compared bitwise with a run that never failed; no step is run twice, and a clean
+end leaves nothing in shared memory (``DIST_RESUME_SHM_DIR`` points the snapshots into the test's folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import REPO_ROOT, run_torchrun
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = str(REPO_ROOT / "tests/dist/memory_script.py")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _steps(path: Path) -> list[tuple[int, int]]:
+    return [(int(g), int(s)) for g, s in (line.split() for line in path.read_text().splitlines())]
+
+
+def test_a_killed_worker_and_a_dead_job_resume_from_memory_bitwise_and_redo_no_step(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"DIST_RESUME_SHM_DIR": str(shm)}
+    ref = run_torchrun([SCRIPT, "ref", "--dump", "ref.pt"], nproc=2, cwd=tmp_path, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    # rank 1 SIGKILLed right after snapshot(7), between the saves of steps 5 and 10: torchrun restarts both workers
+    # (rank 0 gets SIGTERM), the restart resumes from memory at 7; at step 9 every rank dies at once, restarts spent
+    died = run_torchrun(
+        [SCRIPT, "run", "--kill-rank1-at", "7", "--all-die-at", "9"],
+        nproc=2,
+        cwd=tmp_path,
+        env=env,
+        extra_torchrun_args=["--max-restarts=1"],
+    )
+    assert died.returncode != 0
+    out = died.stdout + died.stderr
+    assert "rank 0 generation 1: resumed (7, 'memory')" in out and "rank 1 generation 1: resumed (7, 'memory')" in out
+    # rank 0's SIGTERM handler copied the newest snapshot into the folder; os._exit at 9 copied nothing
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000005.pt", "ckpt_00000007.pt"]
+
+    # the whole job relaunched: step 9 came from memory only
+    again = run_torchrun([SCRIPT, "run", "--dump", "run.pt"], nproc=2, cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rank 0 generation 0: resumed (9, 'memory')" in again.stdout + again.stderr
+    assert _equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")), "not bitwise equal"
+    for rank in (0, 1):  # every step run exactly once, across the three generations
+        steps = _steps(tmp_path / f"run.steps_{rank}")
+        assert [s for _, s in steps] == list(range(1, 13)), steps
+    # close() copied the newest snapshot (12) into the folder and freed the shared memory
+    assert {"ckpt_00000010.pt", "ckpt_00000012.pt"} <= {p.name for p in (tmp_path / "run").glob("ckpt_*")}
+    assert list(shm.iterdir()) == [], list(shm.rglob("*"))
