@@ -2,7 +2,7 @@
 (tests/dist/test_memory_tier.py runs it under torchrun with 2 ranks, kills it and relaunches it).
 
     torchrun --standalone --nproc_per_node=2 [--max-restarts=1] tests/dist/memory_script.py DIR [--steps N]
-        [--kill-rank1-at K] [--all-die-at K] [--dump FILE]
+        [--kill-rank1-at K] [--all-die-at K] [--close-before-dying] [--dump FILE] [--save-every N]
 
 An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generator=`` over a
 ``ResumableDistributedSampler``, all registered with one ``CheckpointManager``, no logging set up.
@@ -35,6 +35,10 @@ def main() -> None:
     p.add_argument("--kill-rank1-at", type=int, default=None)
     p.add_argument("--all-die-at", type=int, default=None)
     p.add_argument("--dump", default=None)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument(
+        "--close-before-dying", action="store_true", help="close() (the folder gets step K) before --all-die-at"
+    )
     args = p.parse_args()
 
     dr.init_distributed()
@@ -50,7 +54,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=4, sampler=sampler)  # 8 steps an epoch at 2 ranks
     mgr = dr.CheckpointManager(args.folder, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
     result = mgr.resume()
-    print(f"rank {rank} generation {generation}: resumed {None if result is None else (result.step, result.source)}")
+    resumed = None if result is None else (result.step, result.source)
+    print(f"rank {rank} generation {generation}: resumed {resumed}; memory {os.environ.get('DIST_RESUME_SHM_DIR')}")
     step = result.step if result is not None and result.step is not None else 0
     log = Path(f"{args.folder}.steps_{rank}")
     while step < args.steps:
@@ -64,11 +69,13 @@ def main() -> None:
             with log.open("a") as f:
                 f.write(f"{generation} {step}\n")
             mgr.snapshot(step)  # every step, into host memory
-            if step % 5 == 0:
+            if step % args.save_every == 0:
                 mgr.save(step)  # the folder gets the snapshot's bytes, in the background
             if step == args.kill_rank1_at and rank == 1 and generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.all_die_at:
+                if args.close_before_dying:
+                    mgr.close()
                 os._exit(1)
             if step == args.steps:
                 break
