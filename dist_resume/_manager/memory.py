@@ -37,14 +37,15 @@ from .._dist.agree import gather_agreed
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed, rank_info
 from .._memory import (
+    PendingSnapshot,
     Snapshot,
+    begin_snapshot,
     mark_persisted,
     newest_snapshot,
     persist_snapshot,
     remove_snapshots,
     size_estimate,
     snapshots,
-    write_snapshot,
 )
 from .._memory.place import required_root, shm_root
 from .._save.async_save import wait_pending
@@ -69,10 +70,10 @@ class MemoryTier:
 
     # --- snapshot ---
 
-    def take(
-        self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any
-    ) -> Snapshot | None:
-        """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed."""
+    def take(self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> None:
+        """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed. Returns once the
+        snapshot is complete: its data in shared memory and its commit record (with the CRC-32 taken as the bytes were
+        written) after it."""
         if live.model is not None and is_sharded(live.model):
             raise UsageError(
                 "CheckpointManager.snapshot() keeps a plain or DDP model's state in shared memory; an FSDP2 model's "
@@ -87,7 +88,8 @@ class MemoryTier:
         error: BaseException | None = None
         if rank_info().local_rank == 0:
             try:
-                self.newest = _write(self.folder, build(), step, saved_epoch)
+                pending = _begin(self.folder, build(), step, saved_epoch)
+                self.newest = pending.commit()  # the CRC-32 was taken as the bytes were written: no read-back
             except Exception as err:
                 error = err
         if is_distributed():
@@ -96,15 +98,7 @@ class MemoryTier:
             raise error
         self.used = True
         _watch(self, target)
-        if self.newest is not None:
-            logger.debug(
-                "snapshot of step %d in %s (%d bytes) in %.3f s",
-                step,
-                self.newest.path,
-                self.newest.size,
-                time.perf_counter() - started,
-            )
-        return self.newest
+        logger.debug("snapshot of step %d in %.3f s", step, time.perf_counter() - started)
 
     # --- the copy into the folder ---
 
@@ -204,11 +198,11 @@ class MemoryTier:
             logger.warning("at exit, copying the newest snapshot into %s failed: %s", shown_path(self.folder), err)
 
 
-def _write(folder: Location, payload: dict[str, Any], step: int, epoch: int | None) -> Snapshot:
+def _begin(folder: Location, payload: dict[str, Any], step: int, epoch: int | None) -> PendingSnapshot:
     tensors = list(iter_tensors(payload))
     size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
     world_size = dist.get_world_size() if is_distributed() else 1
-    return write_snapshot(
+    return begin_snapshot(
         folder,
         step,
         lambda f: torch.save(payload, f),

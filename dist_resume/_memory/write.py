@@ -16,6 +16,7 @@ import os
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Final
@@ -37,12 +38,15 @@ _claimed_lock = threading.Lock()
 
 
 class _SlotFile:
-    """The file ``dump`` writes: every byte written (a short write is retried) and the ``OSError`` a write raised
-    remembered, since ``torch.save`` replaces it with an opaque ``RuntimeError``."""
+    """The file ``dump`` writes: every byte written (a short write is retried), the ``OSError`` a write raised
+    remembered, since ``torch.save`` replaces it with an opaque ``RuntimeError``, and the CRC-32 of the bytes as they
+    are written (``crc``: None once ``dump`` seeks, since the bytes written are then not the file in order)."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
         self.error: OSError | None = None
+        self.crc: int | None = 0
+        self.written = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -53,7 +57,14 @@ class _SlotFile:
         except OSError as err:
             self.error = err
             raise
+        if self.crc is not None:
+            self.crc = zlib.crc32(view, self.crc)
+        self.written += done
         return done
+
+    def seek(self, *args: Any) -> int:
+        self.crc = None
+        return self._f.seek(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
@@ -74,10 +85,12 @@ class PendingSnapshot:
         seq: int,
         size: int,
         metadata: dict[str, Any],
+        crc32: int | None = None,
     ) -> None:
         self.path = store / data_name(part, slot)
         self.step = step
         self.size = size
+        self.crc32 = crc32  # the CRC-32 of the bytes as written, when known: the commit reads nothing back
         self._fields = (folder, part, slot, seq, metadata)
         self._done = False
         self._lock = threading.Lock()
@@ -91,11 +104,14 @@ class PendingSnapshot:
         with self._lock:
             self._finish("commit")
             try:
-                fd, _ = open_owned(self.path)
-                try:
-                    crc, size = file_crc(fd)
-                finally:
-                    os.close(fd)
+                if self.crc32 is not None:
+                    crc, size = self.crc32, os.stat(self.path, follow_symlinks=False).st_size
+                else:
+                    fd, _ = open_owned(self.path)
+                    try:
+                        crc, size = file_crc(fd)
+                    finally:
+                        os.close(fd)
                 if size != self.size:
                     raise CheckpointWriteError(
                         f"the snapshot of step {self.step} changed after it was written ({size} bytes, "
@@ -252,7 +268,10 @@ def _write(
             raise _write_failure(path, step, need, cause) from err
         raise
     seq = max((s.seq for s in committed), default=-1) + 1
-    return PendingSnapshot(store=store, folder=key, part=part, slot=slot, step=step, seq=seq, size=size, metadata=meta)
+    crc = recorder.crc if recorder is not None and recorder.written == size else None
+    return PendingSnapshot(
+        store=store, folder=key, part=part, slot=slot, step=step, seq=seq, size=size, metadata=meta, crc32=crc
+    )
 
 
 def write_snapshot(
