@@ -24,6 +24,7 @@ from dist_resume._checkpoint.hparams import hparam_changes
 from dist_resume.cli import main
 from dist_resume.cli._common import ExitCode
 from dist_resume.errors import (
+    CheckpointCorruptError,
     DistResumeError,
     KeyMismatchError,
     NotACheckpointError,
@@ -263,3 +264,65 @@ def test_rotation_gives_no_keep_last_slot_to_a_file_whose_model_entry_is_not_a_s
     with dr.CheckpointManager(ckpts, model=model, optimizer=opt) as mgr:
         resumed = mgr.resume()
     assert resumed is not None and resumed.step == 20
+
+
+# ------------------------------------------------------------------ JSON a foreign checkpoint holds: unbounded numbers
+
+
+def _hf_folder(tmp_path: Path, state: str) -> Path:
+    """An HF Trainer ``checkpoint-20/``: TinyNet's weights as ``model.safetensors`` and ``trainer_state.json``
+    holding ``state`` (JSON text)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "checkpoint-20"
+    folder.mkdir()
+    model, _ = _objects()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "trainer_state.json").write_text(state)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("state", "step", "epoch"),
+    [
+        ('{"global_step": 20, "epoch": 1' + "0" * 400 + "}", 20, None),  # float() of it raised OverflowError
+        ('{"global_step": 1' + "0" * 400 + ', "epoch": 1.5}', 20, 1),  # a step past int64: the folder name's
+        ('{"global_step": 20, "epoch": NaN}', 20, None),
+        ('{"global_step": 20, "epoch": -1e400}', 20, None),  # -inf
+    ],
+)
+def test_an_hf_trainer_state_with_numbers_past_their_range_reads_without_them(
+    tmp_path: Path, state: str, step: int, epoch: int | None
+) -> None:
+    folder = _hf_folder(tmp_path, state)
+    assert dr.tools.inspect_checkpoint(folder).step == step
+    loaded = dr.load_checkpoint(folder, map_location="cpu")
+    assert loaded["step"] == step and loaded.get("epoch") == epoch
+
+
+@pytest.mark.parametrize(
+    "state",
+    ['{"global_step": ' + "9" * 5000 + "}", "[" * 50_000 + "]" * 50_000],  # past int()'s 4,300 digits; nested deep
+)
+def test_an_hf_trainer_state_json_python_cannot_parse_is_a_damaged_file(tmp_path: Path, state: str) -> None:
+    folder = _hf_folder(tmp_path, state)
+    for read in (dr.tools.inspect_checkpoint, lambda p: dr.load_checkpoint(p, map_location="cpu")):
+        with pytest.raises(CheckpointCorruptError, match=r"trainer_state\.json"):  # ValueError escaped
+            read(folder)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"w": {"dtype": "F32", "shape": [' + "9" * 5000 + '], "data_offsets": [0, 4]}}',  # ValueError escaped
+        '{"w": {"dtype": "F32", "shape": [' + "1" + "0" * 400 + ', 0], "data_offsets": [0, 0]}}',  # past int64
+        '{"w": ' + "[" * 50_000 + "]" * 50_000 + "}",  # RecursionError escaped
+    ],
+)
+def test_a_safetensors_header_python_cannot_parse_or_torch_cannot_hold_is_refused(tmp_path: Path, header: str) -> None:
+    raw = header.encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    for read in (dr.tools.inspect_checkpoint, dr.tools.verify_archive, lambda p: dr.load_checkpoint(p)):
+        with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors"):
+            read(path)

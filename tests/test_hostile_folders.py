@@ -254,6 +254,8 @@ CASES = [
         _manifest(lambda b: b["files"][0].__setitem__("name", "../" + b["files"][0]["name"])),
         "manifest.json",
     ),
+    # an int past float's range where a time is: its check raised OverflowError (math.isfinite), in every reader
+    Case("saved_at_an_int_past_float", _manifest(lambda b: b.__setitem__("saved_at", 10**400)), "manifest.json"),
     Case("world_size_10_30", _manifest(lambda b: b.__setitem__("world_size", 10**30)), "manifest.json"),
     Case("step_a_str", _manifest(lambda b: b.__setitem__("step", "20")), "manifest.json"),
     Case("files_a_dict", _manifest(lambda b: b.__setitem__("files", {"a": 1})), "manifest.json"),
@@ -303,6 +305,8 @@ CASES = [
         _metadata(lambda m: _every_storage(m, offset=10**6)),
         ".metadata",
     ),
+    # ints a pickle holds unbounded: the refusal's own message raised ValueError (str() of 4,300+ digits)
+    Case("offset_of_5000_digits", _metadata(lambda m: _every_storage(m, offset=10**5000)), ".metadata"),
     Case("relative_path_a_link_out", _relative_path_link, "link.distcp"),
     Case("global_outside_dcp", _metadata(_unsafe), ".metadata"),  # our format never holds one: damage
     # .metadata against itself and against the entries it describes (each entry read as the chunk declared for it)

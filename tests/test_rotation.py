@@ -3,7 +3,9 @@
 Rotation never trades a valid fallback for a damaged checkpoint: what it keeps is known sound, every CRC-32 included
 (the new checkpoint read back once after its write, in the background for ``save_async``; an older one the first
 time rotation keeps it), and a damaged one neither counts nor is deleted. A reader (an eval job) listing and
-resuming a folder while training saves and rotates into it never sees a raw error, and never calls it damaged.
+resuming a folder while training saves and rotates into it never sees a raw error, and never calls it damaged; one
+that chose a checkpoint (``latest_checkpoint``) and reads it by path after a rotation removed it gets
+``CheckpointNotFoundError`` saying so, at whichever step of the read the file went away.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +23,11 @@ import torch
 from torch import nn
 
 import dist_resume as dr
+from dist_resume._format import records, small_records, sniff, zip_verify
 from dist_resume._manager.rotation import rotate_out
 from dist_resume._source import checked, listing
 from dist_resume.cli._list import list_folder
+from dist_resume.errors import CheckpointNotFoundError, DistResumeError
 from tests.dist.consensus_workers import filled
 from tests.helpers import flip_byte_in_tensor_record
 
@@ -148,3 +153,110 @@ def test_readers_racing_a_writer_never_see_a_raw_error_nor_call_it_damaged(tmp_p
     assert not writer.is_alive() and failed == [], failed
     assert rounds >= 3, f"only {rounds} rounds while the writer ran"
     assert wrong == [], "\n".join(wrong[:20])
+
+
+# ------------------------------------------------------------------ a reader whose chosen checkpoint is removed
+
+
+_READERS: dict[str, Callable[[Any], object]] = {
+    "load_checkpoint": lambda p: dr.load_checkpoint(p, map_location="cpu"),
+    "load_checkpoint(verify=True)": lambda p: dr.load_checkpoint(p, map_location="cpu", verify=True),
+    "inspect_checkpoint": lambda p: dr.tools.inspect_checkpoint(p),
+    "verify_archive": lambda p: dr.tools.verify_archive(p),
+    "resume": lambda p: dr.resume(p, model=nn.Linear(4, 4), options=dr.ResumeOptions(rng=False)),
+}
+# (module, name): each step of a read that opens or looks at the file again, after the path was checked
+_STEPS = [
+    (sniff, "open_checkpoint_file"),  # its first bytes (what kind of file)
+    (records, "_read_directory"),  # the zip directory
+    (small_records, "open_binary"),  # the small records' CRC-32s
+    (zip_verify, "_bytes_of"),  # every record's CRC-32
+    (torch, "load"),  # torch.load itself (as load_torch_file calls it)
+]
+
+
+@pytest.mark.parametrize("reader", list(_READERS))
+@pytest.mark.parametrize("step", _STEPS, ids=[name for _, name in _STEPS])
+def test_a_checkpoint_removed_during_a_read_is_not_found_at_every_step_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str, step: tuple[Any, str]
+) -> None:
+    """The failure injected at each step (the file unlinked just before it): ``CheckpointNotFoundError`` (a
+    ``FileNotFoundError`` too) saying it was removed, never a raw ``FileNotFoundError`` nor "damaged"."""
+    path = dr.save_checkpoint(tmp_path / "ckpt_00000001.pt", model=nn.Linear(4, 4), step=1)
+    module, name = step
+    real = getattr(module, name)
+    hit: list[bool] = []
+
+    def removed_first(*args: Any, **kwargs: Any) -> Any:
+        if not hit:
+            hit.append(True)
+            os.unlink(path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, removed_first)
+    try:
+        _READERS[reader](path)
+    except CheckpointNotFoundError as err:
+        assert "removed" in str(err) and str(path) in str(err), str(err)
+    else:
+        assert not hit, f"{reader} read {path.name} after it was removed"  # a reader that never takes this step
+
+
+def _race(folder: Path, seconds: float, min_rounds: int) -> None:
+    """A writer saving every few ms with keep_last=2 (a thread: the reader races it at every file operation) and a
+    reader that chooses with ``latest_checkpoint`` and then reads the choice by path, until ``seconds`` pass."""
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        model = nn.Linear(4, 4)
+        try:
+            with dr.CheckpointManager(folder, keep_last=2) as mgr:
+                step = 0
+                while not stop.is_set():
+                    step += 1
+                    mgr.save(step, model=model)  # a few ms each
+        except BaseException as err:
+            failed.append(err)
+
+    writer = threading.Thread(target=write, name="training")
+    writer.start()
+    outcomes: dict[str, int] = {}
+    raw: list[str] = []
+    rounds = 0
+    try:
+        while dr.tools.latest_checkpoint(folder) is None and writer.is_alive():
+            time.sleep(0.01)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and writer.is_alive():
+            for name, read in _READERS.items():
+                if name == "resume" and rounds % 10:
+                    continue  # the slowest reader, one round in ten
+                rounds += 1
+                chosen = dr.tools.latest_checkpoint(folder)
+                assert chosen is not None, "a folder being saved into had no checkpoint"
+                try:
+                    read(chosen)
+                    what = "read"
+                except DistResumeError as err:
+                    what = type(err).__name__
+                except Exception as err:  # the point of the test: none may come out
+                    what = f"raw {type(err).__name__}"
+                    raw.append(f"round {rounds}, {name}: {type(err).__name__}: {str(err)[:200]}")
+                outcomes[what] = outcomes.get(what, 0) + 1
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    assert not writer.is_alive() and failed == [], failed
+    assert raw == [], "\n".join(raw[:20])
+    assert set(outcomes) <= {"read", "CheckpointNotFoundError"}, outcomes  # a removed checkpoint is never "damaged"
+    assert rounds >= min_rounds and outcomes.get("read", 0) > rounds // 2, (rounds, outcomes)
+
+
+def test_readers_choosing_then_reading_while_a_writer_rotates_get_only_typed_outcomes(tmp_path: Path) -> None:
+    _race(tmp_path / "ckpts", seconds=10, min_rounds=1000)
+
+
+@pytest.mark.slow
+def test_long_readers_choosing_then_reading_while_a_writer_rotates(tmp_path: Path) -> None:  # 2 min
+    _race(tmp_path / "ckpts", seconds=120, min_rounds=10_000)

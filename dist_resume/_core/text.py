@@ -4,7 +4,7 @@ read from a file."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["preview", "article", "shown", "described"]
 
@@ -21,7 +21,7 @@ def preview(items: Iterable[Any], n: int = 5, *, sep: str = ", ", quote: bool = 
         "'a', 'b' and 1 more"
     """
     seq = list(items)
-    shown = sep.join(repr(x) if quote else str(x) for x in seq[:n])
+    shown = sep.join(described(x, _WHOLE) if quote else str(x) for x in seq[:n])
     more = f" and {len(seq) - n} more" if len(seq) > n else ""
     return f"{len(seq)}: {shown}{more}" if count else f"{shown}{more}"
 
@@ -52,21 +52,27 @@ def shown(value: Any) -> str:
         return f"{value:.6g}"
     if isinstance(value, tuple) and value and all(isinstance(v, float) for v in value):
         return "(" + ", ".join(f"{v:.6g}" for v in value) + ")"
-    return repr(value)
+    return described(value, _WHOLE)
 
 
 def described(value: Any, n: int = 100) -> str:
     """``repr(value)`` cut to ``n`` characters, for a value unpickled from a damaged file: its ``__repr__`` may itself
-    raise (a dataclass whose fields the file left out), and then the type is named instead.
+    raise (a dataclass whose fields the file left out; an int past Python's 4,300 digits), and then the type is named
+    instead (an int by its size).
 
     Example::
 
         >>> Info = type("Info", (), {"__repr__": lambda self: self.gone})
-        >>> described("x" * 200)[-5:], described(Info())
-        ('xx...', 'an Info that cannot be shown')
+        >>> described("x" * 200)[-5:], described(Info()), described(10**5000)
+        ('xx...', 'an Info that cannot be shown', 'an int of 16610 bits')
     """
     try:
         text = repr(value)
     except Exception:  # whatever the damaged object's __repr__ raises
+        if isinstance(value, int):  # sys.get_int_max_str_digits(): a number read from a file may be longer
+            return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
         return f"{article(type(value).__name__)} that cannot be shown"
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_WHOLE: Final = 1 << 20  # what preview and shown show uncut (a key, a path): what repr gives, when it gives one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sized
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.utils.data import Sampler
@@ -14,6 +14,7 @@ from .._core import torch_compat
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import rank_and_world
+from .._core.text import described
 from .sampler_config import SamplerConfig
 
 __all__ = [
@@ -258,16 +259,20 @@ def check_sampler_state(sampler: Any, state: Any, source: str = "sampler state")
         return
     if not isinstance(state, Mapping) or not {"epoch", "consumed", "num_samples"} <= set(state):
         raise StateMismatchError(f"{source}: the sampler entry is not a ResumableDistributedSampler state dict")
-    for key in ("epoch", "consumed", "num_samples"):
-        if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
-            raise StateMismatchError(f"{source}: sampler {key}={state[key]!r} is not a non-negative int")
     cfg = sampler._cfg
+    # each entry typed before it is compared or converted (``!=`` of a tensor is a tensor; int() of NaN raises)
+    for key in _FIELDS:
+        if key in state and (what := _field_problem(key, state[key])) is not None:
+            raise StateMismatchError(
+                f"{source}: sampler {key}={described(state[key], 60)} is not {what}; the checkpoint is damaged or was "
+                "edited: resume from another checkpoint, or start the epoch afresh without the sampler"
+            )
     found = {
         "num_samples": state["num_samples"],
         "seed": state.get("seed", cfg.seed),
         "shuffle": state.get("shuffle", cfg.shuffle),
     }
-    wrong = [f"{k} {v!r} saved, {getattr(cfg, k)!r} now" for k, v in found.items() if v != getattr(cfg, k)]
+    wrong = [f"{k} {described(v)} saved, {getattr(cfg, k)!r} now" for k, v in found.items() if v != getattr(cfg, k)]
     if wrong:
         raise StateMismatchError(
             f"{source}: the saved sampler position belongs to another permutation ({'; '.join(wrong)}); "
@@ -277,3 +282,18 @@ def check_sampler_state(sampler: Any, state: Any, source: str = "sampler state")
         raise StateMismatchError(
             f"{source}: sampler consumed={state['consumed']} exceeds the dataset length {cfg.num_samples}"
         )
+
+
+_COUNTS: Final = ("epoch", "consumed", "num_samples")
+_FIELDS: Final = (*_COUNTS, "seed", "world_size", "shuffle", "drop_last")  # what state_dict() writes
+_MAX_INT: Final = (1 << 63) - 1
+
+
+def _field_problem(key: str, value: Any) -> str | None:
+    """What the sampler state's ``key`` must be and ``value`` is not, or None."""
+    if key in ("shuffle", "drop_last"):
+        return None if isinstance(value, bool) else "a bool"
+    low = 0 if key in _COUNTS else 1 if key == "world_size" else None  # the seed: any int
+    if type(value) is not int or (low is not None and not low <= value <= _MAX_INT):
+        return "an int" if low is None else f"{'a positive' if low else 'a non-negative'} int within int64"
+    return None

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 from .._core.text import preview
 from .._format.load import load_torch_file
 from .._format.safe_open import open_checkpoint_file
@@ -29,6 +29,7 @@ _INDEX_SUFFIX: Final = ".index.json"
 _HF_STATE: Final = "trainer_state.json"
 _NEVER_OPENED: Final = re.compile(r"^rng_state.*\.pth$|^training_args\.bin$|^random_states_\d+\.pkl$|^.*\.pkl$")
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
+_MAX_COUNT: Final = (1 << 63) - 1  # a step or an epoch: what an int64 holds (JSON's integers are unbounded)
 
 
 def _names(folder: Path) -> set[str]:
@@ -111,7 +112,9 @@ def _read_json(path: Path) -> Any:
     try:
         with open_checkpoint_file(path) as f:
             return json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except CheckpointNotFoundError:
+        raise  # removed meanwhile: not damage
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: an int of 4,300+ digits
         raise CheckpointCorruptError(f"cannot read {str(path)!r} as JSON ({err}); the file is damaged") from err
 
 
@@ -130,13 +133,21 @@ def trainer_progress(folder: Path) -> tuple[int | None, int | None, float | None
     if (folder / _HF_STATE).is_file():
         state = _read_json(folder / _HF_STATE)
         if isinstance(state, Mapping):
-            step = state.get("global_step") if type(state.get("global_step")) is int else None
+            step = _count(state.get("global_step"))
             raw_epoch = state.get("epoch")
-            if isinstance(raw_epoch, (int, float)) and not isinstance(raw_epoch, bool) and math.isfinite(raw_epoch):
-                epoch, epoch_float = math.floor(raw_epoch), float(raw_epoch)
+            # bounded before float(): JSON's ints are unbounded, and float() of one past 1e308 raises OverflowError
+            if (whole := _count(raw_epoch)) is not None:
+                epoch, epoch_float = whole, float(whole)
+            elif type(raw_epoch) is float and 0 <= raw_epoch <= _MAX_COUNT:  # NaN compares False
+                epoch, epoch_float = math.floor(raw_epoch), raw_epoch
     if step is None and (match := _HF_STEP_DIR.match(folder.name)):
         step = int(match.group(1))
     return step, epoch, epoch_float
+
+
+def _count(value: Any) -> int | None:
+    """``value`` when it is an int from 0 to 2**63-1, else None."""
+    return value if type(value) is int and 0 <= value <= _MAX_COUNT else None
 
 
 def read_hf(folder: Path, opts: dict[str, Any]) -> CheckpointParts:

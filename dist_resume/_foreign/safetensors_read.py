@@ -22,13 +22,15 @@ from .._core.location import local_path
 from .._core.text import preview
 from .._core.types import MapLocation, PathLike
 from .._format.load import rank_map_location
-from .._format.safe_open import open_checkpoint_file
+from .._format.safe_open import open_checkpoint_file, vanished
 from .._store.url import location
 
 __all__ = ["SAFETENSORS_SUFFIX", "is_safetensors", "read_safetensors_header", "read_safetensors"]
 
 SAFETENSORS_SUFFIX: Final = ".safetensors"
 _MAX_HEADER: Final = 100_000_000  # the limit the reference implementation enforces
+_MAX_DIM: Final = (1 << 63) - 1  # a dimension torch.Size holds (JSON's integers are unbounded)
+_MAX_DIMS: Final = 64
 _DTYPE_NAMES: Final = {
     "F64": "float64",
     "F32": "float32",
@@ -97,14 +99,14 @@ def read_safetensors_header(path: PathLike) -> tuple[int, dict[str, Any], dict[s
             if n > _MAX_HEADER or 8 + n > size:
                 raise _bad(p, f"the header claims {n} bytes but the file has {size}")
             raw = f.read(n)
-    except FileNotFoundError as err:
-        raise CheckpointError(f"cannot read {str(p)!r}: no such file") from err
+    except FileNotFoundError as err:  # there when the source was resolved: removed meanwhile
+        raise vanished(p, err) from err
     except OSError as err:
         raise CheckpointError(f"cannot read {str(p)!r}: {err.strerror or err}") from err
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _bad(p, f"the header is not JSON ({err})") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: an int of 4,300+ digits too
+        raise _bad(p, f"the header is not JSON ({type(err).__name__}: {str(err)[:200]})") from err
     if not isinstance(header, dict):
         raise _bad(p, "the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -133,7 +135,11 @@ def _check_entry(p: Path, key: str, entry: Any, data_len: int) -> tuple[int, int
             f"(known: {preview(sorted(DTYPES), 20)})"
         )
     shape, offsets = entry["shape"], entry["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_DIMS
+        and all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape)
+    ):
         raise _bad(p, f"entry {key!r} has shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise _bad(p, f"entry {key!r} has data_offsets {offsets!r}")

@@ -39,6 +39,7 @@ __all__ = [
 MAX_PATH_INDEX: Final = 1 << 20  # a list position in a planner path (optimizer param ids, groups)
 _MAX_DEPTH: Final = 64  # planner paths: a state dict nests a handful of levels
 _MAX_DIMS: Final = 64
+MAX_INT: Final = (1 << 63) - 1  # a size, offset or length: what an int64 holds (a pickle's ints are unbounded)
 _SLACK: Final = 1 << 20  # a compressed entry may hold more elements than its bytes: bounded by the folder's bytes
 
 Dims = tuple[int, ...]
@@ -92,7 +93,11 @@ def _kind(obj: Any) -> str:
 
 
 def _dims(value: Any, what: str) -> Dims:
-    if not isinstance(value, tuple) or len(value) > _MAX_DIMS or not all(type(n) is int and n >= 0 for n in value):
+    if (
+        not isinstance(value, tuple)
+        or len(value) > _MAX_DIMS
+        or not all(type(n) is int and 0 <= n <= MAX_INT for n in value)
+    ):
         raise BadMetadata(f"{what} is {described(value)}, not a tuple of sizes")
     return tuple(value)
 
@@ -154,7 +159,7 @@ def view_of(metadata: Any) -> DcpView:
     places: dict[str, Place] = {}
     for fqn, md in entries.items():
         if type(fqn) is not str:
-            raise BadMetadata(f"an entry named {fqn!r}, not a str")
+            raise BadMetadata(f"an entry named {described(fqn)}, not a str")
         if _kind(md) == "TensorStorageMetadata":
             tensors[fqn] = _tensor(fqn, md)
         elif _kind(md) == "BytesStorageMetadata":

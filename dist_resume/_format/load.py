@@ -34,6 +34,7 @@ from .._dist.accelerator import current_accelerator
 from .._dist.env import rank_device
 from .._sim import sim_tags_note
 from .._store.ranges import RangeFile
+from .safe_open import vanished
 from .small_records import read_checked_records
 from .sniff import FileKind, check_file, check_walkable, file_kind, unsafe_error
 from .zip_verify import verify_zip
@@ -180,7 +181,9 @@ def load_torch_file(
             raise _corrupt(p, err) from err
         raise
     except OSError as err:
-        if isinstance(err, (PermissionError, FileNotFoundError)):
+        if isinstance(err, FileNotFoundError):  # there when check_file looked: a writer's rotation removed it
+            raise vanished(p, err) from err
+        if isinstance(err, PermissionError):
             raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {err.strerror or err}") from err
         raise _corrupt(p, err) from err  # e.g. EINVAL from mapping a truncated archive
     return check_walkable(obj, f"checkpoint {str(p)!r}")

@@ -8,14 +8,13 @@ counts as a checkpoint only when its manifest parses, every file it lists is the
 (:mod:`.sharded_files` checks the folder against its manifest). The manifest is JSON so that tools without torch can
 read it.
 
-Torch-free: this module imports nothing but the standard library, the error classes, the torch-free path types and
-store layer, and the modules beside it.
+Torch-free: this module imports nothing but the standard library, the error classes, the wording of values
+(:mod:`.._core.text`), the torch-free path types and store layer, and the modules beside it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .._core.text import described
 from .._core.types import PathLike
 from .._store.url import location
 from .safe_open import check_name, open_in_folder, read_in_folder
@@ -140,7 +140,7 @@ class Manifest:
             raise _damaged(where, f"it has no format {SHARDED_FORMAT!r}")
         if body.get("format_version") != SHARDED_VERSION:
             raise NotACheckpointError(
-                f"{where} is format version {str(body.get('format_version'))[:40]}; this dist_resume reads version "
+                f"{where} is format version {described(body.get('format_version'), 40)}; this dist_resume reads version "
                 f"{SHARDED_VERSION}: upgrade dist_resume"
             )
         try:
@@ -186,13 +186,13 @@ def _no_constant(name: str) -> Any:
 
 def _items(value: Any) -> list[Any]:
     if not isinstance(value, list) or len(value) > _MAX_ITEMS:
-        raise ValueError(f"{str(value)[:60]} is not a list")
+        raise ValueError(f"{described(value, 60)} is not a list")
     return value
 
 
 def _int(value: Any) -> int:
     if type(value) is not int or not 0 <= value <= _MAX_INT:
-        raise ValueError(f"{str(value)[:60]} is not an int from 0 to 2**63-1")
+        raise ValueError(f"{described(value, 60)} is not an int from 0 to 2**63-1")
     return value
 
 
@@ -201,14 +201,15 @@ def _opt_int(value: Any) -> int | None:
 
 
 def _time(value: Any) -> float:
-    if type(value) not in (int, float) or not (math.isfinite(value) and abs(value) <= _MAX_TIME):
-        raise ValueError(f"saved_at {str(value)[:60]} is not a time in seconds")
+    # the bound first, compared exactly: float() (and math.isfinite) of an int past 1e308 raises OverflowError
+    if type(value) not in (int, float) or not abs(value) <= _MAX_TIME:  # NaN compares False: refused too
+        raise ValueError(f"saved_at {described(value, 60)} is not a time in seconds")
     return float(value)
 
 
 def _str(value: Any) -> str:
     if not isinstance(value, str) or len(value) > _MAX_TEXT:
-        raise ValueError(f"{str(value)[:60]!r} is not a str of at most {_MAX_TEXT} characters")
+        raise ValueError(f"{described(value, 60)} is not a str of at most {_MAX_TEXT} characters")
     return value
 
 

@@ -17,6 +17,7 @@ from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.location import Location, RemotePath
 from .._core.types import PathLike
 from .._store.ranges import open_binary, prefetch
+from .safe_open import reading
 from .sniff import FileKind, check_file, file_kind
 
 __all__ = [
@@ -80,9 +81,9 @@ def read_records(path: PathLike | Location) -> tuple[str, list[Record]]:
             f"{_name(p)} uses torch's legacy (pre-1.6) format, which has no records to copy or inspect; "
             "re-save it once: torch.save(torch.load(path, weights_only=True), new_path)"
         )
-    size = p.stat().st_size
     try:
-        records = _read_directory(p, size)
+        with reading(p):  # the file removed since check_file (a writer's rotation): CheckpointNotFoundError
+            records = _read_directory(p, p.stat().st_size)
     except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError, ValueError, struct.error, EOFError) as err:
         # zipfile raises UnicodeDecodeError for a name flagged UTF-8 that is not, NotImplementedError for
         # a "zip file version" it does not know: both are damage in a file torch.save wrote

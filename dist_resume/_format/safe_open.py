@@ -15,14 +15,15 @@ Torch-free: this module imports nothing but the standard library, the error clas
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Final, cast
 
-from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .._core.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
 from .._core.location import Location, RemotePath
 from .._store.ranges import RangeFile
 
@@ -35,6 +36,9 @@ __all__ = [
     "open_in_folder",
     "read_in_folder",
     "open_checkpoint_file",
+    "vanished",
+    "reading",
+    "still_there",
 ]
 
 _NO_FOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
@@ -187,14 +191,55 @@ def _object(path: RemotePath) -> BinaryIO:
 def open_checkpoint_file(path: Location) -> BinaryIO:
     """A checkpoint file the caller named, opened for reading; a link is followed (the caller's own path), anything
     but a regular file raises :class:`NotACheckpointError` without being opened for reading. Local. An object on a
-    store opens by ranges (``FileNotFoundError`` when it is not there, as for a local path)."""
-    if isinstance(path, RemotePath):
-        return cast(BinaryIO, RangeFile(path, window=_OBJECT_WINDOW))
-    st = os.stat(path)  # FileNotFoundError / PermissionError: the caller words them
-    if not stat.S_ISREG(st.st_mode):
-        raise _not_a_file(path, kind_of(st.st_mode))
-    fd = os.open(path, os.O_RDONLY | _NON_BLOCK | _CLOEXEC)
+    store opens by ranges. A file that is not there raises :class:`CheckpointNotFoundError` (:func:`vanished`), a
+    ``FileNotFoundError``; a ``PermissionError`` is the caller's to word."""
+    with reading(path):
+        if isinstance(path, RemotePath):
+            return cast(BinaryIO, RangeFile(path, window=_OBJECT_WINDOW))
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_a_file(path, kind_of(st.st_mode))
+        fd = os.open(path, os.O_RDONLY | _NON_BLOCK | _CLOEXEC)
     return _checked(fd, lambda why: _not_a_file(path, why))
+
+
+def vanished(path: Location, err: FileNotFoundError | None = None) -> CheckpointNotFoundError:
+    """The error for a checkpoint that is not there when it is read, after it was chosen or checked: a writer's
+    rotation (``keep_last``) removes older checkpoints as it saves. ``err``: the ``FileNotFoundError`` met, when it
+    named a file inside the checkpoint rather than the checkpoint itself."""
+    inner = getattr(err, "filename", None)
+    part = f" ({str(inner)!r} in it)" if inner is not None and os.fspath(inner) != os.fspath(str(path)) else ""
+    return CheckpointNotFoundError(
+        f"checkpoint {str(path)!r}{part} is not there: it was removed while it was read, or after it was chosen (a "
+        "writer's rotation, keep_last, deletes older checkpoints as it saves); choose again (latest_checkpoint, or "
+        "pass the folder to resume())"
+    )
+
+
+@contextlib.contextmanager
+def reading(path: Location) -> Iterator[None]:
+    """Reading the checkpoint ``path``: a ``FileNotFoundError`` raised inside (the file, or a file of the folder,
+    removed meanwhile), or any other failure after which ``path`` is gone (a sharded folder renamed aside by a
+    rotation reads as files missing from it), comes out as :func:`vanished`'s :class:`CheckpointNotFoundError`, also
+    a ``FileNotFoundError``, never as damage. Local; nests."""
+    try:
+        yield
+    except CheckpointNotFoundError:
+        raise
+    except FileNotFoundError as err:
+        raise vanished(path, err) from err
+    except (CheckpointError, OSError) as err:
+        if still_there(path):
+            raise
+        raise vanished(path) from err
+
+
+def still_there(path: Location) -> bool:
+    """Whether ``path`` is there (a link counts; a store that cannot answer: True, the failure stands). Local."""
+    try:
+        return path.exists() if isinstance(path, RemotePath) else os.path.lexists(path)
+    except OSError:  # a store that cannot answer now: the failure stands as it was
+        return True
 
 
 def _not_a_file(path: Path, why: str) -> NotACheckpointError:

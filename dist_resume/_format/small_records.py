@@ -21,6 +21,7 @@ from .._core.types import PathLike
 from .._store.ranges import open_binary, prefetch
 from .._store.url import location
 from .records import Record, read_records
+from .safe_open import reading
 
 __all__ = ["CheckedRecords", "read_checked_records", "check_small_records"]
 
@@ -64,7 +65,7 @@ def check_small_records(
     An object's small records are fetched in one batch of ranges."""
     tensor_data, pickle_name = f"{archive_name}/data/", f"{archive_name}/data.pkl"
     kept: bytes | None = None
-    with open_binary(path) as f:
+    with reading(path), open_binary(path) as f:  # removed since its directory was read: CheckpointNotFoundError
         small = [r for r in records if not r.name.startswith(tensor_data)]
         prefetch(f, [(r.data_offset, r.data_offset + r.compress_size) for r in small])
         for r in records:

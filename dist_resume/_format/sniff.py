@@ -69,6 +69,8 @@ def check_file(path: PathLike) -> Location:
         )
     try:
         kind = file_kind(p)
+    except CheckpointNotFoundError:
+        raise  # removed since it was looked at (open_checkpoint_file says so)
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {str(p)!r}: {err.strerror or err}; check permissions") from err
     if kind is FileKind.EMPTY:

@@ -24,6 +24,7 @@ from .._core.types import PathLike
 from .._store.ranges import RangeFile, open_binary
 from .._store.url import location
 from .records import Record, read_records
+from .safe_open import reading
 
 __all__ = ["FindingKind", "ArchiveFinding", "verify_zip", "integrity_failure"]
 
@@ -59,19 +60,20 @@ def verify_zip(
 
     An object on a store is read once, by ranges of 16 MiB in file order, never copied whole."""
     p = looked_up(location(path))
-    try:
-        archive_name, records = read_records(p)
-    except CheckpointCorruptError as err:
-        findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
-    else:
-        findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
-    if findings and strict:
-        raise integrity_failure(
-            repr(str(p)),
-            findings,
-            "the file was damaged after it was written (disk, copy or "
-            "transfer): resume from an earlier checkpoint or copy it again",
-        )
+    with reading(p):  # removed meanwhile (a writer's rotation): CheckpointNotFoundError, not damage
+        try:
+            archive_name, records = read_records(p)
+        except CheckpointCorruptError as err:
+            findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
+        else:
+            findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
+        if findings and strict:
+            raise integrity_failure(
+                repr(str(p)),
+                findings,
+                "the file was damaged after it was written (disk, copy or "
+                "transfer): resume from an earlier checkpoint or copy it again",
+            )
     return findings
 
 
@@ -162,6 +164,8 @@ def _compressed_problem(path: Location, record: Record) -> str | None:
             member = stack.enter_context(zf.open(record.name))
             while member.read(_CRC_CHUNK):
                 pass
+    except FileNotFoundError:
+        raise  # the file removed meanwhile (verify_zip says so), not a record that cannot be read
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError, OSError) as err:
         return f"cannot be decompressed or fails its CRC32 ({type(err).__name__}: {err})"
     return None

@@ -26,6 +26,7 @@ from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, 
 from .._source.listing import check_numbered, checkpoint_name, numbered_checkpoints
 from .._source.read import read_source
 from .._source.source import local_source
+from .._state.optim_keys import digit_id
 from .._state.prefix import canonical_key, prefix_style, strip_prefix
 from .._store.url import location
 from .lease import writer_lock
@@ -148,7 +149,7 @@ def _step_of(parts: CheckpointParts, step: int | None, src: Location) -> tuple[i
     where = f"key {parts.keys['step']!r}" if "step" in parts.keys else _STEP_FROM.get(parts.layout, "its metadata")
     if found is None and parts.layout is Layout.SAFETENSORS:
         text = parts.meta.get("safetensors_metadata", {}).get("step", "")
-        found = int(text) if isinstance(text, str) and text.isdigit() else None
+        found = digit_id(text)
     if found is None:
         keys = sorted(str(k) for k in parts.keys.values())
         raise UsageError(

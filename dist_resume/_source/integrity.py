@@ -23,7 +23,7 @@ from .._foreign.sharded import checked_layout
 from .._format.archive import read_archive
 from .._format.manifest import TRAIN_STATE, read_manifest
 from .._format.records import read_records
-from .._format.safe_open import open_checkpoint_file
+from .._format.safe_open import open_checkpoint_file, reading
 from .._format.sharded_files import FileProblem, declared_keys, manifest_problems
 from .._format.sharded_layout import lost_keys_problem
 from .._format.sniff import FileKind, file_kind
@@ -111,6 +111,11 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
         3
     """
     p = looked_up(location(path))
+    with reading(p):  # removed meanwhile (a writer's rotation): CheckpointNotFoundError, never damage
+        return _inspect(p, verify)
+
+
+def _inspect(p: Location, verify: bool) -> CheckpointInfo:
     foreign = foreign_kind(p)
     if foreign is Layout.SHARDED or (p.is_dir() and p.suffix == ".dcp"):  # ckpt_<step>.dcp: ours, complete or not
         return _inspect_sharded(p, verify)
@@ -176,13 +181,14 @@ def checkpoint_identity(path: PathLike) -> tuple[int, str]:
     A torch file: its size and :func:`archive_digest`. A sharded checkpoint folder: the manifest's size and
     digest, once every file it lists is there with its size (reads the manifest and stats each file)."""
     p = looked_up(location(path))
-    if not p.is_dir():
-        return p.stat().st_size, archive_digest(p)
-    manifest, raw = read_manifest(p)
-    problems = manifest_problems(p, manifest, verify=False)
-    if problems:
-        raise integrity_failure(repr(str(p)), _findings(problems), _DAMAGED)
-    return manifest.size, hashlib.sha256(raw).hexdigest()
+    with reading(p):
+        if not p.is_dir():
+            return p.stat().st_size, archive_digest(p)
+        manifest, raw = read_manifest(p)
+        problems = manifest_problems(p, manifest, verify=False)
+        if problems:
+            raise integrity_failure(repr(str(p)), _findings(problems), _DAMAGED)
+        return manifest.size, hashlib.sha256(raw).hexdigest()
 
 
 def source_files(path: PathLike) -> list[Location]:
@@ -239,7 +245,7 @@ def verify_archive(
     p = location(path)
     if p.is_dir() or p.suffix == SAFETENSORS_SUFFIX:
         return verify_source(p, strict=strict)
-    return verify_zip(p, strict=strict, progress=progress)
+    return verify_zip(p, strict=strict, progress=progress)  # a file removed meanwhile: CheckpointNotFoundError
 
 
 def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding]:
@@ -257,6 +263,11 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
         []
     """
     p = location(path)
+    with reading(p):  # removed meanwhile (a writer's rotation): CheckpointNotFoundError, never damage
+        return _verify_source(p, strict)
+
+
+def _verify_source(p: Location, strict: bool) -> list[ArchiveFinding]:
     if foreign_kind(p) is Layout.SHARDED:
         findings = _findings(manifest_problems(p, read_manifest(p)[0], verify=True))
         if findings and strict:

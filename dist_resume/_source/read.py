@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -25,6 +24,7 @@ from .._foreign.folders import read_foreign_folder
 from .._foreign.safetensors_read import read_safetensors
 from .._format.load import load_torch_file
 from .._format.ranged import RangedArchive, open_ranged
+from .._format.safe_open import reading, still_there
 from .._format.zip_verify import verify_zip
 from .._layout.layout import CheckpointParts, Layout
 from .consensus import choose_newest
@@ -83,18 +83,21 @@ def read_source(
         except (CheckpointError, OSError):
             if source.kind is not SourceKind.FOLDER_NEWEST or source.folder is None or is_distributed():
                 raise
-            if _still_there(source.path):
+            if still_there(source.path):
                 raise
         chosen = choose_newest(source.folder)
         source = Source.newest(chosen.path, source.folder, chosen.layout, broadcast=source.broadcast)
     return _read_one(source, map_location, mmap, weights_only, verify, ranged)
 
 
-def _still_there(path: Location) -> bool:
-    return path.exists() if isinstance(path, RemotePath) else os.path.lexists(path)
-
-
 def _read_one(
+    source: Source, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool, ranged: bool
+) -> SourceContents:
+    with reading(source.path):  # removed since it was chosen (a writer's rotation): CheckpointNotFoundError
+        return _read_contents(source, map_location, mmap, weights_only, verify, ranged)
+
+
+def _read_contents(
     source: Source, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool, ranged: bool
 ) -> SourceContents:
     p = source.path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -20,6 +21,7 @@ __all__ = [
     "unfit_state_keys",
     "check_state_keys",
     "state_coverage",
+    "digit_id",
 ]
 
 GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})  # a param group's keys that are no hyperparameter
@@ -27,11 +29,19 @@ GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})  # a param group
 NOT_HYPERPARAMETERS: Final = GROUP_BOOKKEEPING | {"initial_lr"}
 
 
-_LIST: Final = (list, tuple)  # what torch.load gives back for a list (a tuple where a user built one)
+_LIST: Final = (list, tuple)
+_DIGITS: Final = re.compile(r"[0-9]{1,19}")  # what torch.load gives back for a list (a tuple where a user built one)
 
 
 def _an_id(value: Any) -> bool:
     return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+def digit_id(key: Any) -> int | None:
+    """The parameter id a digit-string state key names (``'3'``: what ``dcp_to_torch_save`` writes, FACTS 21), or
+    None: ASCII digits only, at most 19 (``str.isdigit`` takes ``'²'``, which ``int()`` refuses, and an id of
+    thousands of digits is more than ``int()`` converts)."""
+    return int(key) if isinstance(key, str) and _DIGITS.fullmatch(key) else None
 
 
 def optimizer_form_problem(osd: Any) -> str | None:
@@ -114,9 +124,10 @@ def normalize_optimizer_state(osd: Any) -> Any:
     state = osd["state"]
     if params and all(type(p) is int for p in params):
         ids = set(params)
-        if not state or not all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in state):
+        as_ids = [digit_id(k) for k in state]
+        if not state or not all(i is not None and i in ids for i in as_ids):
             return osd
-        return {**osd, "state": {int(k): v for k, v in state.items()}}
+        return {**osd, "state": dict(zip(as_ids, state.values()))}
     if params and all(isinstance(p, str) for p in params) and len(set(params)) == len(params):
         position = {name: i for i, name in enumerate(params)}
         new_groups = []
@@ -164,7 +175,8 @@ def unfit_state_keys(osd: Mapping[str, Any]) -> list[Any]:
     def fits(key: Any) -> bool:
         if key in ids:
             return True
-        return isinstance(key, str) and key.isdigit() and int(key) in ids and int(key) not in state
+        number = digit_id(key)
+        return number is not None and number in ids and number not in state
 
     return [k for k in state if not fits(k)]
 
@@ -184,7 +196,7 @@ def check_state_keys(osd: Mapping[str, Any], source: str) -> None:
     raise OptimizerStateMismatchError(
         f"{source}: {len(bad)} optimizer state {entries} no parameter of the saved param_groups: "
         f"{preview(bad)}; the groups list {preview(_group_ids(osd))}"
-        f"{digits if any(isinstance(k, str) and k.isdigit() for k in bad) else ''}. "
+        f"{digits if any(digit_id(k) is not None for k in bad) else ''}. "
         "Nothing was restored. Key the file's 'state' by the ids in its 'param_groups' "
         "(the form Optimizer.state_dict() writes), or resume without the optimizer"
     )

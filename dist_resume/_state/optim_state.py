@@ -24,6 +24,7 @@ parameter's shape); their dtypes are their own business (a bool mask per element
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,7 +32,8 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import OptimizerStateMismatchError
-from .._core.text import preview
+from .._core.text import described, preview
+from .validate import is_number
 
 __all__ = ["check_optimizer_state"]
 
@@ -113,15 +115,21 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _number_problem(value: Any, floating: bool) -> str | None:
-    """Why ``value`` is not a one-element real number (a Python number or a one-element tensor), or None."""
+    """Why ``value`` is not a one-element real finite number (a Python number or a one-element tensor), or None.
+    torch's load turns a Python ``step`` into a float tensor: an int past 1e308 would raise there, half-way through
+    the optimizer's load, and a NaN or infinite counter would turn every later update into NaN."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return f"a tensor of shape {tuple(value.shape)}, where one number belongs"
         if value.dtype.is_complex or value.dtype == torch.bool or (floating and not value.dtype.is_floating_point):
             return f"a {value.dtype} tensor, where a real{' floating' if floating else ''} number belongs"
+        if not value.is_meta and not bool(torch.isfinite(value).all()):  # a stand-in's value is checked where it is
+            return f"a tensor holding {value.item()}, where a finite number belongs"
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{type(value).__name__} {str(value)[:40]!r}, where a number belongs"
+    if not is_number(value):  # not a number, or an int past int64
+        return f"{type(value).__name__} {described(value, 40)}, where a number belongs"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value}, where a finite number belongs"
     return None
 
 
@@ -141,17 +149,16 @@ def _entry_problems(entry: Mapping[Any, Any], param: torch.Tensor, group: _Group
     per_element, scalars = spec.per_element(group), spec.scalars
     required = per_element | scalars
     missing = sorted(required - set(entry))
-    unknown = sorted(str(k) for k in set(entry) - spec.known())
+    unknown = sorted(described(k) for k in set(entry) - spec.known())  # a damaged file's keys: any type
     problems = []
     if missing or unknown:
         what = []
         if missing:
             what.append(f"lacks {preview(missing)} ({kind} keeps {preview(sorted(required))} here)")
         if unknown:
-            what.append(f"has {preview(unknown)}, which {kind} never writes")
+            what.append(f"has {preview(unknown, quote=False)}, which {kind} never writes")
         problems.append(" and ".join(what))
-    for key in sorted(str(k) for k in entry):
-        value = entry[key]
+    for key, value in sorted(((k, v) for k, v in entry.items() if type(k) is str), key=lambda kv: kv[0]):
         if key in scalars:
             problem = _number_problem(value, floating=key != "step")
         elif key in per_element or key in spec.optional:
@@ -169,9 +176,9 @@ def _lbfgs_problems(entry: Mapping[Any, Any], numel: int, param: torch.Tensor) -
     problems += [f"{k!r} is {p}" for k in _LBFGS_COUNTERS if k in entry if (p := _number_problem(entry[k], False))]
     if not problems and entry["n_iter"] > 0:
         problems += [f"lacks {k!r} (kept once an iteration ran)" for k in _LBFGS_AFTER_ITERATION if k not in entry]
-    unknown = sorted(str(k) for k in entry if k not in _LBFGS_KNOWN)
+    unknown = sorted(described(k) for k in entry if k not in _LBFGS_KNOWN)
     if unknown:
-        problems.append(f"has {preview(unknown)}, which LBFGS never writes")
+        problems.append(f"has {preview(unknown, quote=False)}, which LBFGS never writes")
     flat = torch.Size([numel])
     for key in _LBFGS_FLAT:
         if entry.get(key) is not None and (p := _tensor_problem(entry[key], param, flat)):

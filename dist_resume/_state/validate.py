@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError, StateMismatchError
-from .._core.text import article, preview
+from .._core.text import article, described, preview
 
 __all__ = ["check_dtypes", "check_scheduler", "check_scaler", "check_rng_states", "rng_state_problem", "is_number"]
 
@@ -40,10 +41,19 @@ def check_scheduler(saved: Any, scheduler: Any, source: str) -> None:
         raise StateMismatchError(f"{source}: the scheduler entry is {article(type(saved).__name__)}, not a state dict")
     live = scheduler.state_dict()
     if set(saved) != set(live):
+        unexpected = sorted(map(described, set(saved) - set(live)))  # a damaged file's keys: any type
         raise StateMismatchError(
             f"{source}: the saved LR scheduler state does not fit {type(scheduler).__name__} (saved keys "
-            f"{sorted(set(saved) - set(live))} not expected, {sorted(set(live) - set(saved))} missing); "
+            f"[{', '.join(unexpected)}] not expected, {sorted(set(live) - set(saved))} missing); "
             "build the same scheduler class as the run that saved it"
+        )
+    if odd := [
+        f"{key}={described(saved[key], 40)}" for key, value in live.items() if not _same_kind(value, saved[key])
+    ]:
+        raise StateMismatchError(
+            f"{source}: the saved LR scheduler state holds values of another kind than "
+            f"{type(scheduler).__name__}'s ({preview(odd, 3, quote=False)}); the checkpoint is damaged or was edited: "
+            "resume from another checkpoint, or without the scheduler and build a fresh one"
         )
     # LambdaLR/MultiplicativeLR update each lambda's __dict__, SequentialLR/ChainedScheduler load each inner
     # scheduler, after the attributes: one entry per live one, of the kind they load, or a half-loaded scheduler
@@ -62,6 +72,21 @@ _NOT_ONE_EACH: Final = (
     "are not one state per scheduled function or scheduler of this one; the checkpoint is damaged or was edited, or "
     "was saved from another configuration: build the same scheduler as the run that saved it"
 )
+
+
+def _same_kind(live: Any, saved: Any) -> bool:
+    """Whether ``saved`` is what a scheduler's load can take where the live one holds ``live``: a flag for a flag, a
+    finite number for a counter (``last_epoch``, ``step_size``), a number for a number, as many numbers for a
+    list of numbers (``base_lrs``: one per param group). Anything else (an inner state, a mode's name) as it is."""
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if type(live) is int:  # a counter, or a factor given as an int: never NaN, infinite or past int64
+        return is_number(saved) and (not isinstance(saved, float) or math.isfinite(saved))
+    if is_number(live):
+        return is_number(saved)
+    if isinstance(live, (list, tuple)) and live and all(map(is_number, live)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(live) and all(map(is_number, saved))
+    return True
 
 
 def _one_each(saved: Any, live: Any, fits: Callable[[Any], bool]) -> bool:
@@ -111,10 +136,18 @@ def _fill(dtype: torch.dtype, value: Any) -> None:
         torch.empty((), dtype=dtype).fill_(value)
 
 
+MAX_INT: Final = (
+    1 << 63
+) - 1  # an int torch takes as a number (a pickle's ints are unbounded; float() of one overflows)
+
+
 def is_number(value: Any) -> bool:
-    """A plain number, or a one-element real tensor (a GradScaler's scale, a capturable optimizer's lr)."""
+    """A plain number (an int within int64), or a one-element real tensor (a GradScaler's scale, a capturable
+    optimizer's lr)."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and not value.is_complex()
+    if type(value) is int:
+        return -MAX_INT <= value <= MAX_INT
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
