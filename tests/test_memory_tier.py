@@ -98,3 +98,22 @@ def test_snapshots_need_shared_memory(tmp_path: Path, monkeypatch: pytest.Monkey
         with pytest.raises(dr.errors.UsageError, match="shared memory"):
             mgr.snapshot(1)
         assert mgr.resume() is None  # resume does not need it
+
+
+def test_an_error_in_a_with_block_copies_the_newest_snapshot_and_keeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        with dr.CheckpointManager(tmp_path / "run", model=model) as mgr:
+            mgr.snapshot(1)
+            mgr.snapshot(2)
+            raise RuntimeError("the loop failed")
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000002.pt"]  # copied
+    assert len(list((tmp_path / "shm").rglob("state.*.pt"))) == 2  # kept for the restart
+    with dr.CheckpointManager(tmp_path / "run", model=torch.nn.Linear(2, 2)) as again:
+        result = again.resume()
+        assert result is not None and (result.step, result.source) == (2, "memory")
+    assert list((tmp_path / "shm").iterdir()) == []  # a clean close frees them

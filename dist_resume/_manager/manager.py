@@ -158,6 +158,9 @@ class CheckpointManager:
             self.close()
         else:  # do not hide the error that ends the block behind a background save's error
             try:
+                # the error may be this rank's alone: no collective for the snapshots (rank 0 copies the newest into
+                # the folder, the snapshots stay for a restart), then close() as ever
+                self._memory.leave(self._target())
                 self.close()
             except Exception as close_err:
                 logger.warning("closing %r after an error: %s", self, close_err)

@@ -187,6 +187,14 @@ class MemoryTier:
         if self.used:
             _watch(self, target)
 
+    def leave(self, target: SaveTarget) -> None:
+        """Local, at an error that ends a ``with`` block (perhaps on this rank alone): :meth:`at_exit`, then forget the
+        snapshots without freeing them, so that ``close()`` makes no collective call for them."""
+        self.at_exit(target)
+        self.newest = None
+        self.used = False
+        _tiers.discard(self)
+
     def at_exit(self, target: SaveTarget) -> None:
         """Local, at an unplanned end (exception, SIGTERM, no close()): rank 0 copies its newest snapshot into the
         folder; the snapshots stay, for the restart that may follow."""
