@@ -17,6 +17,7 @@ import torch
 
 import dist_resume as dr
 from dist_resume._memory import place
+from tests.accelerator import Accel, on_accelerators
 
 SCRIPT = textwrap.dedent(
     """
@@ -117,3 +118,30 @@ def test_an_error_in_a_with_block_copies_the_newest_snapshot_and_keeps_them(
         result = again.resume()
         assert result is not None and (result.step, result.source) == (2, "memory")
     assert list((tmp_path / "shm").iterdir()) == []  # a clean close frees them
+
+
+@on_accelerators(2)
+def test_a_snapshot_of_a_model_on_a_second_device_resumes_onto_that_device(
+    accelerator: Accel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    device = accelerator.device(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4, device=device)).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="preempted"), dr.CheckpointManager(tmp_path / "run", model=model) as mgr:
+        mgr.snapshot(1, optimizer=opt)
+        raise RuntimeError("preempted")  # the snapshots stay for the restart
+    fresh = torch.nn.Linear(4, 2).to(device)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with dr.CheckpointManager(tmp_path / "run", model=fresh, optimizer=fresh_opt) as again:
+        result = again.resume()
+    assert result is not None and (result.step, result.source) == (1, "memory")
+    for mine, theirs in zip(fresh.parameters(), model.parameters()):
+        assert mine.device == device and torch.equal(mine.cpu(), theirs.cpu())
+    moments = [s["exp_avg"] for s in fresh_opt.state.values()]
+    assert moments and all(m.device == device for m in moments)  # torch's policy: beside its parameter
+    fresh_opt.step()  # no "Expected all tensors to be on the same device"
