@@ -165,7 +165,7 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
         scratch.unlink(missing_ok=True)
         timed("snapshot", snap.snapshot, step)
         timed("save after snapshot", snap.save, step)
-        snap._memory.wait_copy()  # the background copy ends before the next call is timed (snapshot() waits for it)
+        snap._memory._join_copy()  # rank 0's background copy ends before the next call is timed (snapshot() waits too)
         timed("save", saver.save, 2 * step)
         handle: Any = timed("save_async", saver.save_async, 2 * step + 1)
         handle.wait()

@@ -4,7 +4,7 @@ can be walked, and refusals worded once."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from .._core.errors import (
     CheckpointCorruptError,
@@ -18,7 +18,10 @@ from .._core.types import PathLike
 from .._store.url import location
 from .safe_open import open_checkpoint_file
 
-__all__ = ["FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
+__all__ = ["CHECKPOINT_SUFFIXES", "FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
+
+CHECKPOINT_SUFFIXES: Final = frozenset({".pt", ".pth", ".ckpt", ".bin", ".safetensors"})
+"""How a single checkpoint file is named (torch, Lightning, HF and safetensors files), as opposed to a folder."""
 
 _T = TypeVar("_T")
 _ZIP_MAGIC = b"PK\x03\x04"

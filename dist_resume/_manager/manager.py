@@ -290,8 +290,8 @@ class CheckpointManager:
         self._check_in(f"save(step={step!r})")
         target = self._target()
         if self._memory.used:
-            self._memory.wait_copy()
-            if run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots"):
+            copies = run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots")
+            if copies:
                 path = target.file(step)
                 if global_rank() == 0:
                     self._memory.copy_in_background(target, path, step)

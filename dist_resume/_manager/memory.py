@@ -50,6 +50,7 @@ from .._memory import (
 from .._memory.place import required_root, shm_root
 from .._save.async_save import wait_pending
 from .._save.save import prepare_payload
+from .._source.listing import numbered_checkpoints
 from .._state.sharded import is_sharded
 from .folder_save import SaveTarget
 
@@ -80,9 +81,13 @@ class MemoryTier:
                 "shards are not snapshotted yet: use save_async(step) for it"
             )
         required_root()  # no shared memory (not Linux): a UsageError on every rank before anything is written
-        self.wait_copy()
         wait_pending()
-        run_on_rank0(target.prepare)  # the folder's write lock: a second job on the folder stops here too
+
+        def prepare() -> None:  # rank 0: the previous copy's error first, then the folder's write lock
+            self._join_copy()
+            target.prepare()
+
+        run_on_rank0(prepare, task="prepare the snapshot")  # a second job on the folder stops here too
         started = time.perf_counter()
         build, saved_epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
         error: BaseException | None = None
@@ -103,7 +108,9 @@ class MemoryTier:
     # --- the copy into the folder ---
 
     def copies_step(self, step: int) -> bool:
-        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` instead of saving again."""
+        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` instead of saving again,
+        once the previous copy is done (its error raised here)."""
+        self._join_copy()
         newest = self.newest
         return newest is not None and newest.step == step
 
@@ -139,10 +146,6 @@ class MemoryTier:
         )
         target.rotate(dest, snapshot.step)
 
-    def wait_copy(self) -> None:
-        """Collective: wait for rank 0's background copy; its error is raised on every rank."""
-        run_on_rank0(self._join_copy, fallback=CheckpointWriteError, task="copy a snapshot into the folder")
-
     def _join_copy(self) -> None:
         thread, self._copy = self._copy, None
         if thread is not None:
@@ -157,7 +160,7 @@ class MemoryTier:
         snapshot = self.newest
         if snapshot is None or snapshot.persisted:
             return
-        newest_saved = max((s for s, _ in _numbered(target)), default=None)
+        newest_saved = max((s for s, _ in numbered_checkpoints(target.folder)), default=None)
         if newest_saved is not None and newest_saved >= snapshot.step:
             return
         self._copy_now(target, snapshot, target.file(snapshot.step))
@@ -173,7 +176,7 @@ class MemoryTier:
             remove_snapshots(self.folder)
         self.newest = None
         self.used = False
-        _tiers.discard(self)
+        _watched.pop(self, None)
 
     def resumed_from(self, choice: MemoryChoice) -> None:
         """After a resume from ``choice``: this node's copy is the newest snapshot (close() copies it into the folder if
@@ -193,7 +196,7 @@ class MemoryTier:
         self.at_exit(target)
         self.newest = None
         self.used = False
-        _tiers.discard(self)
+        _watched.pop(self, None)
 
     def at_exit(self, target: SaveTarget) -> None:
         """Local, at an unplanned end (exception, SIGTERM, no close()): rank 0 copies its newest snapshot into the
@@ -217,12 +220,6 @@ def _begin(folder: Location, payload: dict[str, Any], step: int, epoch: int | No
         size_hint=size,
         metadata={"world_size": world_size, "epoch": epoch},
     )
-
-
-def _numbered(target: SaveTarget) -> list[tuple[int, Location]]:
-    from .._source.listing import numbered_checkpoints
-
-    return numbered_checkpoints(target.folder)
 
 
 # --- resume ---
@@ -269,26 +266,23 @@ def choose_snapshot(folder: Location, folder_step: int | None) -> MemoryChoice |
 
 
 def _complete_steps(folder: Location) -> dict[int, Snapshot]:
-    if shm_root() is None:
-        return {}
-    found: dict[int, Snapshot] = {}
-    newest = newest_snapshot(folder, verify=True)  # CRC-32 checked; a damaged one is skipped with one WARNING
-    if newest is not None:
-        found[newest.step] = newest
-    return found
+    """This node's newest complete snapshot of ``folder`` by its step (CRC-32 checked: a damaged one gives way to the
+    other slot's, with one WARNING); ``{}`` without shared memory."""
+    newest = newest_snapshot(folder, verify=True) if shm_root() is not None else None
+    return {} if newest is None else {newest.step: newest}
 
 
-def forget_stale(folder: Location, choice: MemoryChoice | None) -> None:
-    """After a resume from the folder, every node's local rank 0 frees the snapshots it no longer needs (older than or
-    as old as the folder's newest checkpoint). Local."""
-    if choice is None and rank_info().local_rank == 0 and shm_root() is not None and snapshots(folder):
+def forget_stale(folder: Location) -> None:
+    """After a resume that took no snapshot, every node's local rank 0 frees the snapshots it no longer needs (none is
+    newer than the folder's newest checkpoint). Local."""
+    if rank_info().local_rank == 0 and shm_root() is not None and snapshots(folder):
         remove_snapshots(folder)
 
 
 # --- the process ending without close() ---
 
-_tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()
-_targets: weakref.WeakKeyDictionary[MemoryTier, SaveTarget] = weakref.WeakKeyDictionary()
+# the tiers that copy their newest snapshot into their folder if the process ends without close(), and that folder
+_watched: weakref.WeakKeyDictionary[MemoryTier, SaveTarget] = weakref.WeakKeyDictionary()
 _previous_sigterm: Any = None
 _watching = False
 
@@ -297,8 +291,7 @@ def _watch(tier: MemoryTier, target: SaveTarget) -> None:
     """Copy ``tier``'s newest snapshot into the folder if the process ends without ``close()``: at exit, or at a
     SIGTERM (the handler then ends the process as the previous handler would have). Local."""
     global _watching, _previous_sigterm
-    _tiers.add(tier)
-    _targets[tier] = target
+    _watched[tier] = target
     if _watching:
         return
     _watching = True
@@ -311,15 +304,13 @@ def _watch(tier: MemoryTier, target: SaveTarget) -> None:
 
 
 def _copy_all_at_exit() -> None:
-    for tier in list(_tiers):
-        target = _targets.get(tier)
-        if target is not None:
-            tier.at_exit(target)
+    for tier, target in list(_watched.items()):
+        tier.at_exit(target)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     _copy_all_at_exit()
-    _tiers.clear()
+    _watched.clear()
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)

@@ -26,6 +26,7 @@ from .._core.types import PathLike
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
+from .._format.sniff import CHECKPOINT_SUFFIXES
 from .._source.consensus import choose_newest, confirm_choice, resolve_source
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
@@ -38,8 +39,6 @@ __all__ = ["FolderState", "folder_state", "start_run"]
 
 # what an init_from file may lack: a weights-only file (the usual fine-tune start) initialises the model alone
 _INIT_OPTIONAL: Final = ("optimizer", "ema")
-# the names of a single checkpoint file: one such file in a folder without ckpt_<step>.pt is another run's
-_FILE_SUFFIXES: Final = frozenset({".pt", ".pth", ".ckpt", ".bin", ".safetensors"})
 
 
 class FolderState(enum.Enum):
@@ -112,7 +111,9 @@ def _loose_checkpoints(folder: Location) -> list[Location]:
     """The files in ``folder`` named like checkpoints that a ``CheckpointManager`` does not read (``ckpt.pt``)."""
     try:
         return sorted(
-            entry for entry in folder.iterdir() if entry.suffix in _FILE_SUFFIXES and not entry.name.startswith(".")
+            entry
+            for entry in folder.iterdir()
+            if entry.suffix in CHECKPOINT_SUFFIXES and not entry.name.startswith(".")
         )
     except OSError:
         return []
@@ -219,7 +220,7 @@ def start_run(
                 result = restore_from(source, objects, options, started=started)
                 memory.resumed_from(choice)
                 return dataclasses.replace(result, source="memory")
-            forget_stale(folder, choice)
+            forget_stale(folder)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)

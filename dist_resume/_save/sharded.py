@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,13 +47,13 @@ from .._dist.comm import Outcome, all_gather_objects, collective_step, run_on_ra
 from .._foreign.sharded import new_manifest, split_payload
 from .._format.atomic import atomic_write, commit_folder, make_temp_folder, remove_path, write_error
 from .._format.manifest import DCP_METADATA, MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, file_entry
+from .._format.sniff import CHECKPOINT_SUFFIXES
 from .._state.sharded import is_sharded, sharded_parameters
 from .full_state import save_full_state
 from .sharded_remote import clear_destination, commit_remote, drop_staging, local_staging, upload_own
 
 __all__ = ["writes_folder", "ShardedSave", "begin_sharded", "finish_sharded", "save_sharded", "save_full"]
 
-_FILE_SUFFIXES: Final = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 Build = Callable[[], dict[str, Any]]
 
 
@@ -193,7 +193,7 @@ def begin_sharded(
     state. Collective (the default group). On failure every rank raises and the folder is gone. On an object store
     each rank stages its files in a local folder instead (:mod:`.sharded_remote`)."""
     dest = path
-    if dest.suffix in _FILE_SUFFIXES:
+    if dest.suffix in CHECKPOINT_SUFFIXES:
         raise UsageError(
             f"an FSDP2 model saves a sharded checkpoint, which is a folder, but {str(dest)!r} is named like a file",
             hint=f"give a folder name (e.g. {dest.stem}.dcp), or pass full_state=True for one ordinary torch file",
