@@ -63,7 +63,7 @@ def flip_byte_in_tensor_record(path: os.PathLike[str] | str) -> None:
 
     from dist_resume._format.records import read_records
 
-    _, records = read_records(path)
+    _, records = read_records(Path(path))
     record = next(r for r in records if "/data/" in r.name and r.file_size >= 16)
     data = bytearray(Path(path).read_bytes())
     data[record.data_offset + 4] ^= 0x01

@@ -26,6 +26,7 @@ from .._source.read import SourceContents, read_source
 from .._source.source import Source, SourceKind
 from .._state.devices import check_first_step
 from .._state.prefix import model_key_map
+from .._store.url import location
 from .apply import Stage
 from .fallback import restore_newest
 from .moved import refuses_moved_keywords
@@ -150,7 +151,8 @@ def resume(
     opts = checked_options(options)
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=False), ema)
     check_in("dist_resume.resume()")  # a call made on some ranks only is named, not hung
-    return restore_from(resolve_source(path, broadcast=opts.broadcast_from_rank0), objects, opts, started=started)
+    where = location(path)  # the entry: decided here, passed down as it is
+    return restore_from(resolve_source(where, broadcast=opts.broadcast_from_rank0), objects, opts, started=started)
 
 
 def checked_options(options: Any) -> ResumeOptions:

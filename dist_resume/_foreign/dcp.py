@@ -32,12 +32,11 @@ from .._core import torch_errors
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location, local_path
 from .._core.tree import map_tensors, set_path
-from .._core.types import MapLocation, PathLike
+from .._core.types import MapLocation
 from .._format.load import rank_map_location
 from .._format.sniff import check_walkable, unsafe_error
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
-from .._store.url import location
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 from .dcp_reader import DcpReader
@@ -45,9 +44,9 @@ from .dcp_reader import DcpReader
 __all__ = ["is_dcp_folder", "read_dcp", "load_dcp_state", "folder_device", "DcpPlanner"]
 
 
-def is_dcp_folder(path: PathLike) -> bool:
+def is_dcp_folder(path: Location) -> bool:
     """True when ``path`` is a folder with a ``.metadata`` file and ``*.distcp`` files. Local."""
-    folder = location(path)
+    folder = path
     return (folder / _METADATA).is_file() and any(p.name.endswith(".distcp") for p in folder.iterdir())
 
 
@@ -99,10 +98,10 @@ def _unreadable(folder: Location, err: BaseException) -> CheckpointCorruptError:
     )
 
 
-def load_dcp_state(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+def load_dcp_state(path: Location, *, weights_only: bool = True) -> dict[str, Any]:
     """The whole nested state a DCP folder holds, on CPU, read by torch's DCP reader in this process. Local. A
     folder on an object store (a sharded checkpoint's) is read by ranges."""
-    folder = location(path)
+    folder = path
     if not is_dcp_folder(folder):
         raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {_METADATA} and *.distcp files)")
     state = _empty_state(read_dcp_metadata(folder, weights_only=weights_only))
@@ -146,7 +145,7 @@ def folder_device(map_location: MapLocation, folder: Location) -> torch.device:
     return torch.device(map_location)
 
 
-def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
+def read_dcp(path: Location, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
     """A DCP folder as :class:`CheckpointParts`. Local: every rank may read it (no process group is used).
 
     The top level is split as a file's would be (``{"model": ..., "optim": ...}``, a bare state
@@ -157,7 +156,7 @@ def read_dcp(path: PathLike, *, map_location: MapLocation = None, weights_only: 
         >>> dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id="ckpt")
         >>> parts = read_dcp("ckpt", map_location="cpu")
     """
-    folder = local_path(location(path), "reading a DCP folder")
+    folder = local_path(path, "reading a DCP folder")
     device = folder_device(map_location, folder)
     state = load_dcp_state(folder, weights_only=weights_only)
     if device.type != "cpu":

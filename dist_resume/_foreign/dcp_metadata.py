@@ -24,11 +24,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
 from .._core.location import Location
 from .._core.text import article
-from .._core.types import PathLike
+from .._core.untrusted import untrusted
 from .._format.dcp_peek import ALLOWED, DAMAGED_PICKLE, check_opcodes
 from .._format.dcp_view import BadMetadata, view_of, view_problem
 from .._format.safe_open import folder_entries, read_in_folder
-from .._store.url import location
 
 __all__ = ["METADATA", "MAX_METADATA", "read_dcp_metadata", "data_file_sizes"]
 
@@ -66,11 +65,11 @@ def data_file_sizes(folder: Location) -> dict[str, int]:
     return {e.name: e.size for e in folder_entries(folder) if e.regular and e.name != METADATA}
 
 
-def read_dcp_metadata(path: PathLike, *, weights_only: bool = True, sizes: Mapping[str, int] | None = None) -> Metadata:
+def read_dcp_metadata(path: Location, *, weights_only: bool = True, sizes: Mapping[str, int] | None = None) -> Metadata:
     """The DCP folder's ``Metadata``, unpickled with an allowlist of DCP's own classes and checked against the
     folder's data files (``sizes``: name -> bytes, e.g. a sharded folder's manifest's shards; None: the folder's
     regular files). Local."""
-    folder = location(path)
+    folder = path
     meta_path = folder / METADATA
     try:
         data = read_in_folder(folder, METADATA, MAX_METADATA)
@@ -90,7 +89,8 @@ def read_dcp_metadata(path: PathLike, *, weights_only: bool = True, sizes: Mappi
     if not isinstance(metadata, Metadata):
         raise NotACheckpointError(f"{str(meta_path)!r} holds {article(type(metadata).__name__)}, not DCP Metadata")
     try:
-        problem = view_problem(view_of(metadata), data_file_sizes(folder) if sizes is None else sizes)
+        with untrusted(f"checkpoint {str(meta_path)!r}", "its storage entries"):
+            problem = view_problem(view_of(metadata), data_file_sizes(folder) if sizes is None else sizes)
     except BadMetadata as err:
         problem = str(err)
     if problem is not None:

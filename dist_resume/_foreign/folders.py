@@ -13,10 +13,9 @@ from typing import Any, Final
 from .._core.errors import NotACheckpointError, UsageError
 from .._core.location import Location, RemotePath, local_path
 from .._core.text import article, preview
-from .._core.types import MapLocation, PathLike
+from .._core.types import MapLocation
 from .._format.manifest import MANIFEST, TRAIN_STATE
 from .._layout.layout import CheckpointParts, Layout
-from .._store.url import location
 from .hf_folders import has_weights, read_accelerate, read_hf, read_model_weights, trainer_progress
 from .safetensors_read import SAFETENSORS_SUFFIX, is_safetensors
 from .sharded import read_sharded
@@ -56,14 +55,14 @@ def _entries(folder: Location) -> list[str]:
     return [p.name for p in folder.iterdir()]
 
 
-def is_manager_folder(path: PathLike) -> bool:
+def is_manager_folder(path: Location) -> bool:
     """True when ``path`` is a folder holding ``CheckpointManager`` checkpoints (``ckpt_<step>.pt`` files,
     ``ckpt_<step>.dcp/`` folders) or their temporaries. Local."""
-    folder = location(path)
+    folder = path
     return folder.is_dir() and any(_OWN_FOLDER.match(n) for n in _entries(folder))
 
 
-def detect_folder(path: PathLike) -> Layout | None:
+def detect_folder(path: Location) -> Layout | None:
     """The kind of foreign checkpoint folder ``path`` is, or ``None`` (not a folder, unknown, or dist_resume's own).
 
     Local. A ``CheckpointManager`` folder (``ckpt_<step>.pt`` files, ``ckpt_<step>.dcp/`` folders) always
@@ -71,7 +70,7 @@ def detect_folder(path: PathLike) -> Layout | None:
     (``manifest.json`` or ``train_state.pt`` next to DCP's files) is ``Layout.SHARDED``, complete or not: its
     reader and its integrity check say what is missing.
     """
-    folder = location(path)
+    folder = path
     if not folder.is_dir():
         return None
     names = _names(folder)
@@ -88,13 +87,13 @@ def detect_folder(path: PathLike) -> Layout | None:
     return None
 
 
-def foreign_kind(path: PathLike) -> Layout | None:
+def foreign_kind(path: Location) -> Layout | None:
     """The foreign layout ``path`` is (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file), or None.
 
     Local; reads a folder's listing or a file's first bytes. A ``CheckpointManager`` folder, a torch
     file and anything unrecognised yield None.
     """
-    p = location(path)
+    p = path
     if isinstance(p, RemotePath):
         return _remote_kind(p)
     if p.is_dir():
@@ -119,7 +118,7 @@ def _remote_kind(p: RemotePath) -> Layout | None:
 
 
 def read_foreign_folder(
-    path: PathLike,
+    path: Location,
     layout: Layout | None = None,
     *,
     map_location: MapLocation = None,
@@ -136,7 +135,7 @@ def read_foreign_folder(
         >>> parts.step, sorted(parts.model)[:1]
         (500, ['bert.embeddings.LayerNorm.bias'])
     """
-    folder = location(path)
+    folder = path
     kind = detect_folder(folder) if layout is None else layout
     opts: dict[str, Any] = {"map_location": map_location, "mmap": mmap, "weights_only": weights_only}
     if kind is Layout.HF_TRAINER:

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 from .._core.text import preview
+from .._core.untrusted import untrusted
 from .._format.load import load_torch_file
 from .._format.safe_open import open_checkpoint_file
 from .._layout.layout import CheckpointParts, Layout, is_state_dict
@@ -132,16 +133,23 @@ def trainer_progress(folder: Path) -> tuple[int | None, int | None, float | None
     step = epoch = epoch_float = None
     if (folder / _HF_STATE).is_file():
         state = _read_json(folder / _HF_STATE)
-        if isinstance(state, Mapping):
-            step = _count(state.get("global_step"))
-            raw_epoch = state.get("epoch")
-            # bounded before float(): JSON's ints are unbounded, and float() of one past 1e308 raises OverflowError
-            if (whole := _count(raw_epoch)) is not None:
-                epoch, epoch_float = whole, float(whole)
-            elif type(raw_epoch) is float and 0 <= raw_epoch <= _MAX_COUNT:  # NaN compares False
-                epoch, epoch_float = math.floor(raw_epoch), raw_epoch
+        with untrusted(f"checkpoint {str(folder)!r}", _HF_STATE):
+            step, epoch, epoch_float = _progress(state)
     if step is None and (match := _HF_STEP_DIR.match(folder.name)):
         step = int(match.group(1))
+    return step, epoch, epoch_float
+
+
+def _progress(state: Any) -> tuple[int | None, int | None, float | None]:
+    if not isinstance(state, Mapping):
+        return None, None, None
+    step, epoch, epoch_float = _count(state.get("global_step")), None, None
+    raw_epoch = state.get("epoch")
+    # bounded before float(): JSON's ints are unbounded, and float() of one past 1e308 raises OverflowError
+    if (whole := _count(raw_epoch)) is not None:
+        epoch, epoch_float = whole, float(whole)
+    elif type(raw_epoch) is float and 0 <= raw_epoch <= _MAX_COUNT:  # NaN compares False
+        epoch, epoch_float = math.floor(raw_epoch), raw_epoch
     return step, epoch, epoch_float
 
 

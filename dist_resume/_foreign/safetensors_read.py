@@ -18,12 +18,12 @@ from typing import Any, Final
 import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
-from .._core.location import local_path
+from .._core.location import Location, local_path
 from .._core.text import preview
-from .._core.types import MapLocation, PathLike
+from .._core.types import MapLocation
+from .._core.untrusted import untrusted
 from .._format.load import rank_map_location
 from .._format.safe_open import open_checkpoint_file, vanished
-from .._store.url import location
 
 __all__ = ["SAFETENSORS_SUFFIX", "is_safetensors", "read_safetensors_header", "read_safetensors"]
 
@@ -55,7 +55,7 @@ DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 
-def is_safetensors(path: PathLike) -> bool:
+def is_safetensors(path: Location) -> bool:
     """True when the file's first bytes look like a safetensors header (a length, then ``{``). Local."""
     try:
         p = _local(path)
@@ -70,10 +70,10 @@ def is_safetensors(path: PathLike) -> bool:
     return 0 < n <= min(_MAX_HEADER, size - 8)
 
 
-def _local(path: PathLike) -> Path:
+def _local(path: Location) -> Path:
     """``path`` as a local path: a safetensors file is read from local disk only (one on a store is refused earlier,
     by :func:`~dist_resume._foreign.folders.foreign_kind`)."""
-    return local_path(location(path), "reading a safetensors file")
+    return local_path(path, "reading a safetensors file")
 
 
 def _bad(path: Path, what: str) -> CheckpointCorruptError:
@@ -83,7 +83,7 @@ def _bad(path: Path, what: str) -> CheckpointCorruptError:
     )
 
 
-def read_safetensors_header(path: PathLike) -> tuple[int, dict[str, Any], dict[str, str]]:
+def read_safetensors_header(path: Location) -> tuple[int, dict[str, Any], dict[str, str]]:
     """``(data_start, entries, metadata)``: each entry is ``{"dtype", "shape", "data_offsets"}``, validated. Local.
 
     Raises :class:`CheckpointCorruptError` when a length, offset, dtype or shape does not fit the file.
@@ -107,6 +107,11 @@ def read_safetensors_header(path: PathLike) -> tuple[int, dict[str, Any], dict[s
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: an int of 4,300+ digits too
         raise _bad(p, f"the header is not JSON ({type(err).__name__}: {str(err)[:200]})") from err
+    with untrusted(f"safetensors file {str(p)!r}", "its header"):
+        return _checked_header(p, header, n, size)
+
+
+def _checked_header(p: Path, header: Any, n: int, size: int) -> tuple[int, dict[str, Any], dict[str, str]]:
     if not isinstance(header, dict):
         raise _bad(p, "the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -157,7 +162,7 @@ def _check_entry(p: Path, key: str, entry: Any, data_len: int) -> tuple[int, int
 
 
 def read_safetensors(
-    path: PathLike, *, map_location: MapLocation = "cpu", mmap: bool = True
+    path: Location, *, map_location: MapLocation = "cpu", mmap: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(state_dict, metadata)`` of a ``.safetensors`` file, read with torch alone. Local.
 

@@ -31,7 +31,7 @@ from .._core.errors import CheckpointCorruptError, CheckpointWriteError
 from .._core.location import Location
 from .._core.text import preview
 from .._core.tree import map_tensors
-from .._core.types import MapLocation, PathLike
+from .._core.types import MapLocation
 from .._core.version import __version__
 from .._format.load import load_torch_file
 from .._format.manifest import MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, read_manifest
@@ -39,7 +39,6 @@ from .._format.sharded_files import manifest_problems, rank_share
 from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem, lost_keys_problem
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state, optimizer_by_name
-from .._store.url import location
 
 __all__ = [
     "DCP_PARTS",
@@ -201,7 +200,7 @@ def checked_manifest(folder: Location, share: tuple[int, int] | None = None) -> 
     return manifest
 
 
-def load_sharded_payload(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+def load_sharded_payload(path: Location, *, weights_only: bool = True) -> dict[str, Any]:
     """A sharded checkpoint folder as the payload one file would hold: full CPU tensors. Local (no process group).
 
     The manifest is checked first (every file there with its size); ``train_state.pt`` is read like any torch
@@ -209,7 +208,7 @@ def load_sharded_payload(path: PathLike, *, weights_only: bool = True) -> dict[s
     """
     from .dcp import load_dcp_state  # torch.distributed.checkpoint costs ~1 s to import
 
-    folder = location(path)
+    folder = path
     manifest = checked_manifest(folder)
     train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
     checked_layout(train_state, repr(str(folder / TRAIN_STATE)))
@@ -220,7 +219,7 @@ def load_sharded_payload(path: PathLike, *, weights_only: bool = True) -> dict[s
     return join_payload(dcp_state, train_state, f"sharded checkpoint {str(folder)!r}")
 
 
-def read_sharded(path: PathLike, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
+def read_sharded(path: Location, *, map_location: MapLocation = None, weights_only: bool = True) -> CheckpointParts:
     """A sharded checkpoint folder as :class:`CheckpointParts` with full tensors. Local: every rank may read it.
 
     ``map_location``: a device (None: the CPU). Every rank reading it holds the whole state: fine for a
@@ -228,7 +227,7 @@ def read_sharded(path: PathLike, *, map_location: MapLocation = None, weights_on
     """
     from .dcp import folder_device
 
-    folder = location(path)
+    folder = path
     payload = load_sharded_payload(folder, weights_only=weights_only)
     device = folder_device("cpu" if map_location is None else map_location, folder)
     if device.type != "cpu":

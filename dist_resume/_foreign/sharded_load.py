@@ -25,13 +25,11 @@ from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpoi
 from .._core.location import Location
 from .._core.torch_errors import dcp_cause
 from .._core.tree import set_path
-from .._core.types import PathLike
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
 from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
 from .._state.optim_keys import normalize_optimizer_state
-from .._store.url import location
 from .sharded import checked_layout, checked_manifest, join_payload
 
 __all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]
@@ -109,7 +107,7 @@ def _unreadable(folder: Location, err: BaseException, partly: bool = False) -> C
 
 
 def read_sharded_skeleton(
-    path: PathLike, *, weights_only: bool = True, share: tuple[int, int] | None = None
+    path: Location, *, weights_only: bool = True, share: tuple[int, int] | None = None
 ) -> tuple[CheckpointParts, dict[int, str]]:
     """A sharded checkpoint folder as :class:`CheckpointParts` whose DCP tensors are meta stand-ins, and
     ``{id(stand-in): DCP key}`` to load each into its destination later (:func:`load_into_shards`). Local.
@@ -119,7 +117,7 @@ def read_sharded_skeleton(
     checks the CRC-32s of its part of the files, so that the ranks together check every byte the fill will read
     before anything changes. The train state is read whole (it is small).
     """
-    folder = location(path)
+    folder = path
     manifest = checked_manifest(folder, share)
     train_state = load_torch_file(folder / TRAIN_STATE, map_location="cpu", mmap=False, weights_only=weights_only)
     checked_layout(train_state, repr(str(folder / TRAIN_STATE)))
@@ -134,13 +132,13 @@ def read_sharded_skeleton(
     return dataclasses.replace(parts, layout=Layout.SHARDED, meta=meta), keys
 
 
-def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
+def read_dcp_skeleton(path: Location, *, weights_only: bool = True) -> tuple[CheckpointParts, dict[int, str]]:
     """Any DCP folder as :func:`~dist_resume._foreign.dcp.read_dcp` splits it, its tensors meta stand-ins, and
     ``{id(stand-in): DCP key}`` (:func:`load_into_shards` fills the destinations later). Local."""
     from .dcp import is_dcp_folder
     from .dcp_metadata import METADATA
 
-    folder = location(path)
+    folder = path
     if not is_dcp_folder(folder):
         raise NotACheckpointError(f"{str(folder)!r} is not a DCP folder (it needs {METADATA} and *.distcp files)")
     state, keys = _dcp_skeleton(folder, weights_only)
@@ -152,7 +150,7 @@ def read_dcp_skeleton(path: PathLike, *, weights_only: bool = True) -> tuple[Che
     return dataclasses.replace(parts, layout=Layout.DCP, optimizer=optimizer, meta=meta), keys
 
 
-def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, weights_only: bool = True) -> None:
+def load_into_shards(path: Location, targets: Mapping[str, torch.Tensor], *, weights_only: bool = True) -> None:
     """Fill each destination of ``targets`` (``{DCP key: DTensor or plain tensor}``) from the folder, in place.
 
     Collective: every rank calls it with the same keys (its own destinations), as ``dcp.load`` needs. DCP reshards:
@@ -164,7 +162,7 @@ def load_into_shards(path: PathLike, targets: Mapping[str, torch.Tensor], *, wei
 
     from .dcp_reader import DcpReader
 
-    folder = location(path)
+    folder = path
     try:
         with warnings.catch_warnings():  # one process (convert, tests): DCP says it reads alone; it may
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -29,7 +29,7 @@ from .._core.torch_errors import (
     is_damaged_pickle_error,
     is_out_of_memory,
 )
-from .._core.types import MapLocation, PathLike
+from .._core.types import MapLocation
 from .._dist.accelerator import current_accelerator
 from .._dist.env import rank_device
 from .._sim import sim_tags_note
@@ -97,7 +97,7 @@ def _opened(p: Location) -> Iterator[Path | IO[bytes]]:
 
 
 def load_torch_file(
-    path: PathLike | Location,
+    path: Location,
     *,
     map_location: MapLocation = None,
     mmap: bool = True,

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .._core.location import Location
 from .._core.text import described
-from .._core.types import PathLike
-from .._store.url import location
+from .._core.untrusted import untrusted
 from .safe_open import check_name, open_in_folder, read_in_folder
 
 __all__ = [
@@ -57,11 +57,11 @@ _MAX_TIME: Final = 1e11  # saved_at: seconds since 1970, good until the year 513
 REQUIRED: Final = (".metadata", "train_state.pt")  # every sharded folder holds these (and its shards)
 
 
-def file_crc32(path: PathLike) -> int:
+def file_crc32(path: Location) -> int:
     """The CRC-32 (zlib's) of a whole file, read in 4 MiB chunks; a link or special file is refused (as
     :func:`~dist_resume._format.safe_open.open_in_folder` refuses it). Local."""
     crc = 0
-    p = location(path)
+    p = path
     with open_in_folder(p.parent, p.name) as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
@@ -226,13 +226,13 @@ def _entry(value: Any) -> FileEntry:
     return FileEntry(name, _int(value["size"]), int(crc, 16), _int(value["rank"]))
 
 
-def read_manifest(folder: PathLike) -> tuple[Manifest, bytes]:
+def read_manifest(folder: Location) -> tuple[Manifest, bytes]:
     """The folder's :class:`Manifest` and the manifest's bytes (what a digest covers). Local; reads one small file.
 
     A folder without ``manifest.json`` raises :class:`NotACheckpointError` (its save never finished, or it
     was copied in part); one whose manifest does not parse :class:`CheckpointCorruptError`.
     """
-    root = location(folder)
+    root = folder
     where = f"checkpoint {str(root)!r}"
     try:
         data = read_in_folder(root, MANIFEST, _MAX_MANIFEST)
@@ -244,4 +244,5 @@ def read_manifest(folder: PathLike) -> tuple[Manifest, bytes]:
         ) from err
     except OSError as err:
         raise CheckpointCorruptError(f"cannot read {str(root / MANIFEST)!r}: {err.strerror or err}") from err
-    return Manifest.from_json(data, f"{where}: {MANIFEST}"), data
+    with untrusted(where, MANIFEST):
+        return Manifest.from_json(data, f"{where}: {MANIFEST}"), data

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._core.location import Location
-from .._core.types import PathLike
-from .._store.url import location
 from .records import Record
 from .small_records import read_checked_records
 
@@ -220,7 +218,7 @@ def _finish(obj: Any, depth: int, on_path: set[int]) -> Any:
     return done
 
 
-def peek_archive(path: PathLike) -> Peeked:
+def peek_archive(path: Location) -> Peeked:
     """``data.pkl`` of the torch zip file ``path``, unpickled with :class:`TensorStub` for tensors. Local.
 
     The zip structure and every small record's CRC-32 are checked first, with the errors
@@ -234,7 +232,7 @@ def peek_archive(path: PathLike) -> Peeked:
         >>> peeked.obj["step"], peeked.obj["w"].shape, peeked.obj["w"].storage.dtype
         (3, (2, 3), 'float32')
     """
-    p = location(path)
+    p = path
     checked = read_checked_records(p, keep_pickle=True)
     return Peeked(p, checked.archive_name, checked.records, peek_pickle(checked.pickle or b""))
 

@@ -15,7 +15,6 @@ from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.location import Location, RemotePath
-from .._core.types import PathLike
 from .._store.ranges import open_binary, prefetch
 from .safe_open import reading
 from .sniff import FileKind, check_file, file_kind
@@ -66,7 +65,7 @@ def _read_directory(p: Location, size: int) -> list[Record]:
         return [_record(f, info, size) for info in infos]
 
 
-def read_records(path: PathLike | Location) -> tuple[str, list[Record]]:
+def read_records(path: Location) -> tuple[str, list[Record]]:
     """The archive name and the records of a torch zip checkpoint, in file order. Reads no record data.
 
     Reads the central directory and each record's local header only, and checks what torch's C++

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
-from .._core.types import PathLike
-from .._store.url import location
 from .dcp_entries import entries_problem
 from .dcp_view import BadMetadata, metadata_view
 from .manifest import DCP_METADATA, MANIFEST, REQUIRED, FileEntry, Manifest, file_crc32
@@ -46,7 +44,7 @@ def rank_share(manifest: Manifest, rank: int, world_size: int) -> frozenset[str]
 
 
 def manifest_problems(
-    folder: PathLike, manifest: Manifest, *, verify: bool, share: frozenset[str] | None = None
+    folder: Location, manifest: Manifest, *, verify: bool, share: frozenset[str] | None = None
 ) -> list[FileProblem]:
     """How the folder differs from ``manifest``; [] for a sound folder. Local.
 
@@ -60,7 +58,7 @@ def manifest_problems(
     shape ``.metadata`` declares (:func:`~dist_resume._format.dcp_entries.entries_problem`, for the files whose CRC-32
     this call checks).
     """
-    root = location(folder)
+    root = folder
     problems = []
     listed = {entry.name: entry for entry in manifest.files}
     for found in folder_entries(root):
@@ -109,10 +107,10 @@ def _file_problem(root: Location, entry: FileEntry, verify: bool) -> FileProblem
     return None
 
 
-def declared_keys(folder: PathLike, manifest: Manifest) -> dict[str, set[str]]:
+def declared_keys(folder: Location, manifest: Manifest) -> dict[str, set[str]]:
     """The keys ``.metadata`` declares under each top-level entry of the DCP state (``model``: its state dict's keys),
     read without torch, for a folder :func:`manifest_problems` found sound. Local."""
-    root = location(folder)
+    root = folder
     listed = {entry.name: entry for entry in manifest.files}
     shards = {e.name: e.size for e in manifest.files if e.name not in REQUIRED}
     data = read_in_folder(root, DCP_METADATA, listed[DCP_METADATA].size)

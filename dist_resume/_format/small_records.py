@@ -17,9 +17,7 @@ from typing import Any
 
 from .._core.errors import CheckpointCorruptError
 from .._core.location import Location, looked_up
-from .._core.types import PathLike
 from .._store.ranges import open_binary, prefetch
-from .._store.url import location
 from .records import Record, read_records
 from .safe_open import reading
 
@@ -39,7 +37,7 @@ def _name(path: Location) -> str:
     return repr(str(path))
 
 
-def read_checked_records(path: PathLike | Location, *, keep_pickle: bool = False) -> CheckedRecords:
+def read_checked_records(path: Location, *, keep_pickle: bool = False) -> CheckedRecords:
     """:func:`~.records.read_records`, then the CRC-32 of every record that is not tensor data.
 
     Local. A mismatch raises :class:`CheckpointCorruptError` naming the file and the record, before
@@ -53,7 +51,7 @@ def read_checked_records(path: PathLike | Location, *, keep_pickle: bool = False
         >>> read_checked_records("ckpt.pt").archive_name
         'ckpt'
     """
-    p = looked_up(location(path))
+    p = looked_up(path)
     archive_name, records = read_records(p)
     return CheckedRecords(archive_name, records, check_small_records(p, archive_name, records, keep_pickle))
 

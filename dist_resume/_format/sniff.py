@@ -14,8 +14,6 @@ from .._core.errors import (
     UnsafeCheckpointError,
 )
 from .._core.location import Location, RemotePath
-from .._core.types import PathLike
-from .._store.url import location
 from .safe_open import open_checkpoint_file
 
 __all__ = ["CHECKPOINT_SUFFIXES", "FileKind", "file_kind", "check_file", "check_walkable", "unsafe_error"]
@@ -53,10 +51,10 @@ def file_kind(path: Location) -> FileKind:
     return FileKind.UNKNOWN
 
 
-def check_file(path: PathLike) -> Location:
+def check_file(path: Location) -> Location:
     """Raise the right :class:`CheckpointError` when ``path`` cannot be a checkpoint; return it as a Path (or the
     :class:`~dist_resume._core.location.RemotePath` of a URL)."""
-    p = location(path)
+    p = path
     try:  # an object's stat is asked once, then known to every read of it
         p = p.looked_up() if isinstance(p, RemotePath) else p
         present = isinstance(p, RemotePath) or p.exists()

@@ -20,9 +20,7 @@ from typing import Any, Final
 from .._core.errors import CheckpointCorruptError
 from .._core.location import Location, RemotePath, looked_up
 from .._core.text import preview
-from .._core.types import PathLike
 from .._store.ranges import RangeFile, open_binary
-from .._store.url import location
 from .records import Record, read_records
 from .safe_open import reading
 
@@ -54,12 +52,12 @@ class ArchiveFinding:
 
 
 def verify_zip(
-    path: PathLike | Location, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
+    path: Location, *, strict: bool = True, progress: Callable[[int, int], None] | None = None
 ) -> list[ArchiveFinding]:
     """Check one torch zip file's structure and the CRC-32 of every record (the public face is ``verify_archive``).
 
     An object on a store is read once, by ranges of 16 MiB in file order, never copied whole."""
-    p = looked_up(location(path))
+    p = looked_up(path)
     with reading(p):  # removed meanwhile (a writer's rotation): CheckpointNotFoundError, not damage
         try:
             archive_name, records = read_records(p)

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from .._core.errors import NotACheckpointError
 from .._core.text import article, described, preview
+from .._core.untrusted import untrusted
 from .._core.version import __version__
 from .detect import detect_parts, overrides
 from .kinds import as_int, is_state_dict
@@ -98,6 +99,11 @@ _LIGHTNING_MARKS: Final = ("pytorch-lightning_version", "optimizer_states", "lr_
 def describe_keys(keys: Mapping[str, str]) -> str:
     """Which key each part came from: ``model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'``."""
     return ", ".join(f"{part} <- {key!r}" for part, key in keys.items())
+
+
+def _is_toolkit(obj: Mapping[str, Any]) -> bool:
+    marker = obj.get(Key.FORMAT)
+    return type(marker) is str and marker == FORMAT_NAME  # (not `==` alone: a damaged file's tensor compares as one)
 
 
 def _is_lightning(obj: Mapping[str, Any]) -> bool:
@@ -206,7 +212,18 @@ def split_checkpoint(
         >>> parts.layout.value, parts.epoch, parts.describe_keys()
         ('detected', 3, "model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'")
     """
-    if isinstance(obj, Mapping) and obj.get(Key.FORMAT) == FORMAT_NAME:
+    with untrusted(source, "its layout"):  # the boundary: whatever the checks below did not foresee
+        return _split(obj, source, model_keys, part_keys, wanted)
+
+
+def _split(
+    obj: Any,
+    source: str,
+    model_keys: Collection[str] | None,
+    part_keys: Mapping[str, str] | None,
+    wanted: Collection[str] | None,
+) -> CheckpointParts:
+    if isinstance(obj, Mapping) and _is_toolkit(obj):
         return _toolkit(obj, source, part_keys)
     if is_state_dict(obj) and not part_keys:
         return CheckpointParts(Layout.BARE, obj)

@@ -205,7 +205,7 @@ def _decide(
     return Source.newest(mine, path, chosen.layout, broadcast=broadcast)
 
 
-def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
+def resolve_source(path: Location, *, broadcast: bool = False) -> Source:
     """What a resume of ``path`` reads: decided once, then passed down. Collective under torch.distributed (every
     rank passes the same kind of source; for a folder, the same checkpoint), local otherwise.
 
@@ -215,7 +215,7 @@ def resolve_source(path: PathLike, *, broadcast: bool = False) -> Source:
     (under torch.distributed) only global rank 0 looks at the filesystem, and every rank receives its
     decision: the others need not see the path at all.
     """
-    p = location(path)
+    p = path
     if broadcast and is_distributed():
         _same_kind(p, _BROADCAST)  # only rank 0 looks at the path
         decided: Source = run_on_rank0(
@@ -250,4 +250,4 @@ def resolve_checkpoint(path: PathLike) -> Location:
         >>> dist_resume.tools.resolve_checkpoint("ckpts")
         PosixPath('ckpts/ckpt_00000005.pt')
     """
-    return resolve_source(path).path
+    return resolve_source(location(path)).path  # the entry: decided here, passed down as it is

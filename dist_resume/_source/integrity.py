@@ -61,7 +61,7 @@ class CheckpointInfo:
     files: tuple[tuple[str, int], ...] = ()  # a foreign source's files and their sizes
 
 
-def archive_digest(path: PathLike) -> str:
+def archive_digest(path: Location) -> str:
     """SHA-256 over every record's name, CRC-32 and size, as the zip directory records them.
 
     Local; reads kilobytes (the central directory and the local headers), never tensor data. The
@@ -175,12 +175,12 @@ def _inspect_sharded(p: Location, verify: bool) -> CheckpointInfo:
     return CheckpointInfo(p, manifest.step, manifest.size, hashlib.sha256(raw).hexdigest(), Layout.SHARDED.value, files)
 
 
-def checkpoint_identity(path: PathLike) -> tuple[int, str]:
+def checkpoint_identity(path: Location) -> tuple[int, str]:
     """``(size, digest)`` of a checkpoint as :class:`CheckpointInfo` gives them, cheaply. Local.
 
     A torch file: its size and :func:`archive_digest`. A sharded checkpoint folder: the manifest's size and
     digest, once every file it lists is there with its size (reads the manifest and stats each file)."""
-    p = looked_up(location(path))
+    p = looked_up(path)
     with reading(p):
         if not p.is_dir():
             return p.stat().st_size, archive_digest(p)
@@ -191,9 +191,9 @@ def checkpoint_identity(path: PathLike) -> tuple[int, str]:
         return manifest.size, hashlib.sha256(raw).hexdigest()
 
 
-def source_files(path: PathLike) -> list[Location]:
+def source_files(path: Location) -> list[Location]:
     """The files a checkpoint source consists of: the file itself, or a folder's files by name. Local."""
-    p = location(path)
+    p = path
     return sorted((f for f in p.iterdir() if f.is_file()), key=lambda f: f.name) if p.is_dir() else [p]
 
 
@@ -248,7 +248,7 @@ def verify_archive(
     return verify_zip(p, strict=strict, progress=progress)  # a file removed meanwhile: CheckpointNotFoundError
 
 
-def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding]:
+def verify_source(path: Location, *, strict: bool = True) -> list[ArchiveFinding]:
     """Check every file of a source: each torch zip file's CRC-32s, each safetensors header and its offsets. Local.
 
     ``path`` is a file or a foreign checkpoint folder (reads every torch file in it once); a sharded
@@ -262,7 +262,7 @@ def verify_source(path: PathLike, *, strict: bool = True) -> list[ArchiveFinding
         >>> verify_source("out/checkpoint-500")
         []
     """
-    p = location(path)
+    p = path
     with reading(p):  # removed meanwhile (a writer's rotation): CheckpointNotFoundError, never damage
         return _verify_source(p, strict)
 

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.errors import UsageError
+from .._core.location import Location
 from .._core.types import MapLocation, PathLike
 from .._layout.layout import CheckpointParts, split_checkpoint
+from .._store.url import location
 from .read import SourceContents, read_source
 from .source import local_source
 
@@ -20,7 +22,7 @@ __all__ = ["load_checkpoint", "open_checkpoint", "parts_as_dict"]
 
 
 def open_checkpoint(
-    path: PathLike,
+    path: Location,
     *,
     map_location: MapLocation = None,
     mmap: bool = True,
@@ -104,7 +106,8 @@ def load_checkpoint(
         >>> dist_resume.load_checkpoint("ckpt.pt", map_location="cpu")["w"]
         tensor([1., 1.])
     """
-    source = local_source(path)
+    where = location(path)  # the entry: decided here, passed down as it is
+    source = local_source(where)
     if part_keys is not None and source.layout is not None:
         raise UsageError(
             f"part_keys names keys of a torch file, but {str(path)!r} is a foreign source whose files name its parts",

@@ -11,11 +11,9 @@ import enum
 from dataclasses import dataclass
 
 from .._core.location import Location
-from .._core.types import PathLike
 from .._foreign.folders import foreign_kind, is_manager_folder, unrecognised_folder
 from .._format.load import load_torch_file
 from .._layout.layout import Layout
-from .._store.url import location
 
 __all__ = ["SourceKind", "Source", "local_source"]
 
@@ -54,7 +52,7 @@ class Source:
         return cls(SourceKind.FOLDER_NEWEST, path, sharded, folder=folder, broadcast=broadcast)
 
 
-def local_source(path: PathLike) -> Source:
+def local_source(path: Location) -> Source:
     """The :class:`Source` at ``path`` as this rank alone sees it: a torch file, a ``.safetensors`` file or a
     foreign folder. Local.
 
@@ -63,7 +61,7 @@ def local_source(path: PathLike) -> Source:
     :class:`NotACheckpointError`, naming its files and the known folders, or the checkpoint folders it
     holds one level down (an HF Trainer ``output_dir``).
     """
-    p = location(path)
+    p = path
     layout = foreign_kind(p)
     if layout is None and p.is_dir():
         if is_manager_folder(p) or not any(p.iterdir()):  # check_file's error says what to pass instead

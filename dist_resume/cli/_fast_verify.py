@@ -15,10 +15,8 @@ from contextlib import ExitStack
 from typing import Any, Final
 
 from .._core.errors import CheckpointError
-from .._core.location import RemotePath, local_path
-from .._core.types import PathLike
+from .._core.location import Location, RemotePath, local_path
 from .._format.peek import Peeked, PeekUnsure, TensorStub, peek_archive
-from .._store.url import location
 from ._common import SCHEMA_PREFIX
 from ._fast import FORMAT_KEY, FORMAT_NAME, FORMAT_VERSION, META_KEY, PLAIN
 
@@ -88,8 +86,8 @@ class _Equal:
         return self.views[side], record.data_offset + start
 
 
-def _toolkit(path: PathLike) -> Peeked:
-    p = location(path)
+def _toolkit(path: Location) -> Peeked:
+    p = path
     if isinstance(p, RemotePath):
         raise PeekUnsure(f"{p} is on an object store: torch's path reads it by ranges")
     if not p.is_file() or p.suffix == ".safetensors":
@@ -163,7 +161,7 @@ def _number(obj: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def fast_verify(a: PathLike, b: PathLike) -> dict[str, Any]:
+def fast_verify(a: Location, b: Location) -> dict[str, Any]:
     """The ``verify`` report of two equal checkpoint files of this toolkit, read without torch, or
     :class:`PeekUnsure` (a difference included: the torch path words it). Local."""
     sides = [_toolkit(a), _toolkit(b)]

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
+from .._core.location import Location
 from .._core.types import PathLike
 from .._format.archive import ArchiveContents, read_archive
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
@@ -21,7 +22,6 @@ from .._sim import sim_tags_note
 from .._source.source import local_source
 from .._state.prefix import canonical_key, prefix_style
 from .._store.ranges import open_binary
-from .._store.url import location
 from ._common import SCHEMA_PREFIX, jsonable
 from ._inspect_optim import describe_optimizer, optimizer_kind
 from ._inspect_render import render_inspect
@@ -160,7 +160,7 @@ def _fill_parts(report: dict[str, Any], parts: CheckpointParts, storage_of: Stor
     )
 
 
-def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+def describe_checkpoint(path: Location, *, part_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``inspect --json`` report for ``path``: a torch file or a foreign source. Local.
 
     A torch file is read from its zip directory and data.pkl only. A file in no layout dist_resume
@@ -170,7 +170,7 @@ def describe_checkpoint(path: PathLike, *, part_keys: Mapping[str, str] | None =
     name its parts). A sharded checkpoint folder (an FSDP2 save) is checked whole first (every file its manifest
     lists, with its size and CRC-32; a damaged one raises naming the file) and ``sharded`` says how it was written.
     """
-    where = location(path)
+    where = path
     sharded = check_sharded(where)
     layout = local_source(where).layout
     if layout is not None:

@@ -14,12 +14,10 @@ from typing import Any, Final
 from .._core.errors import CheckpointError, CheckpointNotFoundError, DistResumeError, UsageError
 from .._core.location import Location, RemotePath
 from .._core.text import preview
-from .._core.types import PathLike
 from .._format.atomic import TEMP_NAME
 from .._format.manifest import TRAIN_STATE
 from .._manager.lease import LEASE_NAME
 from .._manager.lock import LOCK_NAME
-from .._store.url import location
 from ._common import SCHEMA_PREFIX, human_bytes
 from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
 
@@ -152,14 +150,14 @@ def _rows_say_it() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
-def list_folder(path: PathLike, *, verify: bool = False, fast: bool = True) -> dict[str, Any]:
+def list_folder(path: Location, *, verify: bool = False, fast: bool = True) -> dict[str, Any]:
     """The report of ``dist-resume list``. Local; reads each checkpoint's zip directory and pickle (and with
     ``verify`` every record's CRC-32), never loads tensor data.
 
     ``fast`` (default) answers without importing torch when every entry is a sound checkpoint of this toolkit
     (:mod:`._fast`); any other folder, or any doubt, is listed by the torch path, so the report is the same.
     """
-    folder = location(path)
+    folder = path
     if not folder.exists():
         raise CheckpointNotFoundError(f"folder {str(folder)!r} does not exist")
     if not folder.is_dir():
@@ -307,7 +305,7 @@ def render_list(report: dict[str, Any]) -> str:
     if report["pick"] is not None:
         picked = next(e for e in rows if e["name"] == report["pick"])
         if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder
-            where = location(report["folder"]) / report["pick"]
+            where = f"{str(report['folder']).rstrip('/')}/{report['pick']}"
             lines.append(f"newest complete: {report['pick']} (step {picked['step']}): resume from {where}")
         else:
             lines.append(f"resume would pick: {report['pick']} (step {picked['step']})")

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import UsageError
+from .._core.location import Location
 from .._core.text import preview
-from .._core.types import PathLike
 from ._common import SCHEMA_PREFIX
 from ._fast_verify import fast_verify
 
@@ -31,7 +31,7 @@ def _keys_held(obj: Any, part_keys: Mapping[str, str] | None) -> dict[str, str] 
     return out or None
 
 
-def _side(path: PathLike, parts: CheckpointParts) -> dict[str, Any]:
+def _side(path: Location, parts: CheckpointParts) -> dict[str, Any]:
     from .._state.prefix import prefix_style
 
     return {
@@ -43,7 +43,7 @@ def _side(path: PathLike, parts: CheckpointParts) -> dict[str, Any]:
 
 
 def verify_checkpoints(
-    a: PathLike, b: PathLike, *, part_keys: Mapping[str, str] | None = None, fast: bool = True
+    a: Location, b: Location, *, part_keys: Mapping[str, str] | None = None, fast: bool = True
 ) -> dict[str, Any]:
     """The ``verify --json`` report: the parts detected in ``a`` and ``b``, compared modulo prefixes.
 
@@ -64,12 +64,11 @@ def verify_checkpoints(
     from .._layout.detect import check_part_keys
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
-    from .._store.url import location
     from ._compare import compare_parts
     from ._inspect_sources import check_sharded
 
     for side in (a, b):  # a sharded checkpoint folder is checked whole first: damage is said naming the file
-        check_sharded(location(side))
+        check_sharded(side)
     if part_keys:
         check_part_keys(part_keys)
     # foreign sources (HF Trainer, Accelerate, DCP, safetensors) come back already split into parts
@@ -105,21 +104,20 @@ def verify_checkpoints(
     }
 
 
-def read_parts(path: PathLike) -> CheckpointParts:
+def read_parts(path: Location) -> CheckpointParts:
     """A checkpoint's parts as ``verify`` reads them (and ``resume`` finds them): a sharded checkpoint folder checked
     against its manifest first, a torch file memory-mapped on the CPU and split by :func:`split_checkpoint`, a
     foreign source split by its reader. Local."""
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
-    from .._store.url import location
     from ._inspect_sources import check_sharded
 
-    check_sharded(location(path))
+    check_sharded(path)
     contents = open_checkpoint(path, map_location="cpu", mmap=_mmap(path), weights_only=True)
     return contents.parts or split_checkpoint(contents.obj, source=str(path))
 
 
-def _mmap(path: PathLike) -> bool:
+def _mmap(path: Location) -> bool:
     from .._format.sniff import FileKind, check_file, file_kind
     from .._source.source import local_source
 
