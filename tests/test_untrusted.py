@@ -24,10 +24,10 @@ class _Unshowable(Exception):
 @pytest.mark.parametrize(
     ("raise_", "kind"),
     [
-        (lambda: sorted([1, "a"]), "TypeError"),
+        (lambda: sorted([1, "a"]), "TypeError"),  # type: ignore[type-var]
         (lambda: bool(torch.ones(2)), "RuntimeError"),
         (lambda: float(10**400), "OverflowError"),
-        (lambda: {}["step"], "KeyError"),
+        (lambda: dict[str, int]()["step"], "KeyError"),
         (lambda: (_ for _ in ()).throw(_Unshowable()), "_Unshowable"),
     ],
 )

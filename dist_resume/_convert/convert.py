@@ -32,6 +32,7 @@ from .._core.errors import CheckpointWriteError, KeyMismatchError, UsageError
 from .._core.location import Location, RemotePath
 from .._core.text import article
 from .._core.types import PathLike
+from .._core.untrusted import untrusted
 from .._foreign.folders import checkpoint_subfolders, detect_folder, read_foreign_folder, unrecognised_folder
 from .._foreign.safetensors_read import is_safetensors
 from .._format.archive import read_archive
@@ -190,22 +191,23 @@ def _convert(
     elif check_crc and kind is _Source.SHARDED:
         verify_source(src_path)  # every file's CRC-32 against the manifest
     source = repr(str(src_path))
-    if kind is _Source.PT and fmt is ConvertFormat.PT:
-        done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)
-    elif kind is _Source.PT and fmt is ConvertFormat.SAFETENSORS:
-        done = pt_to_safetensors(src_path, dst_path, form, part_keys)
-    elif kind is _Source.PT and fmt is ConvertFormat.SHARDED:
-        done = pt_to_sharded(src_path, dst_path, form, part_keys)
-    elif kind is _Source.PT:
-        done = pt_to_dcp(src_path, dst_path, form, part_keys)
-    elif kind is _Source.SHARDED and fmt is ConvertFormat.PT:
-        done = sharded_to_pt(src_path, dst_path, form)
-    elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
-        done = safetensors_to_pt(src_path, dst_path, form, progress)
-    elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:
-        done = parts_to_pt(read_foreign_folder(src_path, map_location="cpu"), dst_path, form, source)
-    else:
-        raise _unsupported(kind, fmt)
+    with untrusted(f"checkpoint {source}", "its structure"):  # the boundary: what the writers below read
+        if kind is _Source.PT and fmt is ConvertFormat.PT:
+            done = _pt_to_pt(src_path, dst_path, form, part_keys, progress)
+        elif kind is _Source.PT and fmt is ConvertFormat.SAFETENSORS:
+            done = pt_to_safetensors(src_path, dst_path, form, part_keys)
+        elif kind is _Source.PT and fmt is ConvertFormat.SHARDED:
+            done = pt_to_sharded(src_path, dst_path, form, part_keys)
+        elif kind is _Source.PT:
+            done = pt_to_dcp(src_path, dst_path, form, part_keys)
+        elif kind is _Source.SHARDED and fmt is ConvertFormat.PT:
+            done = sharded_to_pt(src_path, dst_path, form)
+        elif kind is _Source.SAFETENSORS and fmt is ConvertFormat.PT:
+            done = safetensors_to_pt(src_path, dst_path, form, progress)
+        elif kind is _Source.FOLDER and fmt is ConvertFormat.PT:
+            done = parts_to_pt(read_foreign_folder(src_path, map_location="cpu"), dst_path, form, source)
+        else:
+            raise _unsupported(kind, fmt)
     return ConvertResult(
         src_path,
         dst_path,

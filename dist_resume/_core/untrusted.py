@@ -5,7 +5,8 @@ Everything read from a checkpoint that is not tensor data (the unpickled object'
 produces. A damaged or edited file holds values that code never imagined: a tensor where a number was (``bool()``
 raises), keys of mixed types (``sorted`` raises), an integer too large for a float, a ``__repr__`` that raises. Each
 check is written to be total, and :func:`untrusted` makes the guarantee hold by construction: the reading and the
-checking of one field run inside it, a :class:`~dist_resume.errors.DistResumeError` passes through as it is, and any
+checking of one field run inside it, a :class:`~dist_resume.errors.DistResumeError` passes through as it is (and so do
+``OSError`` and ``MemoryError``: the machine's trouble, not the file's, which the readers name themselves), and any
 other exception (the check itself failing on a value it did not foresee) becomes
 :class:`~dist_resume.errors.CheckpointCorruptError` naming the file and the field, chained to the original.
 
@@ -53,7 +54,7 @@ another checkpoint
     """
     try:
         yield
-    except DistResumeError:
+    except (DistResumeError, OSError, MemoryError):  # typed already; or the machine's trouble, not the file's
         raise
     except RecursionError as err:
         raise CheckpointCorruptError(
@@ -65,4 +66,3 @@ another checkpoint
             f"{source}: {field} could not be checked ({_text(err)}): the file is damaged or was edited; resume from "
             "another checkpoint"
         ) from err
-

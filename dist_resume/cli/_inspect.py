@@ -16,6 +16,7 @@ from typing import Any
 from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
 from .._core.location import Location
 from .._core.types import PathLike
+from .._core.untrusted import untrusted
 from .._format.archive import ArchiveContents, read_archive
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
 from .._sim import sim_tags_note
@@ -181,14 +182,20 @@ def describe_checkpoint(path: Location, *, part_keys: Mapping[str, str] | None =
                 hint="run `dist-resume inspect` without --part",
             )
         source = read_foreign_source(where, layout)
-        report = _report(path, source.files, source.device_tags)
-        parts = source.parts
-        report.update(not_read=source.not_read, tensor_data=source.tensor_data, sharded=sharded)
-        report["tensors"] = summarize_tensors((parts.model, parts.optimizer, parts.ema), source.storage_of)
-        _fill_parts(report, parts, source.storage_of)
-        return report
+        with untrusted(f"checkpoint {str(path)!r}", "its parts"):  # the boundary: describing what the files hold
+            report = _report(path, source.files, source.device_tags)
+            parts = source.parts
+            report.update(not_read=source.not_read, tensor_data=source.tensor_data, sharded=sharded)
+            report["tensors"] = summarize_tensors((parts.model, parts.optimizer, parts.ema), source.storage_of)
+            _fill_parts(report, parts, source.storage_of)
+            return report
     contents = read_archive(where)
-    report = _report(path, [{"name": where.name, "size": contents.path.stat().st_size}], device_tags(contents))
+    with untrusted(f"checkpoint {str(path)!r}", "its structure"):  # the boundary: describing what the file holds
+        return _describe_archive(path, contents, part_keys)
+
+
+def _describe_archive(path: Location, contents: ArchiveContents, part_keys: Mapping[str, str] | None) -> dict[str, Any]:
+    report = _report(path, [{"name": path.name, "size": contents.path.stat().st_size}], device_tags(contents))
     report.update(
         archive=_archive_info(contents),
         tensors=summarize_tensors(contents.obj, contents.storage_of),
