@@ -153,6 +153,26 @@ def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
+def test_a_script_that_snapshots_every_step_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a snapshot into shared memory every step, a save every 8: killed between saves, the relaunch resumes from its
+    # newest snapshot (or from the folder when the kill came right after a save), and the run stays exact; the
+    # snapshots are gone once the run closed (DIST_RESUME_SHM_DIR: this test's own shared-memory folder)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("DIST_RESUME_SHM_DIR", str(shm))
+    train = (sys.executable, TRAIN, "{dir}", "--snapshot-every", "1", "--save-every", "8")
+    done = check(tmp_path, "--json", "--keep", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", *train)
+    result = _json(done)
+    assert done.returncode == 0 and result["exact"] is True, done.stdout
+    assert [launch["returncode"] for launch in result["launches"]] == [-9, 0]
+    resumed = (Path(result["folders"]["interrupted"]).parent / "interrupted-launch-2.err").read_text()
+    assert resumed.startswith("resumed from "), resumed
+    from_memory = str(shm) in resumed.splitlines()[0]
+    step = int(resumed.split(" at step ")[1].split()[0])
+    assert from_memory or step % 8 == 0, resumed  # a snapshot's step, or a save's when the kill followed one
+    assert list(shm.iterdir()) == [] and _leftovers(tmp_path) == []
+
+
 def test_pytorchs_ddp_tutorial_is_found_and_named(tmp_path: Path) -> None:
     args = ("--json", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", sys.executable, TUTORIAL, "{dir}")
     result = _json(check(tmp_path, *args))

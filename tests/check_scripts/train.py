@@ -23,6 +23,8 @@ check must find (repeatable):
 instead of every stream (``dr.seed_rng``): Python's ``random`` and NumPy's global stream start from the OS's entropy,
 differ between runs, and nothing the script trains draws from them. ``--save-args`` saves the script's arguments in
 each checkpoint's ``extra`` (as nanoGPT's ``config`` and torchvision's ``args``), its checkpoint folder among them.
+``--snapshot-every N`` also snapshots the state into the node's shared memory every N steps
+(``CheckpointManager.snapshot``): a run killed between saves resumes from its newest snapshot.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--step-seconds", type=float, default=0.025)
 p.add_argument("--torch-seed-only", action="store_true")
 p.add_argument("--save-args", action="store_true")
+p.add_argument("--snapshot-every", type=int, default=0)
 args = p.parse_args()
 if "fail" in args.bug:
     raise SystemExit("train.py: the data folder 'no-such-data' does not exist")
@@ -123,6 +126,8 @@ else:
             step += 1
             if step % args.save_every == 0:
                 save(step)
+            elif args.snapshot_every and step % args.snapshot_every == 0:
+                mgr.snapshot(step, epoch=sampler.epoch, extra=extra)
             if step == args.steps:
                 break
 mgr.close()
