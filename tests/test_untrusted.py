@@ -119,3 +119,28 @@ def test_a_manifest_the_parser_cannot_read_is_refused_by_name(tmp_path):
     (folder / "manifest.json").write_text("[]")
     with pytest.raises((CheckpointCorruptError, NotACheckpointError), match="manifest.json"):
         read_manifest(folder)
+
+
+def test_a_part_check_that_raises_is_the_typed_error_naming_the_part(tmp_path, monkeypatch):
+    from dist_resume._checkpoint import plan
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    manager = dist_resume.CheckpointManager(tmp_path / "run", model=model, optimizer=opt, scheduler=sched)
+    manager.save(1)
+    manager.save(2)
+    checked = plan.check_scheduler
+
+    def failing(saved, live, source):
+        if "ckpt_00000002" in source:
+            return sorted([saved, 1])  # a check that did not foresee the value: TypeError
+        return checked(saved, live, source)
+
+    monkeypatch.setattr(plan, "check_scheduler", failing)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointCorruptError, match=r"ckpt_00000002\.pt.*its scheduler state could not be checked"):
+        dist_resume.resume(tmp_path / "run" / "ckpt_00000002.pt", model=model, optimizer=opt, scheduler=sched)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+    result = manager.resume()  # the manager falls back to the previous checkpoint
+    assert result is not None and result.step == 1

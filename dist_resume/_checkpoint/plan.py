@@ -15,6 +15,7 @@ from .._core.errors import OptimizerStateMismatchError, StateMismatchError
 from .._core.rank import global_rank
 from .._core.text import article, preview
 from .._core.tree import map_tensors, named_tensors
+from .._core.untrusted import untrusted
 from .._exact.data import check_data_state
 from .._layout.layout import CheckpointParts
 from .._state.optim import param_names, prepare_optimizer_state
@@ -122,8 +123,11 @@ def plan_restore(
     model, optimizer, scheduler, key_prefix = objects.model, objects.optimizer, objects.scheduler, options.key_prefix
     strict, hparams = options.strict, OptimizerHparams(options.optimizer_hparams)
     notices: list[tuple[int, str]] = []
-    saved_model = parts.model if key_prefix is None else select_prefix(parts.model, key_prefix, source)
-    model_state, missing, unexpected = plan_model(saved_model, model, strict, key_prefix is None, source)
+    # every check of a saved part runs inside the boundary (_core/untrusted.py): one that fails on a value it did not
+    # foresee is CheckpointCorruptError naming the part, never a raw error
+    with untrusted(source, "its model state"):
+        saved_model = parts.model if key_prefix is None else select_prefix(parts.model, key_prefix, source)
+        model_state, missing, unexpected = plan_model(saved_model, model, strict, key_prefix is None, source)
     applied = {"model": (len(model_state), len(model.state_dict()))}
 
     def present(entry: Any, what: str, why: str = "to resume without it") -> bool:
@@ -138,36 +142,46 @@ def plan_restore(
                 f"{type(optimizer).__name__}; build {article(str(saved_class))}, or pass allow_missing=('optimizer',) "
                 "and no optimizer"
             )
-        _check_optimizer_form(parts.optimizer, optimizer, source)
-        saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
-        optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
-        scheduled = scheduler is not None and parts.scheduler is not None
-        optimizer_state, applied["optimizer"] = choose_hparams(optimizer_state, optimizer, hparams, notices, scheduled)
-        check_optimizer_state(optimizer_state, optimizer, param_names(model), source=source)
+        with untrusted(source, "its optimizer state"):
+            _check_optimizer_form(parts.optimizer, optimizer, source)
+            saved_opt = parts.optimizer if key_prefix is None else strip_name_prefix(parts.optimizer, key_prefix)
+            optimizer_state = prepare_optimizer_state(saved_opt, optimizer, model, source=source, strict=strict)
+            scheduled = scheduler is not None and parts.scheduler is not None
+            optimizer_state, applied["optimizer"] = choose_hparams(
+                optimizer_state, optimizer, hparams, notices, scheduled
+            )
+            check_optimizer_state(optimizer_state, optimizer, param_names(model), source=source)
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
-        check_scheduler(parts.scheduler, scheduler, source)
+        with untrusted(source, "its scheduler state"):
+            check_scheduler(parts.scheduler, scheduler, source)
     has_scaler = objects.scaler is not None and present(parts.scaler, "scaler")
     # a disabled scaler's {}: keep the fresh state (any other entry goes to check_scaler, which says what it is)
     empty_scaler = has_scaler and isinstance(parts.scaler, Mapping) and not parts.scaler and not strict
     if has_scaler and not empty_scaler:
-        check_scaler(parts.scaler, objects.scaler, source)
+        with untrusted(source, "its GradScaler state"):
+            check_scaler(parts.scaler, objects.scaler, source)
     has_sampler = objects.data is not None and present(parts.sampler, "sampler", "to start the epoch afresh")
     if has_sampler:
-        check_data_state(objects.data, parts.sampler, source)
+        with untrusted(source, "its data position"):
+            check_data_state(objects.data, parts.sampler, source)
     elif objects.data is None and parts.sampler is not None:
         notices.append((logging.WARNING, _NO_SAMPLER.format(source=source)))
     has_rng = options.rng and parts.rng is not None
     if has_rng:
-        check_rng_states(parts.rng, global_rank(), source)
+        with untrusted(source, "its RNG states"):
+            check_rng_states(parts.rng, global_rank(), source)
     elif options.rng:
         notices.append((logging.INFO, _NO_RNG.format(source=source, layout=parts.layout.value)))
     ema_state = None
     if objects.ema is not None and present(parts.ema, "ema"):
-        ema_state = adapt_ema_state(parts.ema, objects.ema, strict=strict, source=source)
+        with untrusted(source, "its EMA state"):
+            ema_state = adapt_ema_state(parts.ema, objects.ema, strict=strict, source=source)
         applied["ema"] = (len(ema_state), len(objects.ema.state_dict()))
     kept_lr = optimizer_state is not None and hparams is OptimizerHparams.CURRENT and parts.optimizer is not None
-    if kept_lr and has_scheduler and lr_differs(parts.optimizer["param_groups"], optimizer.param_groups):  # type: ignore[union-attr]
+    with untrusted(source, "its optimizer state"):
+        lr_moved = kept_lr and has_scheduler and lr_differs(parts.optimizer["param_groups"], optimizer.param_groups)  # type: ignore[union-attr]
+    if lr_moved:
         notices.append((logging.WARNING, _SCHEDULER_OVERRIDES.format(source=source)))
     done = {
         "model": applied["model"][0] > 0,

@@ -25,8 +25,6 @@ from .._core.location import Location, looked_up
 from .._core.security import warn_if_unsafe_torch
 from .._core.tensor_kind import odd_tensors
 from .._core.text import preview
-from .._core.types import PathLike
-from .._store.url import location
 from .records import Record
 from .small_records import read_checked_records
 from .sniff import check_walkable, unsafe_error
@@ -114,7 +112,7 @@ class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
         return typed
 
 
-def read_archive(path: PathLike | Location) -> ArchiveContents:
+def read_archive(path: Location) -> ArchiveContents:
     """Unpickle a checkpoint's structure with meta tensors in place of data. Local; reads only ``data.pkl``.
 
     Refuses what ``torch.load(weights_only=True)`` refuses (with the global's name), before any of
@@ -128,7 +126,7 @@ def read_archive(path: PathLike | Location) -> ArchiveContents:
         >>> contents.obj["w"].shape, contents.storages["0"].location
         (torch.Size([2, 3]), 'cpu')
     """
-    p = looked_up(location(path))
+    p = looked_up(path)
     checked = read_checked_records(p, keep_pickle=True)  # every small record's CRC, data.pkl's included
     data = checked.pickle or b""
     contents = ArchiveContents(p, checked.archive_name, checked.records, len(data), None, {})

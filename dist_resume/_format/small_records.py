@@ -20,6 +20,7 @@ from .._core.location import Location, looked_up
 from .._store.ranges import open_binary, prefetch
 from .records import Record, read_records
 from .safe_open import reading
+from .zip_verify import integrity_failure, structure_findings
 
 __all__ = ["CheckedRecords", "read_checked_records", "check_small_records"]
 
@@ -53,6 +54,10 @@ def read_checked_records(path: Location, *, keep_pickle: bool = False) -> Checke
     """
     p = looked_up(path)
     archive_name, records = read_records(p)
+    if findings := structure_findings(archive_name, records):  # checked on every read, verify= or not
+        raise integrity_failure(
+            repr(str(p)), findings, "the file was damaged or edited: resume from another checkpoint"
+        )
     return CheckedRecords(archive_name, records, check_small_records(p, archive_name, records, keep_pickle))
 
 

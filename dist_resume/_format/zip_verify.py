@@ -24,7 +24,7 @@ from .._store.ranges import RangeFile, open_binary
 from .records import Record, read_records
 from .safe_open import reading
 
-__all__ = ["FindingKind", "ArchiveFinding", "verify_zip", "integrity_failure"]
+__all__ = ["FindingKind", "ArchiveFinding", "verify_zip", "integrity_failure", "structure_findings"]
 
 _CRC_CHUNK: Final = 16 << 20
 
@@ -64,7 +64,7 @@ def verify_zip(
         except CheckpointCorruptError as err:
             findings = [ArchiveFinding(None, str(err), FindingKind.UNREADABLE)]
         else:
-            findings = _structure_findings(archive_name, records) + _crc_findings(p, records, progress)
+            findings = structure_findings(archive_name, records) + _crc_findings(p, records, progress)
         if findings and strict:
             raise integrity_failure(
                 repr(str(p)),
@@ -81,7 +81,8 @@ def integrity_failure(name: str, findings: list[ArchiveFinding], advice: str) ->
     return CheckpointCorruptError(f"checkpoint {name} failed its integrity check: {shown}; {advice}")
 
 
-def _structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:
+def structure_findings(archive_name: str, records: list[Record]) -> list[ArchiveFinding]:
+    """What the records' list alone shows wrong: a name twice, no ``version`` record. Local; reads nothing."""
     findings = []
     seen: set[str] = set()
     for r in records:
