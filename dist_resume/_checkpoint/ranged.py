@@ -23,7 +23,7 @@ from .apply import Agree
 from .plan import RestorePlan
 from .received import NOTHING
 
-__all__ = ["apply_ranged"]
+__all__ = ["read_early", "apply_ranged"]
 
 
 def _stand_ins(plan: RestorePlan, archive: RangedArchive) -> list[torch.Tensor]:
@@ -37,25 +37,33 @@ def _stand_ins(plan: RestorePlan, archive: RangedArchive) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def apply_ranged(archive: RangedArchive, plan: RestorePlan, agree: Agree | None) -> tuple[str, ...]:
-    """Apply ``plan`` (built on ``archive``'s stand-ins): what the steps need read first, the rest read at the commit
-    into the live tensors. Local, or collective with ``agree`` (every rank learns whether every rank read what its
-    steps need, then apply agrees as usual). Returns the parts restored."""
-    late = {id(t) for t in plan.late_tensors()}
-    early = [t for t in _stand_ins(plan, archive) if id(t) not in late]
+def read_early(archive: RangedArchive | None, plan: RestorePlan, agree: Agree | None) -> RestorePlan:
+    """``plan`` (built on ``archive``'s stand-ins) pointed at fresh tensors holding what apply's steps need, read here
+    (nothing for a plan built on data already read: ``archive`` None). Local, or collective with ``agree``: every rank
+    learns whether every rank read it, before anything changed (:class:`CheckpointError` on every rank if not)."""
     error: CheckpointError | None = None
     arrived: dict[int, torch.Tensor] = {}
-    try:
-        arrived = archive.read_fresh(early)
-    except Exception as err:
-        archive.close()
-        error = CheckpointError(
-            f"{archive.path}: reading the checkpoint's small states failed ({type(err).__name__}: {err}) before "
-            "anything changed, so nothing was restored; resume again"
-        )
-        error.__cause__ = err
+    if archive is not None:
+        late = {id(t) for t in plan.late_tensors()}
+        early = [t for t in _stand_ins(plan, archive) if id(t) not in late]
+        try:
+            arrived = archive.read_fresh(early)
+        except Exception as err:
+            archive.close()
+            error = CheckpointError(
+                f"{archive.path}: reading the checkpoint's small states failed ({type(err).__name__}: {err}) before "
+                "anything changed, so nothing was restored; resume again"
+            )
+            error.__cause__ = err
     if agree is not None:
         agree_across_ranks(error, what=NOTHING, fallback=CheckpointError)
     if error is not None:
         raise error
-    return plan.rebind(arrived).apply(agree=agree, transfer=archive.transfer)
+    return plan.rebind(arrived)
+
+
+def apply_ranged(archive: RangedArchive, plan: RestorePlan, agree: Agree | None) -> tuple[str, ...]:
+    """Apply ``plan`` (built on ``archive``'s stand-ins): what the steps need read first (:func:`read_early`), the rest
+    read at the commit into the live tensors. Local, or collective with ``agree`` (every rank learns whether every rank
+    read what its steps need, then apply agrees as usual). Returns the parts restored."""
+    return read_early(archive, plan, agree).apply(agree=agree, transfer=archive.transfer)

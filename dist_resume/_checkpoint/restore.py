@@ -36,6 +36,7 @@ from .plan import RestorePlan, check_has_data, plan_restore
 from .ranged import apply_ranged
 from .received import NOTHING, restore_broadcast
 from .sharded_restore import is_sharded_restore, restore_sharded
+from .striped import apply_striped, check_share, stripes
 
 __all__ = ["ResumeResult", "resume", "checked_options", "restore_from"]
 
@@ -229,6 +230,7 @@ def _restore_whole(
     if source.broadcast:
         return restore_broadcast(source, options, lambda c: _plan(c, objects, options), agree_applied)
     collective = is_distributed()  # a file too: every rank resumes, so every rank learns every rank's outcome
+    striped = collective and stripes(source, options)  # a local file every rank sees: each reads its share
 
     def read_and_plan() -> tuple[SourceContents, RestorePlan]:
         read = read_source(
@@ -238,14 +240,24 @@ def _restore_whole(
             weights_only=options.weights_only,
             verify=options.verify,
             ranged=True,
+            striped=striped,
         )
-        plan = _plan(read, objects, options)
-        if read.ranged is None:  # read with its data: a meta tensor is the file's own, no stand-in
-            check_has_data(plan)
+        try:
+            if striped and options.verify and read.ranged is not None:
+                check_share(read.ranged)  # this rank's share of the CRC-32s; the agreement below tells every rank
+            plan = _plan(read, objects, options)
+            if read.ranged is None:  # read with its data: a meta tensor is the file's own, no stand-in
+                check_has_data(plan)
+        except BaseException:
+            if read.ranged is not None:
+                read.ranged.close()
+            raise
         return read, plan
 
     contents, plan = _agreed(collective, read_and_plan)
     agree = agree_applied if collective else None
+    if striped:  # each rank reads its share of the tensors, the ranks exchange them at the commit
+        return contents, plan, apply_striped(contents.ranged, plan, agree_applied)
     if contents.ranged is not None:  # an object on a store: its data read by ranges into the live tensors
         return contents, plan, apply_ranged(contents.ranged, plan, agree)
     return contents, plan, plan.apply(agree=agree)

@@ -1,5 +1,5 @@
-"""A torch zip on an object store, read by byte ranges: its structure first (meta stand-ins), each tensor's data later,
-straight into the tensor that keeps it.
+"""A torch zip read by byte ranges (on an object store, or a local file for a striped resume): its structure first
+(meta stand-ins), each tensor's data later, straight into the tensor that keeps it.
 
 :func:`open_ranged` reads what :func:`~dist_resume._format.archive.read_archive` reads (the directory, every local
 header and the small records, each CRC-32 checked; no tensor byte). A resume plans on the stand-ins, reads the few
@@ -8,7 +8,9 @@ the live tensors (:meth:`RangedArchive.transfer`): a contiguous tensor of the sa
 in place; any other destination (another dtype, an accelerator) receives them one window at a time. What is held
 beyond the destinations is one window (``bucket_bytes``), except for a saved tensor that is not contiguous, which is
 read whole into fresh memory first (``torch.save`` of a state dict writes none). Records are read in file order, so
-neighbouring small tensors share one request.
+neighbouring small tensors share one request. A local file is read by positional reads
+(:class:`~dist_resume._format.local_ranges.LocalRanges`): a contiguous CPU destination of the saved dtype receives one
+read syscall into its own bytes.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
-from .._core.location import RemotePath
+from .._core.location import Location, RemotePath
 from .._store.ranges import RangeFile
 from .archive import ArchiveContents, read_archive
+from .local_ranges import LocalRanges, check_record_crc
 from .records import Record
 
 __all__ = ["DEFAULT_RANGE_BYTES", "RangedArchive", "open_ranged"]
@@ -46,18 +49,16 @@ def _bytes(piece: memoryview) -> torch.Tensor:
 
 
 class RangedArchive:
-    """A checkpoint on a store whose structure is read (:attr:`obj`, meta stand-ins) and whose tensors' data is read
-    on demand, by ranges, through one window of ``bucket_bytes``. Local; close it (or use ``with``) to let the window
-    go."""
+    """A checkpoint whose structure is read (:attr:`obj`, meta stand-ins) and whose tensors' data is read on demand,
+    by ranges (an object on a store) or positional reads (a local file), through one window of ``bucket_bytes``.
+    Local; close it (or use ``with``) to let the window and the file go."""
 
     def __init__(self, contents: ArchiveContents, *, bucket_bytes: int = DEFAULT_RANGE_BYTES) -> None:
-        if not isinstance(contents.path, RemotePath):
-            raise TypeError(f"RangedArchive reads objects on a store, not the local file {str(contents.path)!r}")
         self.contents = contents
-        self.path: RemotePath = contents.path
+        self.path: Location = contents.path
         self.bucket_bytes = max(64, bucket_bytes - bucket_bytes % 64)  # whole elements of any dtype per window
         self._records = {r.name: r for r in contents.records}
-        self._file: RangeFile | None = None
+        self._file: RangeFile | LocalRanges | None = None
         self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # read_bytes of a stand-in not contiguous
 
     @property
@@ -76,10 +77,31 @@ class RangedArchive:
             self._file.close()
             self._file = None
 
-    def _reader(self) -> RangeFile:
+    def _reader(self) -> RangeFile | LocalRanges:
         if self._file is None:
-            self._file = RangeFile(self.path, window=self.bucket_bytes)
+            path = self.path
+            if isinstance(path, RemotePath):
+                self._file = RangeFile(path, window=self.bucket_bytes)
+            else:
+                self._file = LocalRanges(path, window=self.bucket_bytes)
         return self._file
+
+    def identity(self) -> tuple[object, ...]:
+        """What tells this file's contents from another's without reading them: its archive name and every record's
+        name, size and CRC-32 (the central directory's), in file order."""
+        return (self.contents.archive_name, *((r.name, r.file_size, r.crc) for r in self.contents.records))
+
+    def tensor_records(self) -> list[Record]:
+        """The records holding tensor data, in file order (each one storage)."""
+        prefix = f"{self.contents.archive_name}/data/"
+        return [r for r in self.contents.records if r.name.startswith(prefix)]
+
+    def check_crc(self, record: Record) -> None:
+        """Raise :class:`CheckpointCorruptError` unless ``record`` (of a local file) matches its CRC-32."""
+        reader = self._reader()
+        if not isinstance(reader, LocalRanges):
+            raise TypeError("record checks by positional reads are for local files")
+        check_record_crc(reader, record)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is one of this archive's stand-ins (its data still in the object)."""
@@ -115,9 +137,14 @@ class RangedArchive:
         return _Span(record.data_offset + start, nbytes)
 
     def _fill(self, out: torch.Tensor, span: _Span) -> None:
-        """Write the ``span`` bytes into the flat uint8 CPU tensor ``out`` (contiguous), one window at a time."""
+        """Write the ``span`` bytes into the flat uint8 CPU tensor ``out`` (contiguous): a local file's in one
+        positional read, an object's one window at a time."""
+        reader = self._reader()
+        if isinstance(reader, LocalRanges):
+            reader.fill(span.start, out)
+            return
         offset = 0
-        for piece in self._reader().chunks(span.start, span.start + span.nbytes):
+        for piece in reader.chunks(span.start, span.start + span.nbytes):
             out[offset : offset + len(piece)].copy_(_bytes(piece))
             offset += len(piece)
 
@@ -127,9 +154,10 @@ class RangedArchive:
     def read_fresh(self, tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{id(stand-in): a new CPU tensor holding its data}`` for each of ``tensors`` held here, read in file order."""
         held = [t for t in tensors if self.holds(t)]
-        return {id(t): self._materialize(t) for t in sorted(held, key=self._order)}
+        return {id(t): self._materialize(t) for t in sorted(held, key=self.offset_of)}
 
-    def _order(self, tensor: torch.Tensor) -> int:
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Where the stand-in ``tensor``'s data starts in the file (its records' order is the file's)."""
         return self._record(tensor).data_offset + int(tensor.storage_offset()) * tensor.element_size()
 
     def _materialize(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -186,7 +214,7 @@ class RangedArchive:
         file order, any other tensor copied; the first failure, or None (never raises)."""
         try:
             with torch.no_grad():
-                for saved, dst in sorted(pairs, key=lambda p: self._order(p[0]) if self.holds(p[0]) else -1):
+                for saved, dst in sorted(pairs, key=lambda p: self.offset_of(p[0]) if self.holds(p[0]) else -1):
                     if self.holds(saved):
                         self.read_into(saved, dst)
                     else:
@@ -198,8 +226,9 @@ class RangedArchive:
         return None
 
 
-def open_ranged(path: RemotePath, *, bucket_bytes: int | None = None) -> RangedArchive:
-    """The checkpoint object at ``path`` with its structure read and its tensor data left in the store. Local.
+def open_ranged(path: Location, *, bucket_bytes: int | None = None) -> RangedArchive:
+    """The checkpoint at ``path`` (an object on a store, or a local file) with its structure read and its tensor data
+    left where it is. Local.
 
     Refuses what ``torch.load(weights_only=True)`` refuses, and checks the zip structure and the CRC-32 of every
     small record, as :func:`~dist_resume._format.archive.read_archive` does. ``bucket_bytes``: the window of the

@@ -25,6 +25,7 @@ from .._foreign.safetensors_read import read_safetensors
 from .._format.load import load_torch_file
 from .._format.ranged import RangedArchive, open_ranged
 from .._format.safe_open import reading, still_there
+from .._format.sniff import FileKind, check_file, file_kind
 from .._format.zip_verify import verify_zip
 from .._layout.layout import CheckpointParts, Layout
 from .consensus import choose_newest
@@ -64,6 +65,7 @@ def read_source(
     weights_only: bool = True,
     verify: bool = False,
     ranged: bool = False,
+    striped: bool = False,
 ) -> SourceContents:
     """Read ``source`` on this rank. Local.
 
@@ -71,7 +73,10 @@ def read_source(
     rank's device); a ``.safetensors`` file and a foreign folder through their readers (``map_location`` None:
     the CPU). ``verify=True`` first checks every torch file's CRC-32s and every safetensors header. With ``ranged``
     a torch file on an object store is read as its structure, its tensors stand-ins whose data the contents'
-    ``ranged`` archive reads later (``weights_only=False`` reads it whole instead).
+    ``ranged`` archive reads later (``weights_only=False`` reads it whole instead). With ``striped`` a local torch zip
+    file is read the same way, its records left for positional reads (a striped resume,
+    :mod:`~dist_resume._checkpoint.striped`, whose ranks read and check them, ``verify`` included, each its share; a
+    legacy-format file is loaded whole).
 
     A folder's newest checkpoint chosen by this process alone (no process group) that a writer's rotation deletes
     before it is read is chosen again from a new listing (:data:`~dist_resume._source.listing.RELISTS` times at
@@ -79,7 +84,7 @@ def read_source(
     """
     for _ in range(RELISTS - 1):
         try:
-            return _read_one(source, map_location, mmap, weights_only, verify, ranged)
+            return _read_one(source, map_location, mmap, weights_only, verify, ranged, striped)
         except (CheckpointError, OSError):
             if source.kind is not SourceKind.FOLDER_NEWEST or source.folder is None or is_distributed():
                 raise
@@ -87,20 +92,36 @@ def read_source(
                 raise
         chosen = choose_newest(source.folder)
         source = Source.newest(chosen.path, source.folder, chosen.layout, broadcast=source.broadcast)
-    return _read_one(source, map_location, mmap, weights_only, verify, ranged)
+    return _read_one(source, map_location, mmap, weights_only, verify, ranged, striped)
 
 
 def _read_one(
-    source: Source, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool, ranged: bool
+    source: Source,
+    map_location: MapLocation,
+    mmap: bool,
+    weights_only: bool,
+    verify: bool,
+    ranged: bool,
+    striped: bool = False,
 ) -> SourceContents:
     with reading(source.path):  # removed since it was chosen (a writer's rotation): CheckpointNotFoundError
-        return _read_contents(source, map_location, mmap, weights_only, verify, ranged)
+        return _read_contents(source, map_location, mmap, weights_only, verify, ranged, striped)
 
 
 def _read_contents(
-    source: Source, map_location: MapLocation, mmap: bool, weights_only: bool, verify: bool, ranged: bool
+    source: Source,
+    map_location: MapLocation,
+    mmap: bool,
+    weights_only: bool,
+    verify: bool,
+    ranged: bool,
+    striped: bool = False,
 ) -> SourceContents:
     p = source.path
+    local_zip = striped and source.layout is None and not isinstance(p, RemotePath) and weights_only
+    if local_zip and file_kind(check_file(p)) is not FileKind.LEGACY:  # records read (and verified) striped, later
+        archive = open_ranged(p)
+        return SourceContents(source, obj=archive.obj, ranged=archive)
     if ranged and source.layout is None and isinstance(p, RemotePath) and weights_only:
         if verify:
             verify_zip(p)  # one pass over the object, by ranges

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 from typing import Any
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_resume
+from dist_resume._checkpoint.striped import every_rank_reads
 from tests.dist.ddp_workers import flat_state
 
 
@@ -55,12 +57,13 @@ def reads(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         before = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
         dist.barrier()
         start = _rchar()
-        dist_resume.resume(
-            path,
-            model=model,
-            optimizer=opt,
-            options=dist_resume.ResumeOptions(mmap=mmap, broadcast_from_rank0=broadcast),
-        )
+        with every_rank_reads() if phase == "each" else contextlib.nullcontext():  # the control: the whole file each
+            dist_resume.resume(
+                path,
+                model=model,
+                optimizer=opt,
+                options=dist_resume.ResumeOptions(mmap=mmap, broadcast_from_rank0=broadcast),
+            )
         rchar = _rchar() - start
         gc.collect()
         after = model.state_dict(keep_vars=True)
