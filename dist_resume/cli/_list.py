@@ -305,7 +305,7 @@ def render_list(report: dict[str, Any]) -> str:
     if report["pick"] is not None:
         picked = next(e for e in rows if e["name"] == report["pick"])
         if report["kind"] == "hf-trainer-output":  # resume() takes one checkpoint-N/ folder, not the output folder
-            where = f"{str(report['folder']).rstrip('/')}/{report['pick']}"
+            where = f"{str(report['folder']).rstrip('/')}/{str(report['pick']).strip('/')}"
             lines.append(f"newest complete: {report['pick']} (step {picked['step']}): resume from {where}")
         else:
             lines.append(f"resume would pick: {report['pick']} (step {picked['step']})")
