@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ def save_rank(rank: int, world_size: int, path: str, width: int, layers: int, ho
             for t in distinct_tensors(state):
                 _full(t)
     elif how == "ours":
-        save_full_state(path, state)
+        save_full_state(Path(path), state)
     else:
         raise ValueError(how)
     end = time.monotonic()

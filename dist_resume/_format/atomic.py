@@ -14,14 +14,16 @@ from typing import Any
 
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location, RemotePath
-from .._core.types import PathLike
 from .._store.upload import upload
-from .._store.url import location
 
 __all__ = [
     "TEMP_NAME",
     "atomic_write",
+    "create_temp",
+    "commit_file",
+    "discard_temp",
     "write_error",
+    "not_pickled",
     "fsync_dir",
     "remove_path",
     "make_temp_folder",
@@ -106,6 +108,39 @@ def _create_temp(folder: Path, dest_name: str) -> tuple[int, Path]:
             continue
 
 
+def _check_folder(dest: Path) -> Path:
+    """``dest``'s folder; :class:`CheckpointWriteError` when it does not exist."""
+    folder = dest.parent
+    if not folder.is_dir():
+        raise CheckpointWriteError(
+            f"cannot save {str(dest)!r}: the folder {str(folder)!r} does not exist; create it first"
+        )
+    return folder
+
+
+def create_temp(dest: Path) -> tuple[int, Path]:
+    """The temporary file of a save of ``dest`` (:data:`TEMP_NAME`), new, open for writing: (fd, path). Local.
+
+    Raises :class:`CheckpointWriteError` when ``dest``'s folder does not exist, ``OSError`` when it refuses the file
+    (:func:`write_error` says why)."""
+    return _create_temp(_check_folder(dest), dest.name)
+
+
+def commit_file(tmp: Path, dest: Path) -> None:
+    """Rename the finished, fsynced ``tmp`` to ``dest`` (the completion marker), then fsync their folder. Local;
+    raises ``OSError``."""
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+
+
+def discard_temp(tmp: Path) -> None:
+    """Remove the temporary file of a failed save; one already gone, or that cannot be removed, is left. Local."""
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
 def write_error(dest: Location, err: BaseException) -> CheckpointWriteError:
     """The :class:`CheckpointWriteError` for a failed write of ``dest``: the cause (disk full, ...) and the fix."""
     if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
@@ -122,7 +157,8 @@ def write_error(dest: Location, err: BaseException) -> CheckpointWriteError:
     )
 
 
-def _not_pickled(dest: Location, err: BaseException) -> CheckpointWriteError:
+def not_pickled(dest: Location, err: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` for a payload that could not be pickled into ``dest``."""
     return CheckpointWriteError(
         f"saving {str(dest)!r} failed: the state could not be pickled ({type(err).__name__}: {err}); "
         "keep lambdas, open files and other unpicklable objects out of state dicts and extra. "
@@ -142,14 +178,14 @@ def _upload(dest: RemotePath, write: Callable[[Any], None]) -> RemotePath:
     try:
         upload(dest, record)
     except (pickle.PicklingError, TypeError, AttributeError) as err:
-        raise _not_pickled(dest, err) from err
+        raise not_pickled(dest, err) from err
     except Exception as err:  # the store's errors (OSError subclasses from s3fs, botocore's own), torch's RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
         raise write_error(dest, cause) from cause
     return dest
 
 
-def atomic_write(path: PathLike | Location, write: Callable[[Any], None]) -> Location:
+def atomic_write(path: Location, write: Callable[[Any], None]) -> Location:
     """Write ``path`` through a temporary file in the same folder, fsync it, then ``os.replace`` it in.
 
     Local. A reader sees the old file or the new one, never a partial one: the rename is the
@@ -169,37 +205,29 @@ def atomic_write(path: PathLike | Location, write: Callable[[Any], None]) -> Loc
         >>> dist_resume._format.atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
         PosixPath('w.pt')
     """
-    dest = location(path)
+    dest = path
     if isinstance(dest, RemotePath):
         return _upload(dest, write)
-    folder = dest.parent
-    if not folder.is_dir():
-        raise CheckpointWriteError(
-            f"cannot save {str(dest)!r}: the folder {str(folder)!r} does not exist; create it first"
-        )
+    _check_folder(dest)
     tmp_name: Path | None = None
     recorder: _RecordingFile | None = None
     try:
-        fd, tmp_name = _create_temp(folder, dest.name)
+        fd, tmp_name = create_temp(dest)
         with os.fdopen(fd, "wb") as f:
             recorder = _RecordingFile(f)
             write(recorder)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp_name, dest)
+        commit_file(tmp_name, dest)
         tmp_name = None
-        fsync_dir(folder)
     except (OSError, RuntimeError) as err:  # torch.save reports write errors as RuntimeError
         cause = recorder.error if recorder is not None and recorder.error is not None else err
         raise write_error(dest, cause) from cause
     except (pickle.PicklingError, TypeError, AttributeError) as err:  # an object torch.save cannot pickle
-        raise _not_pickled(dest, err) from err
+        raise not_pickled(dest, err) from err
     finally:
         if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
+            discard_temp(tmp_name)
     return dest
 
 

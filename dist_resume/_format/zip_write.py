@@ -20,7 +20,16 @@ from typing import Final
 from .._core.errors import CheckpointCorruptError
 from .records import LOCAL_HEADER, LOCAL_SIGNATURE
 
-__all__ = ["ALIGNMENT", "ZipWriter", "copy_range", "write_all"]
+__all__ = [
+    "ALIGNMENT",
+    "ZipWriter",
+    "central_entry",
+    "copy_range",
+    "data_descriptor",
+    "end_records",
+    "local_header",
+    "write_all",
+]
 
 ALIGNMENT: Final = 64  # torch's storage alignment (torch.utils.serialization.config.save.storage_alignment)
 _U32: Final = 0xFFFFFFFF
@@ -59,6 +68,96 @@ def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int)
         src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
 
 
+def _flags(compress_size: int) -> int:
+    return _FLAG_UTF8 | (_FLAG_DESCRIPTOR if compress_size else 0)
+
+
+def _version(size: int, compress_size: int, header: int) -> int:
+    return 45 if size >= _U32 or compress_size >= _U32 or header >= _U32 else 0
+
+
+def local_header(
+    encoded: bytes, *, size: int, compress_size: int, header: int, method: int = 0, alignment: int = ALIGNMENT
+) -> bytes:
+    """The local header, name and extra field of a record whose header starts at ``header``: zip64 sizes and offset
+    where they reach 4 GiB, then the ``FB`` field padding the data onto an ``alignment`` boundary (torch's writer
+    always writes it, with 0 to 63 bytes of ``Z``). No CRC or size: a data descriptor follows the data. Local."""
+    fields = b""
+    if size >= _U32 or compress_size >= _U32:
+        fields += struct.pack("<QQ", size, compress_size)
+    if header >= _U32:
+        fields += struct.pack("<Q", header)
+    extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+    start = header + LOCAL_HEADER.size + len(encoded) + len(extra) + 4
+    pad = -start % alignment
+    extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    version = _version(size, compress_size, header)
+    local = LOCAL_HEADER.pack(
+        LOCAL_SIGNATURE, version, _flags(compress_size), method, 0, 0, 0, 0, 0, len(encoded), len(extra)
+    )
+    return local + encoded + extra
+
+
+def data_descriptor(*, crc: int, size: int, compress_size: int, header: int) -> bytes:
+    """The data descriptor after a record's data, as miniz writes it (none for an empty record). Local."""
+    if not compress_size:
+        return b""
+    fmt = "<IIQQ" if header >= _U32 or size >= _U32 else "<IIII"
+    return struct.pack(fmt, 0x08074B50, crc, compress_size, size)
+
+
+def central_entry(encoded: bytes, *, size: int, compress_size: int, header: int, crc: int, method: int = 0) -> bytes:
+    """A record's central directory header (zip64 fields where needed). Local."""
+    fields = b""
+    if size >= _U32:
+        fields += struct.pack("<Q", size)
+    if compress_size >= _U32:
+        fields += struct.pack("<Q", compress_size)
+    if header >= _U32:
+        fields += struct.pack("<Q", header)
+    extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+    version = _version(size, compress_size, header)
+    entry = _CENTRAL.pack(
+        0x02014B50,
+        version,
+        version,
+        _flags(compress_size),
+        method,
+        0,
+        0,
+        crc,
+        min(compress_size, _U32),
+        min(size, _U32),
+        len(encoded),
+        len(extra),
+        0,
+        0,
+        0,
+        0,
+        min(header, _U32),
+    )
+    return entry + encoded + extra
+
+
+def end_records(*, central_offset: int, central_size: int, count: int) -> bytes:
+    """What follows the central directory: torch's writer (miniz with its zip64 flag) always ends with the zip64 end
+    record and its locator, then the classic end record. Local."""
+    end = central_offset + central_size
+    tail = _EOCD64.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, central_size, central_offset)
+    tail += _LOCATOR64.pack(0x07064B50, 0, end, 1)
+    tail += _EOCD.pack(
+        0x06054B50,
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(central_size, _U32),
+        min(central_offset, _U32),
+        0,
+    )
+    return tail
+
+
 class ZipWriter:
     """Writes a zip archive with the layout of torch's writer to a file descriptor, at explicit offsets."""
 
@@ -89,63 +188,17 @@ class ZipWriter:
         compress_size = size if compress_size is None else compress_size
         encoded = name.encode("utf-8")
         header = self.offset
-        zip64 = size >= _U32 or compress_size >= _U32 or header >= _U32
-        fields = b""
-        if size >= _U32 or compress_size >= _U32:
-            fields += struct.pack("<QQ", size, compress_size)
-        if header >= _U32:
-            fields += struct.pack("<Q", header)
-        local_extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
-        start = header + LOCAL_HEADER.size + len(encoded) + len(local_extra) + 4
-        pad = -start % ALIGNMENT
-        local_extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        flags = _FLAG_UTF8 | (_FLAG_DESCRIPTOR if compress_size else 0)
-        version = 45 if zip64 else 0
-        local = LOCAL_HEADER.pack(
-            LOCAL_SIGNATURE, version, flags, method, 0, 0, 0, 0, 0, len(encoded), len(local_extra)
-        )
-        write_all(self._fd, local + encoded + local_extra, header)
-        data_offset = header + len(local) + len(encoded) + len(local_extra)
+        head = local_header(encoded, size=size, compress_size=compress_size, header=header, method=method)
+        write_all(self._fd, head, header)
+        data_offset = header + len(head)
         crc = fill(data_offset)
         end = data_offset + compress_size
-        if compress_size:  # the data descriptor, as miniz writes it
-            big = header >= _U32 or size >= _U32
-            fmt = "<IIQQ" if big else "<IIII"
-            descriptor = struct.pack(fmt, 0x08074B50, crc, compress_size, size)
+        descriptor = data_descriptor(crc=crc, size=size, compress_size=compress_size, header=header)
+        if descriptor:
             write_all(self._fd, descriptor, end)
-            end += len(descriptor)
-        self.offset = end
-        central_fields = b""
-        if size >= _U32:
-            central_fields += struct.pack("<Q", size)
-        if compress_size >= _U32:
-            central_fields += struct.pack("<Q", compress_size)
-        if header >= _U32:
-            central_fields += struct.pack("<Q", header)
-        central_extra = struct.pack("<HH", 1, len(central_fields)) + central_fields if central_fields else b""
-        self._central.append(
-            _CENTRAL.pack(
-                0x02014B50,
-                version,
-                version,
-                flags,
-                method,
-                0,
-                0,
-                crc,
-                min(compress_size, _U32),
-                min(size, _U32),
-                len(encoded),
-                len(central_extra),
-                0,
-                0,
-                0,
-                0,
-                min(header, _U32),
-            )
-            + encoded
-            + central_extra
-        )
+        self.offset = end + len(descriptor)
+        entry = central_entry(encoded, size=size, compress_size=compress_size, header=header, crc=crc, method=method)
+        self._central.append(entry)
 
     def add_bytes(self, name: str, data: bytes) -> None:
         """Add a stored record holding ``data``."""
@@ -163,14 +216,8 @@ class ZipWriter:
         cd_offset = self.offset
         central = b"".join(self._central)
         write_all(self._fd, central, cd_offset)
+        tail = end_records(central_offset=cd_offset, central_size=len(central), count=len(self._central))
         end = cd_offset + len(central)
-        count = len(self._central)
-        # torch's writer (miniz with its zip64 flag) always ends with the zip64 end record and its locator
-        tail = _EOCD64.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(central), cd_offset)
-        tail += _LOCATOR64.pack(0x07064B50, 0, end, 1)
-        tail += _EOCD.pack(
-            0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF), min(len(central), _U32), min(cd_offset, _U32), 0
-        )
         write_all(self._fd, tail, end)
         os.ftruncate(self._fd, end + len(tail))
         return end + len(tail)

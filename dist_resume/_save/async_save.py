@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from .._state.sharded import is_sharded
 from .._store.url import location
 from .save import prepare_payload, tell
 from .sharded import begin_sharded, finish_sharded, save_full
+from .striped import begin_striped, stripes
 
 __all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
 
@@ -167,7 +169,10 @@ def save_checkpoint_async(
     1 GiB allocation per save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU
     memory.
 
-    An FSDP2 model's sharded checkpoint folder is written by every rank in a thread of its own from a CPU
+    A DDP model saved to a local folder every rank sees is striped: every rank copies only its own share of the
+    tensor records (rank 0: its share, the small ones and the pickle's structure) and writes it into the one file from
+    a thread of its own; the CRCs are gathered and rank 0 commits the file there, on a second gloo process group
+    (made once). An FSDP2 model's sharded checkpoint folder is written by every rank in a thread of its own from a CPU
     copy of its shards (the collectives of the write run on a second gloo process group, made once), so
     training goes on meanwhile; with ``full_state=True`` the file is gathered and written before this returns
     (the gather is a collective stream), and the handle is done at once.
@@ -184,7 +189,10 @@ def save_checkpoint_async(
     started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_in_background(path, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
+    where = location(path)  # the entry: decided here, passed down as it is
+    return write_in_background(
+        where, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started
+    )
 
 
 _background: tuple[Any, Any] = (None, None)  # (the default process group, the second group made for it)
@@ -225,8 +233,39 @@ def _sharded_in_background(
     return handle
 
 
+def _striped_in_background(
+    dest: Path,
+    build: Callable[[], dict[str, Any]],
+    model: nn.Module,
+    *,
+    step: Any,
+    epoch: Any,
+    after: Any,
+    started: float,
+) -> AsyncSave | None:
+    """Every rank snapshots its own share of a striped save and writes it in a thread; the gather of the CRCs and
+    rank 0's commit run there on the second gloo group. None when some rank cannot see the folder."""
+    group = _background_group()  # collective the first time: every rank, now, before any thread uses it
+    begun = begin_striped(dest, build, model, step=step, epoch=epoch, started=started)
+    if begun is None:
+        return None
+    data, queued = _snapshot([tensor for _, tensor in begun.items])
+    synchronize(queued)  # the non-blocking copies must land before the thread reads them
+    save = begun.with_data(data, _IN_BACKGROUND)
+    handle = AsyncSave(dest, None, every_rank=True)
+
+    def write() -> None:
+        save.write()
+        save.finish(group)
+        if after is not None and dist.get_rank() == 0:
+            after(dest)
+
+    handle._start(write)
+    return handle
+
+
 def write_in_background(
-    path: PathLike,
+    path: Location,
     build: Callable[[], dict[str, Any]],
     *,
     step: int | None,
@@ -243,7 +282,7 @@ def write_in_background(
     ``time.perf_counter()``; this call's start when None)."""
     global _pending
     began = time.perf_counter() if started is None else started
-    dest = location(path)
+    dest = path
     if model is not None and is_sharded(model):
         if full_state:
             written = save_full(dest, build, step=step, epoch=epoch, started=began)
@@ -254,6 +293,19 @@ def write_in_background(
             handle = _sharded_in_background(
                 dest, build, model, step=step, epoch=epoch, after=after_write, started=began
             )
+    elif (
+        model is not None
+        and isinstance(dest, Path)
+        and is_distributed()
+        and stripes(model, dest, dist.get_world_size())
+        and (
+            striped := _striped_in_background(
+                dest, build, model, step=step, epoch=epoch, after=after_write, started=began
+            )
+        )
+        is not None
+    ):
+        handle = striped
     elif not is_distributed() or dist.get_rank() == 0:
         snapshot, queued = _snapshot(build())
         synchronize(queued)  # the non-blocking copies must land before the thread reads them

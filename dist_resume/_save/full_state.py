@@ -25,7 +25,6 @@ from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import log_rank0, logger
 from .._core.shards import is_dtensor, local_of
-from .._core.types import PathLike
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import all_gather_objects, collective_step, comm_device, run_on_rank0
 from .._dist.env import is_distributed
@@ -43,7 +42,7 @@ def _signature(tensors: list[torch.Tensor]) -> str:
     return f"{len(spec)}:{hashlib.sha256(pickle.dumps(spec)).hexdigest()[:16]}"
 
 
-def save_full_state(path: PathLike | Location, state: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Location:
+def save_full_state(path: Location, state: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Location:
     """Save ``state`` as one torch zip file on global rank 0, tensor by tensor; return its path.
 
     Collective: call it on every rank with states holding the same DTensors in the same order (each rank's
@@ -56,7 +55,7 @@ def save_full_state(path: PathLike | Location, state: Any, *, bucket_bytes: int 
     Example::
 
         >>> model = torch.nn.Linear(2, 2)  # under FSDP2, its parameters are DTensors
-        >>> save_full_state("full.pt", {"model": model.state_dict()})
+        >>> save_full_state(Path("full.pt"), {"model": model.state_dict()})
         PosixPath('full.pt')
     """
     if bucket_bytes < 1:
@@ -87,7 +86,7 @@ def _stream(f: Any, state: Any, pieces: Any) -> None:
     write_streamed(f.fileno(), state, pieces)
 
 
-def _write_on_rank0(path: PathLike | Location, state: Any, tensors: list[torch.Tensor], bucket_bytes: int) -> Location:
+def _write_on_rank0(path: Location, state: Any, tensors: list[torch.Tensor], bucket_bytes: int) -> Location:
     scratch = Scratch(comm_device())
     streams: dict[int, Iterator[torch.Tensor]] = {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .._store.url import location
 from .sharded import save_full, save_sharded
+from .striped import save_striped, stripes
 
 __all__ = [
     "save_checkpoint",
@@ -152,7 +154,7 @@ def prepare_payload(
 
 
 def write_checkpoint(
-    path: PathLike,
+    path: Location,
     build: Callable[[], dict[str, Any]],
     *,
     step: int | None,
@@ -165,15 +167,22 @@ def write_checkpoint(
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
     by every rank into a sharded checkpoint folder (:func:`~dist_resume._save.sharded.save_sharded`),
-    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`). Rank 0 logs the
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`). A DDP ``model``
+    saved to a local path is written by every rank, each its share of the records, into the one file
+    (:func:`~dist_resume._save.striped.save_striped`), unless some rank cannot see the folder. Rank 0 logs the
     save's one line (:func:`~dist_resume._core.log.log_saved`), its time counted from ``started`` (a
     ``time.perf_counter()``; this call's start when None).
     """
     began = time.perf_counter() if started is None else started
     if model is not None and is_sharded(model):
         if full_state:
-            return save_full(location(path), build, step=step, epoch=epoch, started=began)
-        return save_sharded(location(path), build, model, step=step, epoch=epoch, started=began)
+            return save_full(path, build, step=step, epoch=epoch, started=began)
+        return save_sharded(path, build, model, step=step, epoch=epoch, started=began)
+    dest = path
+    if model is not None and isinstance(dest, Path) and stripes(model, dest, _world_size()):
+        striped = save_striped(dest, build, model, step=step, epoch=epoch, started=began)
+        if striped is not None:
+            return striped
 
     def write() -> Location:
         payload = build()
@@ -210,8 +219,10 @@ def save_checkpoint(
     """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
 
     Collective under torch.distributed: call it on every rank, not inside ``if rank == 0:`` (a call on some ranks
-    only is named within seconds, see :class:`CheckpointManager`); global rank 0 writes and every rank
-    returns once the file is in place (or raises rank 0's error). Local in a single process.
+    only is named within seconds, see :class:`CheckpointManager`); every rank returns once the file is in place
+    (or raises the same error). A DDP model saved to a local folder every rank sees is written by every rank, each
+    its share of the tensor records, into the one file (a striped save; the file is an ordinary ``torch.save``
+    file); otherwise global rank 0 writes it. Local in a single process.
     Model keys are stored in canonical form (no ``module.``/``_orig_mod.``) and optimizer groups
     carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
     The file loads under ``torch.load(weights_only=True)``.
@@ -247,7 +258,12 @@ def save_checkpoint(
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     check_in(f"dist_resume.save_checkpoint(step={step!r})")  # a call made on some ranks only is named, not hung
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    return write_checkpoint(path, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
+    where = location(path)  # the entry: decided here, passed down as it is
+    return write_checkpoint(where, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def tell(f: Any) -> int | None:
