@@ -11,9 +11,11 @@ into a temporary directory on the local disk (``--dir``); both are removed at th
    return on every rank, the slowest rank counted: ``snapshot(step)`` against a plain copy of the same tensor bytes
    into a preallocated, pre-touched buffer (the limit), a synchronous ``save(step)`` and the return of
    ``save_async(step)`` (into another folder), and ``save(step)`` right after ``snapshot(step)`` (the background
-   copy's stall). Two steps between the copy and the snapshot show where the time goes: the same bytes written
-   into a new file in shared memory, and ``torch.save`` of the same state into one. As ``snapshot`` does, each
-   node's local rank 0 does the copying and the other ranks wait for it.
+   copy's stall). Two steps between the copy and the snapshot show what the snapshot no longer does: the same bytes
+   written into a new file in shared memory, and ``torch.save`` of the same state into one. Beside the stall, the
+   wait from ``snapshot``'s return to the end of its commit in the background (the CRC-32s and the commit record:
+   until then the previous snapshot is the newest), and the first round's snapshot (new slot files) on its own. As
+   ``snapshot`` does, each node's local rank 0 does the copying and the other ranks wait for it.
 2. **Restart** to the first step after a worker is SIGKILLed, 2 ranks under ``torchrun --max-restarts=1``: a loop
    that snapshots every step and saves every ``--save-every`` steps, against one that saves every ``--save-every``
    steps alone (the folder on the local disk). Rank 1 kills itself after step ``2 * save_every - 1``, between two
@@ -28,6 +30,7 @@ Prints a table and a JSON document (``--json-out FILE`` keeps it).
     python scripts/bench_memory.py                  # 1 GiB: 4.3 min of CPU, 7 min on 2 busy cores; ~8 GiB of RAM
     python scripts/bench_memory.py --quick          # 128 MiB, 2 rounds: about 2 minutes on 2 busy cores
     python scripts/bench_memory.py --size-mib 256 --rounds 5 --json-out memory.json
+    python scripts/bench_memory.py --stall-only --rounds 9   # 1. alone: a few minutes
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ STALL_OPS = (
     "write to a new shm file",
     "torch.save to a new shm file",
     "snapshot",
+    "commit after snapshot",
     "save after snapshot",
     "save",
     "save_async",
@@ -158,22 +162,25 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
 
     for round_ in range(cfg["rounds"]):
         step = round_ + 1
-        timed("plain copy", plain_copy)
         timed("write to a new shm file", write_file)
         scratch.unlink(missing_ok=True)
         timed("torch.save to a new shm file", torch_save)
         scratch.unlink(missing_ok=True)
+        timed("plain copy", plain_copy)  # right before the snapshot: both in the same state of the machine
         timed("snapshot", snap.snapshot, step)
+        # the writer's commit (CRC-32s, record) runs on after snapshot() returned: until it ends, the snapshot does
+        # not count; timed from the return (plus a barrier) to its end
+        timed("commit after snapshot", lambda: snap._memory._join_commit(raising=True) if writer else None)
         timed("save after snapshot", snap.save, step)
         snap._memory._join_copy()  # rank 0's background copy ends before the next call is timed (snapshot() waits too)
         timed("save", saver.save, 2 * step)
         handle: Any = timed("save_async", saver.save_async, 2 * step + 1)
         handle.wait()
-    held = held_bytes(snap_folder) if writer else 0
-    store = store_dir(snap_folder)
+    held = held_bytes(snap.folder) if writer else 0
+    store = store_dir(snap.folder)
     snap.close()
     saver.close()
-    left = held_bytes(snap_folder) if writer else 0
+    left = held_bytes(snap.folder) if writer else 0
     store_left = store is not None and store.exists() and any(store.iterdir())
     slowest: list[dict[str, list[float]]] = [{} for _ in range(world)]
     dist.all_gather_object(slowest, times)
@@ -206,9 +213,9 @@ def _held_worker(cfg: dict[str, Any]) -> None:
     mgr.snapshot(1)
     mgr.snapshot(2)
     dist.barrier()
-    held = held_bytes(folder)
+    held = held_bytes(mgr.folder)
     mgr.close()
-    left = held_bytes(folder)
+    left = held_bytes(mgr.folder)
     if dist.get_rank() == 0:
         result = {
             "ranks": dist.get_world_size(),
@@ -333,17 +340,31 @@ def _table(doc: dict[str, Any]) -> str:
             ("save", ""),
             ("save_async", ""),
         ]
+        rounds = run["rounds"]
+        paired = statistics.median(a / b for a, b in zip(rounds["snapshot"], rounds["plain copy"], strict=True))
         for i, (other, note) in enumerate(pairs):
             what = f"stall, {ranks} rank{'s' if ranks != '1' else ''}" if i == 0 else ""
             mark = "" if not note else (" ✅" if snap <= 1.25 * med[other] else " ❌")
+            each = f" (median of the rounds' own ratios {_x(paired)})" if note else ""
             rows.append(
                 f"| {'1' if i == 0 and ranks == '1' else ''} | {what} | snapshot {_ms(snap)} | "
-                f"{other} {_ms(med[other])} | {_x(snap / med[other])}{mark} |"
+                f"{other} {_ms(med[other])} | {_x(snap / med[other])}{mark}{each} |"
             )
+        first = run["rounds"]["snapshot"][0]
+        rows.append(
+            f"| | | first snapshot (new slot files) {_ms(first)} | plain copy {_ms(med['plain copy'])} | "
+            f"{_x(first / med['plain copy'])} |"
+        )
+        rows.append(
+            f"| | | commit ends {_ms(med['commit after snapshot'])} after snapshot returned (background) | "
+            f"plain copy {_ms(med['plain copy'])} | {_x(med['commit after snapshot'] / med['plain copy'])} |"
+        )
         rows.append(
             f"| | | save after snapshot {_ms(med['save after snapshot'])} | save {_ms(med['save'])} | "
             f"{_x(med['save after snapshot'] / med['save'])} |"
         )
+    if "restart" not in doc:  # --stall-only
+        return "\n".join(rows)
     mem, disk = doc["restart"]["memory"], doc["restart"]["folder"]
     for i, (key, what) in enumerate(
         [
@@ -388,6 +409,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=3, help="the restart's save interval (default 3)")
     p.add_argument("--held-ranks", type=int, nargs="*", default=[4], help="more ranks for 3. (default 4)")
     p.add_argument("--quick", action="store_true", help="128 MiB, 2 rounds: a smoke run of about a minute")
+    p.add_argument("--stall-only", action="store_true", help="1. alone (and 3. at 1 and 2 ranks)")
     p.add_argument("--dir", default=None, help="where the folders go (default: the temporary directory)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
@@ -412,19 +434,18 @@ def main() -> None:
                 run["median_s"] = {n: statistics.median(v) for n, v in run["rounds"].items()}
                 doc["stall"][str(ranks)] = run
                 doc["held"].append({k: run[k] for k in ("ranks", "state_bytes", "held_bytes", "held_after_close")})
-            for ranks in args.held_ranks:
+            for ranks in [] if args.stall_only else args.held_ranks:
                 print(f"shared memory held at {ranks} ranks ...", file=sys.stderr, flush=True)
                 out = Path(tmp) / f"held_{ranks}.json"
                 cfg = {**base, "dir": os.path.join(tmp, f"held_{ranks}"), "out": str(out)}
                 _launch(cfg, "held", ranks, Path(tmp) / f"held_{ranks}.log", timeout=timeout)
                 doc["held"].append(json.loads(out.read_text()))
-            doc["restart"] = {}
-            for kind in ("memory", "folder"):
+            for kind in [] if args.stall_only else ["memory", "folder"]:
                 print(f"restart after a SIGKILL, {kind} ...", file=sys.stderr, flush=True)
                 folder = os.path.join(tmp, f"restart_{kind}")
                 cfg = {**base, "folder": folder, "save_every": args.save_every, "memory": kind == "memory"}
                 _launch(cfg, "train", 2, Path(tmp) / f"restart_{kind}.log", restarts=1, timeout=2 * timeout)
-                doc["restart"][kind] = _restart_figures(folder, args.save_every)
+                doc.setdefault("restart", {})[kind] = _restart_figures(folder, args.save_every)
             leftover = sorted(p.name for p in Path(shm).iterdir())
             doc["shm_left_after_runs"] = leftover
     finally:

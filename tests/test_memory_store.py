@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,10 @@ import torch
 import dist_resume as dr
 from dist_resume._memory import (
     SHM_DIR_ENV,
+    FileLayout,
+    Region,
     Snapshot,
+    begin_copy,
     begin_snapshot,
     held_bytes,
     mark_persisted,
@@ -30,10 +34,12 @@ from dist_resume._memory import (
     place,
     remove_snapshots,
     size_estimate,
+    slots,
     snapshots,
     store_dir,
     write_snapshot,
 )
+from dist_resume._memory.layout import crc32_combine
 from dist_resume.errors import CheckpointCorruptError, CheckpointWriteError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +142,8 @@ def _raise(err: BaseException) -> None:
 _KILLED_CHILD = """
 import os, sys, time, torch
 from dist_resume._memory import begin_snapshot, write_snapshot
-folder, marker = sys.argv[1], sys.argv[2]
+from pathlib import Path
+folder, marker = Path(sys.argv[1]), sys.argv[2]
 write_snapshot(folder, 1, lambda f: torch.save({"step": 1, "w": torch.ones(4)}, f), size_hint=2**20)
 class Slow:
     def __init__(self, f):
@@ -410,16 +417,125 @@ def test_a_snapshot_of_a_saved_checkpoint_resumes_with_dist_resume(shm: Path, fo
 
 def test_a_store_folder_is_named_by_its_url_and_persists_to_the_store(shm: Path) -> None:
     pytest.importorskip("fsspec")
+    from dist_resume._store.url import location
+
     url = "memory://memory-store-test/run"
-    snap = write_snapshot(url, 2, lambda f: torch.save(_payload(2), f), size_hint=2**16)
-    assert snap.folder == url and newest_snapshot(url) == snap
-    assert snapshots("memory://memory-store-test/other") == []
+    where = location(url)  # what the manager passes down: the folder resolved once
+    snap = write_snapshot(where, 2, lambda f: torch.save(_payload(2), f), size_hint=2**16)
+    assert snap.folder == url and newest_snapshot(where) == snap
+    assert snapshots(location("memory://memory-store-test/other")) == []
     try:
-        dest = persist_snapshot(snap, f"{url}/ckpt_00000002.pt")
+        dest = persist_snapshot(snap, where / "ckpt_00000002.pt")
         assert str(dest) == f"{url}/ckpt_00000002.pt" and dest.read_bytes() == snap.path.read_bytes()
         assert dr.load_checkpoint(dest, map_location="cpu")["step"] == 2
     finally:
-        remove_snapshots(url)
+        remove_snapshots(where)
         import fsspec
 
         fsspec.filesystem("memory").rm("/memory-store-test", recursive=True)
+
+
+# --- a file laid out beforehand, copied into slots kept mapped (begin_copy) ---
+
+
+def _layout(n: int, *, head: bytes = b"HEAD") -> FileLayout:
+    """A file of a header, one region of ``n`` bytes at offset 64 and a 16-byte tail; the region's CRC-32 goes right
+    after it and into the tail's last 4 bytes."""
+    size = 64 + n + 4 + 16
+    region = Region(64, n, (64 + n, size - 4))
+    return FileLayout(size, ((0, head.ljust(64, b"\0")), (64 + n, bytes(20))), (region,))
+
+
+def _fill(value: int, n: int) -> Any:
+    def fill(mm: Any) -> None:
+        mm[64 : 64 + n] = bytes([value]) * n
+
+    return fill
+
+
+def test_crc32_combine_is_zlibs() -> None:
+    data = os.urandom(3000)
+    for cut in (0, 1, 7, 1500, 2999, 3000):
+        a, b = data[:cut], data[cut:]
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data), cut
+    assert crc32_combine(0x12345678, zlib.crc32(b""), 0) == 0x12345678
+
+
+def test_a_copied_snapshot_is_sealed_at_its_commit_and_not_used_before(shm: Path, folder: Path) -> None:
+    n = 2 * 2**20
+    first = begin_copy(folder, 1, _layout(n), _fill(1, n)).commit()
+    data = first.path.read_bytes()
+    assert first.size == len(data) == 64 + n + 20 and first.crc32 == zlib.crc32(data)
+    crc = zlib.crc32(bytes([1]) * n)
+    assert data[64 + n : 68 + n] == data[-4:] == crc.to_bytes(4, "little")  # sealed: the region's CRC-32 in place
+    pending = begin_copy(folder, 2, _layout(n), _fill(2, n))
+    assert pending.path.read_bytes()[64:65] == b"\x02"  # the data is in the slot, its CRC-32 not yet
+    assert newest_snapshot(folder) == first and [s.step for s in snapshots(folder)] == [1]  # not used before
+    second = pending.commit()
+    assert newest_snapshot(folder) == second and second.crc32 == zlib.crc32(second.path.read_bytes())
+    with second.path.open("r+b") as f:  # damaged in memory after its commit: refused, the other slot's is the newest
+        f.seek(64 + n // 2)
+        f.write(b"\x10")
+    assert newest_snapshot(folder, verify=True) == first
+
+
+def test_a_slot_is_reused_across_snapshots_not_made_anew(shm: Path, folder: Path) -> None:
+    n = 2**20
+    first = begin_copy(folder, 1, _layout(n), _fill(1, n)).commit()
+    other = first.path.with_name("state.b.pt")
+    assert other.stat().st_size == first.size  # the other slot made and mapped at the first commit
+    inodes = {s: os.stat(first.path.with_name(f"state.{s}.pt")).st_ino for s in "ab"}
+    mappings = {s: slots.mapped(first.path.with_name(f"state.{s}.pt"), first.size) for s in "ab"}
+    assert None not in mappings.values()
+    for step in (2, 3, 4):
+        snap = begin_copy(folder, step, _layout(n), _fill(step, n)).commit()
+        assert os.stat(snap.path).st_ino == inodes[snap.slot]  # the same file: no unlink, no ftruncate
+        assert slots.mapped(snap.path, snap.size) is mappings[snap.slot]  # the same mapping: no new page faults
+        assert snap.path.read_bytes()[64 + n - 1] == step and snap.crc32 == zlib.crc32(snap.path.read_bytes())
+    held = os.open(first.path, os.O_RDONLY)  # slot a, which the next snapshot takes
+    try:
+        grown = begin_copy(folder, 5, _layout(2 * n), _fill(5, 2 * n)).commit()  # another size: a new file
+        assert grown.slot == "a" and os.fstat(held).st_nlink == 0  # the old one was unlinked, not resized
+        assert os.fstat(held).st_size == first.size  # a reader holding it keeps it whole
+    finally:
+        os.close(held)
+    assert slots.mapped(grown.path, grown.size) is not mappings["a"] and grown.size == 64 + 2 * n + 20
+    assert [s.step for s in snapshots(folder, verify=True)] == [4, 5]
+    remove_snapshots(folder)  # the mappings go with the files: their memory is freed
+    assert all(slots.mapped(first.path.with_name(f"state.{s}.pt"), size) is None for s in "ab" for size in (n, 2 * n))
+    assert list(shm.iterdir()) == []
+
+
+def test_a_copy_that_fails_leaves_the_previous_snapshot(
+    shm: Path, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 4096
+    first = begin_copy(folder, 1, _layout(n), _fill(1, n)).commit()
+    partial = first.path.with_name("state.b.pt")
+
+    def broken(mm: Any) -> None:
+        mm[64:68] = b"half"
+        raise ValueError("boom in the copy")
+
+    with pytest.raises(ValueError, match="boom"):
+        begin_copy(folder, 2, _layout(n), broken)
+    assert newest_snapshot(folder) == first and not partial.exists() and slots.mapped(partial, first.size) is None
+    with monkeypatch.context() as patched, pytest.raises(CheckpointWriteError, match="shm-size"):
+        patched.setattr(os, "posix_fallocate", lambda fd, o, n: _raise(OSError(errno.ENOSPC, "No space left")))
+        begin_copy(folder, 2, _layout(n), _fill(2, n))  # a full tmpfs: ENOSPC before a byte is copied
+    assert newest_snapshot(folder) == first and not partial.exists()
+    assert begin_copy(folder, 3, _layout(n), _fill(3, n)).commit().slot == "b"  # the claim was released
+
+
+def test_a_slot_replaced_before_its_commit_is_not_committed(shm: Path, folder: Path) -> None:
+    n = 4096
+    pending = begin_copy(folder, 1, _layout(n), _fill(1, n))
+    pending.path.unlink()
+    pending.path.write_bytes(bytes(pending.size))  # another writer's file under the slot's name
+    with pytest.raises(CheckpointWriteError, match="removed or replaced"):
+        pending.commit()
+    assert snapshots(folder) == [] and not pending.path.exists()
+    with pytest.raises(ValueError, match="overlaps"):
+        FileLayout(100, (), (Region(10, 50, ()), Region(40, 10, ())))
+    with pytest.raises(ValueError, match="must go after it"):
+        FileLayout(100, (), (Region(10, 50, (20,)),))

@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import dist_resume as dr
+from dist_resume._manager import memory
 from dist_resume._memory import place
 from tests.accelerator import Accel, on_accelerators
 
@@ -145,3 +147,97 @@ def test_a_snapshot_of_a_model_on_a_second_device_resumes_onto_that_device(
     moments = [s["exp_avg"] for s in fresh_opt.state.values()]
     assert moments and all(m.device == device for m in moments)  # torch's policy: beside its parameter
     fresh_opt.step()  # no "Expected all tensors to be on the same device"
+
+
+def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
+    monkeypatch.setattr(memory, "COMMIT_INLINE_BYTES", 0)  # every commit in the background, as a large state's
+    (tmp_path / "shm").mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    shared = torch.arange(6.0)
+    extra = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "flags": torch.tensor([True, False, True]),
+        "view": torch.randn(4, 6)[:, 1],  # not contiguous: saved as its values
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "twice": [shared, shared],
+    }
+    with dr.CheckpointManager(tmp_path / "run", model=model, optimizer=opt) as mgr:
+        for step in (1, 2, 3):
+            model(torch.ones(2, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.snapshot(step, extra=extra)
+            if step == 1:
+                mgr._memory._join_commit(raising=True)
+                first = mgr._memory.newest
+                assert first is not None and first.slot == "a"
+                inode = first.path.stat().st_ino
+        saved = mgr.save(3)  # the snapshot of step 3 is copied once its commit ends: the same bytes
+        mgr._memory._join_copy()
+        newest = mgr._memory.newest
+        assert newest is not None and (newest.step, newest.slot) == (3, "a")
+        assert newest.path.stat().st_ino == inode  # slot a's file from step 1, written again in place
+        assert Path(saved).read_bytes() == newest.path.read_bytes()
+        assert dr.tools.verify_archive(newest.path) == [] and zipfile.ZipFile(newest.path).testzip() is None
+        loaded = torch.load(newest.path, weights_only=True)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    for key, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            assert loaded["extra"][key].dtype == value.dtype and torch.equal(loaded["extra"][key], value), key
+    assert all(torch.equal(t, shared) for t in loaded["extra"]["twice"])
+    assert list((tmp_path / "shm").iterdir()) == []  # close() waited for the commit, then freed everything
+
+
+_UNCOMMITTED = textwrap.dedent(
+    """
+    import os, sys, threading, torch, dist_resume as dr
+    from dist_resume._manager import memory
+    from dist_resume._memory import write
+    memory.COMMIT_INLINE_BYTES = 0
+    sealed = write.seal
+    def seal(view, layout):  # the commit of step 2 never ends: the process dies first
+        if threading.current_thread().name.endswith("-2"):
+            threading.Event().wait()
+        return sealed(view, layout)
+    write.seal = seal
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mgr = dr.CheckpointManager(sys.argv[1], model=model, optimizer=opt)
+    for step in (1, 2):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.snapshot(step)
+        if step == 1:
+            mgr._memory._join_commit(raising=True)
+    print("snapshot(2) returned", flush=True)
+    os._exit(0)  # as a SIGKILL: no exit hook, no SIGTERM handler
+    """
+)
+
+
+def test_a_snapshot_whose_commit_did_not_end_is_not_resumed(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    env = {**os.environ, place.SHM_DIR_ENV: str(tmp_path / "shm"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", _UNCOMMITTED, str(tmp_path / "run")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "snapshot(2) returned" in out.stdout, out.stderr[-3000:]
+    assert len(list((tmp_path / "shm").rglob("state.*.json"))) == 1  # step 2's data is there, its record is not
+    second = _run(tmp_path, 3, "close")
+    assert "resumed (1, 'memory')" in second, second  # the previous snapshot, whole
+
+
+def test_a_payload_the_copy_cannot_take_is_saved_by_torch_save() -> None:
+    plain = {"w": torch.ones(2), "n": 3}
+    assert memory._laid_out(plain) is not None
+    assert memory._laid_out({"w": torch.nn.Parameter(torch.ones(2))}) is None  # a subclass
+    assert memory._laid_out({"s": torch.ones(2).to_sparse()}) is None
+    assert memory._laid_out({"m": torch.empty(2, device="meta")}) is None
+    assert memory._laid_out({"in_a_set": {torch.ones(1)}}) is None  # a container the copy's walker does not enter

@@ -9,40 +9,58 @@ checkpoint can restore every rank; the folder gets a snapshot's bytes, not a sec
 ``save(step)`` of the same step (in a background thread), at ``close()``, and when the process ends otherwise (an
 exception, or the SIGTERM with which a preemption or torchrun's restart of the node's workers begins), which keeps the
 snapshots for the restart that may follow.
+
+The stall is one copy: the payload is laid out first as the torch file it becomes (:func:`_laid_out`: the structure
+pickled with meta stand-ins, the zip's headers placed around empty records), then each tensor is copied straight into
+its record in the slot's mapping, which this process keeps across snapshots (:func:`~dist_resume._memory.begin_copy`).
+The CRC-32s (each record's, the file's) and the commit record follow in a background thread (:meth:`MemoryTier.take`):
+a snapshot counts only once its record is written, and until then the previous one is the newest. Every later call
+that needs it waits for that commit: the next ``snapshot``, ``save``, ``close``, and the exit and SIGTERM handlers.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import secrets
 import signal
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 
 from .._checkpoint.objects import LiveObjects
+from .._core import torch_compat
 from .._core.errors import CheckpointWriteError, UsageError
 from .._core.exit import release_at_exit
 from .._core.location import Location
 from .._core.log import log_rank0, logger, shown_path, shown_size
 from .._core.rank import global_rank
-from .._core.tree import iter_tensors
+from .._core.tree import iter_tensors, map_tensors
 from .._dist.agree import gather_agreed
 from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed, rank_info
+from .._format.archive import ArchiveContents, StorageInfo
+from .._format.pickle_write import dump_pickle
+from .._format.stream_write import ARCHIVE_NAME, distinct_tensors
+from .._format.zip_write import ZipWriter
 from .._memory import (
+    FileLayout,
     PendingSnapshot,
     Snapshot,
+    begin_copy,
     begin_snapshot,
     mark_persisted,
     newest_snapshot,
     persist_snapshot,
+    read_layout,
     remove_snapshots,
     size_estimate,
     snapshots,
@@ -54,7 +72,11 @@ from .._source.listing import numbered_checkpoints
 from .._state.sharded import is_sharded
 from .folder_save import SaveTarget
 
-__all__ = ["MemoryTier", "MemoryChoice", "choose_snapshot", "forget_stale"]
+__all__ = ["MemoryTier", "MemoryChoice", "choose_snapshot", "forget_stale", "COMMIT_INLINE_BYTES"]
+
+COMMIT_INLINE_BYTES: Final = 32 << 20
+"""A snapshot up to this size is committed before ``snapshot()`` returns (its CRC-32s take a few milliseconds); a
+larger one in a background thread."""
 
 
 class MemoryTier:
@@ -67,14 +89,18 @@ class MemoryTier:
         self.used = False  # this process snapshotted or resumed from memory: close() copies and frees
         self._copy: threading.Thread | None = None
         self._copy_error: BaseException | None = None
+        self._commit: threading.Thread | None = None  # the newest snapshot's commit, in the background
+        self._committing: int | None = None  # its step
+        self._commit_error: BaseException | None = None
         self._lock = threading.Lock()
 
     # --- snapshot ---
 
     def take(self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> None:
         """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed. Returns once the
-        snapshot is complete: its data in shared memory and its commit record (with the CRC-32 taken as the bytes were
-        written) after it."""
+        snapshot's data is in shared memory; its commit (the CRC-32s, then the record) follows in a background thread
+        unless it is small (:data:`COMMIT_INLINE_BYTES`). The previous snapshot's commit is waited for first, and its
+        error is this call's."""
         if live.model is not None and is_sharded(live.model):
             raise UsageError(
                 "CheckpointManager.snapshot() keeps a plain or DDP model's state in shared memory; an FSDP2 model's "
@@ -93,8 +119,8 @@ class MemoryTier:
         error: BaseException | None = None
         if rank_info().local_rank == 0:
             try:
-                pending = _begin(self.folder, build(), step, saved_epoch)
-                self.newest = pending.commit()  # the CRC-32 was taken as the bytes were written: no read-back
+                self._join_commit(raising=True)
+                self._commit_later(_begin(self.folder, build(), step, saved_epoch))
             except Exception as err:
                 error = err
         if is_distributed():
@@ -105,23 +131,63 @@ class MemoryTier:
         _watch(self, target)
         logger.debug("snapshot of step %d in %.3f s", step, time.perf_counter() - started)
 
+    # --- the commit ---
+
+    def _commit_later(self, pending: PendingSnapshot) -> None:
+        """Commit ``pending`` now when it is small, else in a background thread (its error at the next call)."""
+        if pending.size <= COMMIT_INLINE_BYTES:
+            self.newest = pending.commit()
+            return
+
+        def run() -> None:
+            try:
+                snapshot = pending.commit()
+            except BaseException as err:
+                self._commit_error = err
+                return
+            with self._lock:
+                self.newest = snapshot
+
+        self._committing = pending.step
+        self._commit = threading.Thread(target=run, name=f"dist_resume-commit-{pending.step}", daemon=False)
+        self._commit.start()
+
+    def _join_commit(self, *, raising: bool) -> None:
+        """Wait for the snapshot being committed; its error is raised (``raising``) or logged once."""
+        thread = self._commit
+        if thread is not None:
+            thread.join()
+            self._commit = self._committing = None
+        error, self._commit_error = self._commit_error, None
+        if error is None:
+            return
+        if raising:
+            raise CheckpointWriteError(f"committing a snapshot of {str(self.folder)!r} failed: {error}") from error
+        logger.warning("committing a snapshot of %s failed: %s", shown_path(self.folder), error)
+
     # --- the copy into the folder ---
 
     def copies_step(self, step: int) -> bool:
-        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` instead of saving again,
-        once the previous copy is done (its error raised here)."""
+        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` (committed, or being
+        committed) instead of saving again, once the previous copy is done (its error raised here)."""
         self._join_copy()
+        if self._committing is not None:
+            return self._committing == step
         newest = self.newest
         return newest is not None and newest.step == step
 
     def copy_in_background(self, target: SaveTarget, dest: Location, step: int) -> None:
-        """On rank 0: copy the snapshot of ``step`` into ``dest``, then rotate, in a thread (errors at the next call)."""
-        snapshot = self.newest
-        if snapshot is None or snapshot.step != step:  # copies_step() said otherwise: nothing to copy
-            raise CheckpointWriteError(f"no snapshot of step {step} in shared memory to copy into {str(dest)!r}")
+        """On rank 0: copy the snapshot of ``step`` into ``dest`` once it is committed, then rotate, in a thread
+        (errors at the next call)."""
+        commit = self._commit
 
         def run() -> None:
             try:
+                if commit is not None:
+                    commit.join()
+                snapshot = self.newest
+                if snapshot is None or snapshot.step != step:  # its commit failed: that error comes at the next call
+                    raise CheckpointWriteError(f"the snapshot of step {step} was not committed; nothing was copied")
                 self._copy_now(target, snapshot, dest)
             except BaseException as err:
                 self._copy_error = err
@@ -155,7 +221,9 @@ class MemoryTier:
             raise CheckpointWriteError(f"copying a snapshot into {str(self.folder)!r} failed: {error}") from error
 
     def copy_newest(self, target: SaveTarget) -> None:
-        """On rank 0: copy this process's newest snapshot into the folder unless it holds that step already."""
+        """On rank 0: copy this process's newest snapshot (its commit waited for) into the folder unless it holds that
+        step already."""
+        self._join_commit(raising=False)
         self._join_copy()
         snapshot = self.newest
         if snapshot is None or snapshot.persisted:
@@ -173,6 +241,7 @@ class MemoryTier:
             return
         run_on_rank0(lambda: self.copy_newest(target), fallback=CheckpointWriteError, task="copy a snapshot")
         if rank_info().local_rank == 0:
+            self._join_commit(raising=False)  # no record may follow the removal
             remove_snapshots(self.folder)
         self.newest = None
         self.used = False
@@ -199,9 +268,14 @@ class MemoryTier:
         _watched.pop(self, None)
 
     def at_exit(self, target: SaveTarget) -> None:
-        """Local, at an unplanned end (exception, SIGTERM, no close()): rank 0 copies its newest snapshot into the
-        folder; the snapshots stay, for the restart that may follow."""
-        if not self.used or global_rank() != 0:
+        """Local, at an unplanned end (exception, SIGTERM, no close()): each node's local rank 0 finishes the commit
+        under way, rank 0 copies its newest snapshot into the folder; the snapshots stay, for the restart that may
+        follow."""
+        if not self.used:
+            return
+        if rank_info().local_rank == 0:
+            self._join_commit(raising=False)
+        if global_rank() != 0:
             return
         try:
             self.copy_newest(target)
@@ -210,16 +284,85 @@ class MemoryTier:
 
 
 def _begin(folder: Location, payload: dict[str, Any], step: int, epoch: int | None) -> PendingSnapshot:
-    tensors = list(iter_tensors(payload))
-    size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
     world_size = dist.get_world_size() if is_distributed() else 1
-    return begin_snapshot(
-        folder,
-        step,
-        lambda f: torch.save(payload, f),
-        size_hint=size,
-        metadata={"world_size": world_size, "epoch": epoch},
+    metadata = {"world_size": world_size, "epoch": epoch}
+    laid_out = _laid_out(payload)
+    if laid_out is not None:
+        layout, spans = laid_out
+        return begin_copy(folder, step, layout, lambda mm: _copy_into(mm, spans), metadata=metadata)
+    tensors = list(iter_tensors(payload))  # a tensor the copy cannot take: torch.save into a new file
+    size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
+    return begin_snapshot(folder, step, lambda f: torch.save(payload, f), size_hint=size, metadata=metadata)
+
+
+def _copyable(tensor: torch.Tensor) -> bool:
+    """Whether the copy takes ``tensor`` as torch.save would: a plain strided tensor with its data."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
     )
+
+
+def _laid_out(payload: dict[str, Any]) -> tuple[FileLayout, list[tuple[int, torch.Tensor]]] | None:
+    """``payload`` laid out as the torch file :func:`~dist_resume._format.stream_write.write_streamed` writes (every
+    tensor one contiguous CPU record, in walk order), and where each tensor's data goes; None when a tensor cannot be
+    copied raw (a subclass, a sparse or meta tensor, one inside a container the walker does not enter)."""
+    tensors = distinct_tensors(payload)
+    found = {id(t) for t in tensors}
+    if not all(map(_copyable, tensors)) or any(id(t) not in found for t in iter_tensors(payload)):
+        return None
+    contents = ArchiveContents(Path(), ARCHIVE_NAME, [], 0, None, {})
+    stand_ins: dict[int, torch.Tensor] = {}
+    for i, tensor in enumerate(tensors):
+        meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        numel = nbytes // storage_dtype.itemsize
+        contents.register(
+            meta.untyped_storage(),
+            StorageInfo(str(i), storage_dtype, "cpu", numel, nbytes, ("storage", cls, str(i), "cpu", numel)),
+        )
+        stand_ins[id(tensor)] = meta
+    pickled = dump_pickle(map_tensors(payload, lambda t: stand_ins[id(t)]), contents)
+    regions: dict[str, tuple[int, int]] = {}
+    fd = os.memfd_create("dist_resume-layout", os.MFD_CLOEXEC)  # sparse: the records' data are never written
+    try:
+        writer = ZipWriter(fd)
+        writer.add_bytes(f"{ARCHIVE_NAME}/data.pkl", pickled)  # the records and their order: write_streamed's
+        writer.add_bytes(f"{ARCHIVE_NAME}/.format_version", b"1")
+        writer.add_bytes(f"{ARCHIVE_NAME}/.storage_alignment", b"64")
+        writer.add_bytes(f"{ARCHIVE_NAME}/byteorder", b"little")
+        for i, tensor in enumerate(tensors):
+            name, nbytes = f"{ARCHIVE_NAME}/data/{i}", tensor.numel() * tensor.element_size()
+
+            def place(offset: int, name: str = name, nbytes: int = nbytes) -> int:
+                regions[name] = (offset, nbytes)
+                return 0  # the CRC-32 is written when the commit seals the file
+
+            writer.add_streamed(name, size=nbytes, fill=place)
+        writer.add_bytes(f"{ARCHIVE_NAME}/version", b"3\n")
+        writer.add_bytes(f"{ARCHIVE_NAME}/.data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+        layout = read_layout(fd, writer.finish(), regions)
+    finally:
+        os.close(fd)
+    spans = [(regions[f"{ARCHIVE_NAME}/data/{i}"][0], t) for i, t in enumerate(tensors)]
+    return layout, spans
+
+
+def _copy_into(mm: mmap.mmap, spans: list[tuple[int, torch.Tensor]]) -> None:
+    """Copy each tensor into its record in the slot's mapping ``mm``: the snapshot's one pass over the data."""
+    dest = torch.frombuffer(mm, dtype=torch.uint8)
+    try:
+        with torch.no_grad():
+            for offset, tensor in spans:
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes:
+                    dest[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    finally:
+        del dest  # the mapping's buffer is released with it
 
 
 # --- resume ---

@@ -2,23 +2,29 @@
 
 Where a folder's snapshots live and whose they are (``place``), the commit record that makes one complete
 (``record``), the free space a write needs and the bytes a folder holds (``space``), writing one double-buffered,
-committed after its CRC-32 (``write``), the complete ones found and checked (``read``), and copying one to the folder,
-marking it copied and removing them (``persist``). Every function is local: no collective, one node's memory.
+committed after its CRC-32 (``write``; a file laid out beforehand, ``layout``, copied into slots this process keeps
+mapped, ``slots``), the complete ones found and checked (``read``), and copying one to the folder, marking it copied
+and removing them (``persist``). Every function is local: no collective, one node's memory.
 Collective use (which rank writes what, agreeing on a step) belongs to the layers above.
 """
 
+from .layout import FileLayout, Region, read_layout
 from .persist import mark_persisted, persist_snapshot, remove_snapshots
 from .place import SHM_DIR_ENV, folder_key, shm_root, store_dir
 from .read import newest_snapshot, snapshots
 from .record import Snapshot
 from .space import free_bytes, held_bytes, size_estimate
-from .write import PendingSnapshot, begin_snapshot, write_snapshot
+from .write import PendingSnapshot, begin_copy, begin_snapshot, write_snapshot
 
 __all__ = [
     "SHM_DIR_ENV",
     "Snapshot",
     "PendingSnapshot",
     "begin_snapshot",
+    "begin_copy",
+    "FileLayout",
+    "Region",
+    "read_layout",
     "write_snapshot",
     "newest_snapshot",
     "snapshots",

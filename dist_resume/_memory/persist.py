@@ -12,8 +12,8 @@ from typing import Any
 
 from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
-from .._core.types import PathLike
 from .._format.atomic import atomic_write
+from . import slots
 from .place import open_owned, owned_store, store_dir
 from .read import CHUNK, slot_snapshots
 from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
@@ -23,7 +23,7 @@ __all__ = ["persist_snapshot", "mark_persisted", "remove_snapshots"]
 logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._core.log imports torch)
 
 
-def persist_snapshot(snapshot: Snapshot, dest: PathLike) -> Location:
+def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
     """Copy ``snapshot``'s data file to ``dest`` (a local path or a URL) atomically: the same standard torch file a
     save writes, through :func:`~dist_resume._format.atomic.atomic_write`. Local.
 
@@ -91,7 +91,7 @@ def _kept(keep: Iterable[Snapshot]) -> set[str]:
     return names
 
 
-def remove_snapshots(folder: PathLike, *, keep: Iterable[Snapshot] = ()) -> int:
+def remove_snapshots(folder: Location, *, keep: Iterable[Snapshot] = ()) -> int:
     """Delete ``folder``'s snapshots on this node, except the slots of those in ``keep``, and the directory once
     empty. Local. Records go before data files, so a process killed meanwhile leaves no record without its data.
 
@@ -107,6 +107,7 @@ def remove_snapshots(folder: PathLike, *, keep: Iterable[Snapshot] = ()) -> int:
     freed = 0
     with record_lock(store):
         for name in names:
+            slots.forget(store / name)  # this process's mapping of a data file: its memory goes with the name
             freed += _unlink_owned(store / name)
     try:
         os.rmdir(store)

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from .._core.errors import CheckpointWriteError, UsageError
-from .._core.types import PathLike
-from .._store.url import location
+from .._core.location import Location
 
 __all__ = [
     "SHM_DIR_ENV",
@@ -50,10 +49,9 @@ logger = logging.getLogger("dist_resume")
 _OPEN_FLAGS: Final = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
 
 
-def folder_key(folder: PathLike) -> str:
+def folder_key(folder: Location) -> str:
     """The identity of a checkpoint folder: its resolved absolute path, or its URL on a store. Local."""
-    where = location(folder)
-    return str(where.resolve())
+    return str(folder.resolve())
 
 
 def check_part(part: str) -> str:
@@ -93,13 +91,13 @@ def required_root() -> Path:
     return root
 
 
-def store_dir(folder: PathLike) -> Path | None:
+def store_dir(folder: Location) -> Path | None:
     """The directory that holds ``folder``'s snapshots (it may not exist yet); None without shared memory. Local."""
     root = shm_root()
     return None if root is None else _named(root, folder)
 
 
-def _named(root: Path, folder: PathLike) -> Path:
+def _named(root: Path, folder: Location) -> Path:
     digest = hashlib.sha256(folder_key(folder).encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return root / f"dist_resume-{os.getuid()}-{digest}"
 
@@ -137,7 +135,7 @@ def owned_store(store: Path) -> bool:
     return True
 
 
-def make_store(folder: PathLike) -> Path:
+def make_store(folder: Location) -> Path:
     """``folder``'s snapshot directory, created (mode 0o700) when missing. Local.
 
     :class:`UsageError` without shared memory; :class:`CheckpointWriteError` when the name is taken by something

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from .._core.errors import CheckpointCorruptError
-from .._core.types import PathLike
+from .._core.location import Location
 from .place import check_part, folder_key, open_owned, owned_store, store_dir
 from .record import ENTRY, MAX_RECORD_BYTES, SLOTS, Snapshot, data_name, parse_record, record_name
 
@@ -97,7 +97,7 @@ def slot_snapshots(store: Path, key: str, part: str, *, verify: bool = False) ->
     return [s for s in found if s is not None and _whole(s, verify)]
 
 
-def snapshots(folder: PathLike, *, part: str | None = None, verify: bool = False) -> list[Snapshot]:
+def snapshots(folder: Location, *, part: str | None = None, verify: bool = False) -> list[Snapshot]:
     """The complete snapshots of ``folder`` on this node, oldest first (by part, then commit order). Local.
 
     ``part`` limits them to one part (``None``: every part found). A snapshot counts once its commit record parses,
@@ -122,7 +122,7 @@ def snapshots(folder: PathLike, *, part: str | None = None, verify: bool = False
     return sorted(found, key=lambda s: (s.part, s.seq, s.created))
 
 
-def newest_snapshot(folder: PathLike, *, part: str = "state", verify: bool = True) -> Snapshot | None:
+def newest_snapshot(folder: Location, *, part: str = "state", verify: bool = True) -> Snapshot | None:
     """``folder``'s newest complete snapshot of ``part`` on this node (the last committed), or None. Local.
 
     As :func:`snapshots`; ``verify`` (the default) checks the CRC-32 of the newest before returning it, and falls

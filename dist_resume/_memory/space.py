@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Final
 
 from .._core.errors import CheckpointWriteError
-from .._core.types import PathLike
+from .._core.location import Location
 from .place import SHM_DIR_ENV, owned_store, store_dir
 from .record import ENTRY
 
@@ -64,7 +64,7 @@ def check_space(store: Path, step: int, need: int, reclaimed: int) -> None:
         raise no_space_error(store, step, need, free)
 
 
-def held_bytes(folder: PathLike) -> int:
+def held_bytes(folder: Location) -> int:
     """The bytes of shared memory ``folder``'s snapshots hold on this node (every part, both slots, and the
     partial file of a write in progress or killed). Local; 0 without any."""
     store = store_dir(folder)

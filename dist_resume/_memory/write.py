@@ -2,16 +2,23 @@
 
 Each part has two slots; a write goes into the slot that does not hold the part's newest committed snapshot, so the
 newest is never the one overwritten. The order: the free space is checked first (nothing is touched when the
-snapshot cannot fit), then (1) the slot's old record is removed, (2) its data file is written anew by the caller's
-``dump(f)`` (``torch.save(payload, f)``), (3) its CRC-32 is computed, (4) its record is written (a rename). A process
-killed anywhere in that leaves the other slot's snapshot as the newest. (The newest is told by the records and the
-data files' sizes, never by reading a whole file: a snapshot damaged in place, its size intact, is not recognised.) :func:`begin_snapshot` is steps 1-2 (what the
-training loop waits for); :meth:`PendingSnapshot.commit` is 3-4 and may run in a background thread. One writer per
-folder and part: a second :func:`begin_snapshot` in this process before the first is committed is refused. Torch-free.
+snapshot cannot fit), then (1) the slot's old record is removed, (2) its data file is written, (3) its CRC-32 is
+computed, (4) its record is written (a rename). A process killed anywhere in that leaves the other slot's snapshot as
+the newest. (The newest is told by the records and the data files' sizes, never by reading a whole file: a snapshot
+damaged in place, its size intact, is not recognised until its CRC-32 is checked.)
+
+Two ways to write (2): :func:`begin_snapshot` runs the caller's ``dump(f)`` (``torch.save(payload, f)``) into a new
+file, taking the CRC-32 as the bytes go; :func:`begin_copy` writes a file laid out beforehand
+(:class:`~dist_resume._memory.layout.FileLayout`) into the slot's mapping, which this process keeps across snapshots
+(:mod:`~dist_resume._memory.slots`), and the caller's ``fill`` copies the data in: the one pass over the data, and
+the CRC-32s (the zip's and the file's) are left to (3). Either returns at the end of (2), which is what the training
+loop waits for; :meth:`PendingSnapshot.commit` is (3)-(4) and may run in a background thread. One writer per folder and
+part: a second begin in this process before the first is committed is refused. Torch-free.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import threading
@@ -22,14 +29,16 @@ from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 from .._core.errors import CheckpointWriteError, UsageError
-from .._core.types import PathLike
+from .._core.location import Location
 from .._format.atomic import write_error
+from . import slots
+from .layout import FileLayout, seal
 from .place import check_part, folder_key, make_store, open_owned
 from .read import file_crc, slot_snapshots
 from .record import ENTRY, SLOTS, Snapshot, checked_metadata, data_name, record_lock, record_name, write_record
 from .space import NO_SPACE, check_space, free_bytes, no_space_error
 
-__all__ = ["PendingSnapshot", "begin_snapshot", "write_snapshot"]
+__all__ = ["PendingSnapshot", "begin_snapshot", "begin_copy", "write_snapshot"]
 
 _CREATE_NEW: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -86,11 +95,13 @@ class PendingSnapshot:
         size: int,
         metadata: dict[str, Any],
         crc32: int | None = None,
+        layout: FileLayout | None = None,
     ) -> None:
         self.path = store / data_name(part, slot)
         self.step = step
         self.size = size
         self.crc32 = crc32  # the CRC-32 of the bytes as written, when known: the commit reads nothing back
+        self._layout = layout  # written into the slot's mapping: the commit seals it (its CRC-32s)
         self._fields = (folder, part, slot, seq, metadata)
         self._done = False
         self._lock = threading.Lock()
@@ -98,13 +109,17 @@ class PendingSnapshot:
     def commit(self) -> Snapshot:
         """Compute the data file's CRC-32 and write its commit record: the snapshot is then complete and the newest.
 
-        May run in another thread. Raises :class:`CheckpointWriteError` (the data file is removed) when the file
-        changed since it was written or the record cannot be written; :class:`UsageError` when already done."""
+        A file laid out by :func:`begin_copy` is sealed first: each record's CRC-32 taken from the slot's mapping and
+        written into the zip, then the whole file's. May run in another thread. Raises :class:`CheckpointWriteError`
+        (the data file is removed) when the file changed since it was written or the record cannot be written;
+        :class:`UsageError` when already done."""
         folder, part, slot, seq, metadata = self._fields
         with self._lock:
             self._finish("commit")
             try:
-                if self.crc32 is not None:
+                if self._layout is not None:
+                    crc, size = self._seal(self._layout), self._layout.size
+                elif self.crc32 is not None:
                     crc, size = self.crc32, os.stat(self.path, follow_symlinks=False).st_size
                 else:
                     fd, _ = open_owned(self.path)
@@ -133,13 +148,28 @@ class PendingSnapshot:
                 with record_lock(self.path.parent):
                     write_record(snapshot)
             except BaseException as err:
-                self.path.unlink(missing_ok=True)
+                _drop(self.path)
                 if isinstance(err, OSError):
                     raise _write_failure(self.path, self.step, self.size, err) from err
                 raise
             finally:
                 _release(self.path.parent, part)
+        if self._layout is not None:
+            _warm_other(self.path.parent, part, slot, size)
         return snapshot
+
+    def _seal(self, layout: FileLayout) -> int:
+        mm = slots.mapped(self.path, layout.size)
+        if mm is None:
+            raise CheckpointWriteError(
+                f"the snapshot of step {self.step} was removed or replaced before its commit: another process writes "
+                f"{str(self.path)!r}; one writer per folder"
+            )
+        with memoryview(mm) as view:
+            crc = seal(view, layout)
+        # writes through a mapping whose pages are in place leave the file's time as it was
+        os.utime(self.path, follow_symlinks=False)
+        return crc
 
     def abort(self) -> None:
         """Remove the uncommitted data file; the part's previous snapshot stays the newest. Idempotent."""
@@ -147,13 +177,29 @@ class PendingSnapshot:
             if self._done:
                 return
             self._done = True
-            self.path.unlink(missing_ok=True)
+            _drop(self.path)
             _release(self.path.parent, self._fields[1])
 
     def _finish(self, verb: str) -> None:
         if self._done:
             raise UsageError(f"this snapshot of step {self.step} was already committed or aborted; cannot {verb} it")
         self._done = True
+
+
+def _warm_other(store: Path, part: str, slot: str, size: int) -> None:
+    """After the first snapshot into ``slot``: the other slot made and mapped when it does not exist yet, so that the
+    next snapshot copies into pages in place too. A failure is left for that snapshot to report."""
+    other = next(s for s in SLOTS if s != slot)
+    try:
+        slots.warm(store / data_name(part, other), size)
+    except OSError:
+        pass
+
+
+def _drop(path: Path) -> None:
+    """Unmap and remove a slot's data file."""
+    slots.forget(path)
+    path.unlink(missing_ok=True)
 
 
 def _release(store: Path, part: str) -> None:
@@ -205,7 +251,7 @@ def _checked_count(name: str, value: object) -> int:
 
 
 def begin_snapshot(
-    folder: PathLike,
+    folder: Location,
     step: int,
     dump: Callable[[Any], None],
     *,
@@ -228,54 +274,122 @@ def begin_snapshot(
         >>> pending.commit().step
         80
     """
+    return _begin(folder, step, size_hint, part, metadata, _dumped(dump))
+
+
+def _begin(
+    folder: Location, step: int, need: int, part: str, metadata: Mapping[str, Any] | None, write: _Writer
+) -> PendingSnapshot:
     step = _checked_count("step", step)
-    size_hint = _checked_count("size_hint", size_hint)
+    need = _checked_count("size_hint", need)
     part = check_part(part)
     meta = checked_metadata(metadata)
     store = make_store(folder)
     key = folder_key(folder)
     _claim(store, part, step)
     try:
-        return _write(store, key, part, step, dump, size_hint, meta)
+        committed = slot_snapshots(store, key, part)
+        newest = max(committed, key=lambda s: s.seq, default=None)
+        slot = SLOTS[0] if newest is None else next(s for s in SLOTS if s != newest.slot)
+        path = store / data_name(part, slot)
+        check_space(store, step, need, _reclaimed(path))
+        with record_lock(store):
+            (store / record_name(part, slot)).unlink(missing_ok=True)  # (1): from here the slot holds no snapshot
+        _remove_leftovers(store, part)
+        size, crc, layout = write(path, step, need)  # (2)
+        seq = max((s.seq for s in committed), default=-1) + 1
+        return PendingSnapshot(
+            store=store,
+            folder=key,
+            part=part,
+            slot=slot,
+            step=step,
+            seq=seq,
+            size=size,
+            metadata=meta,
+            crc32=crc,
+            layout=layout,
+        )
     except BaseException:
         _release(store, part)
         raise
 
 
-def _write(
-    store: Path, key: str, part: str, step: int, dump: Callable[[Any], None], need: int, meta: dict[str, Any]
+_Writer = Callable[[Path, int, int], tuple[int, int | None, FileLayout | None]]
+"""Step (2): writes the slot's data file ``path`` of the snapshot of ``step`` (``need`` bytes expected); returns its
+size, its CRC-32 when known and its layout when the commit must seal it."""
+
+
+def _dumped(dump: Callable[[Any], None]) -> _Writer:
+    def write(path: Path, step: int, need: int) -> tuple[int, int | None, FileLayout | None]:
+        _drop(path)  # a new file: a reader still holding the old one keeps reading it whole
+        recorder: _SlotFile | None = None
+        try:
+            fd = os.open(path, _CREATE_NEW, 0o600)
+            with open(fd, "wb", buffering=0) as f:
+                recorder = _SlotFile(f)
+                dump(recorder)
+                size = os.fstat(f.fileno()).st_size
+        except BaseException as err:
+            path.unlink(missing_ok=True)
+            cause = recorder.error if recorder is not None and recorder.error is not None else err
+            if isinstance(cause, OSError):
+                raise _write_failure(path, step, need, cause) from err
+            raise
+        return size, (recorder.crc if recorder.written == size else None), None
+
+    return write
+
+
+def _copied(layout: FileLayout, fill: Callable[[mmap.mmap], None]) -> _Writer:
+    def write(path: Path, step: int, need: int) -> tuple[int, int | None, FileLayout | None]:
+        try:
+            mm = slots.map_slot(path, layout.size)
+        except OSError as err:
+            raise _write_failure(path, step, need, err) from err
+        try:
+            for offset, data in layout.fixed:
+                mm[offset : offset + len(data)] = data
+            fill(mm)
+        except BaseException as err:
+            _drop(path)
+            if isinstance(err, OSError):
+                raise _write_failure(path, step, need, err) from err
+            raise
+        return layout.size, None, layout
+
+    return write
+
+
+def begin_copy(
+    folder: Location,
+    step: int,
+    layout: FileLayout,
+    fill: Callable[[mmap.mmap], None],
+    *,
+    part: str = "state",
+    metadata: Mapping[str, Any] | None = None,
 ) -> PendingSnapshot:
-    committed = slot_snapshots(store, key, part)
-    newest = max(committed, key=lambda s: s.seq, default=None)
-    slot = SLOTS[0] if newest is None else next(s for s in SLOTS if s != newest.slot)
-    path = store / data_name(part, slot)
-    check_space(store, step, need, _reclaimed(path))
-    with record_lock(store):
-        (store / record_name(part, slot)).unlink(missing_ok=True)  # (1): from here the slot holds no snapshot
-    _remove_leftovers(store, part)
-    path.unlink(missing_ok=True)  # a new file: a reader still holding the old one keeps reading it whole
-    recorder: _SlotFile | None = None
-    try:
-        fd = os.open(path, _CREATE_NEW, 0o600)
-        with open(fd, "wb", buffering=0) as f:
-            recorder = _SlotFile(f)
-            dump(recorder)  # (2)
-            size = os.fstat(f.fileno()).st_size
-    except BaseException as err:
-        path.unlink(missing_ok=True)
-        cause = recorder.error if recorder is not None and recorder.error is not None else err
-        if isinstance(cause, OSError):
-            raise _write_failure(path, step, need, cause) from err
-        raise
-    seq = max((s.seq for s in committed), default=-1) + 1
-    crc = recorder.crc if recorder is not None and recorder.written == size else None
-    return PendingSnapshot(
-        store=store, folder=key, part=part, slot=slot, step=step, seq=seq, size=size, metadata=meta, crc32=crc
-    )
+    """Write a snapshot of ``folder`` at ``step`` laid out as ``layout`` into the free slot; ``fill(mm)`` copies the
+    regions' data into ``mm``, a writable mapping of the whole file. Local.
+
+    The slot's file and mapping are this process's from the last snapshot into that slot when the size is the same
+    (:func:`~dist_resume._memory.slots.map_slot`): the copy is the only pass over the data. Its CRC-32s are left to
+    :meth:`PendingSnapshot.commit`, which seals the file; until then the snapshot is not complete and the part's
+    previous one stays the newest. Space and failures as :func:`begin_snapshot` (``fill`` raising removes the slot's
+    file). Returns the :class:`PendingSnapshot` to commit.
+
+    Example::
+
+        >>> pending = begin_copy("ckpts", 80, layout, lambda mm: copy_tensors_into(mm))
+        >>> pending.commit().step
+        80
+    """
+    return _begin(folder, step, layout.size, part, metadata, _copied(layout, fill))
 
 
 def write_snapshot(
-    folder: PathLike,
+    folder: Location,
     step: int,
     dump: Callable[[Any], None],
     *,

@@ -3,6 +3,7 @@
 
     torchrun --standalone --nproc_per_node=2 [--max-restarts=1] tests/dist/memory_script.py DIR [--steps N]
         [--kill-rank1-at K] [--all-die-at K] [--close-before-dying] [--dump FILE] [--save-every N]
+        [--background-commits]
 
 An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generator=`` over a
 ``ResumableDistributedSampler``, all registered with one ``CheckpointManager``, no logging set up.
@@ -10,6 +11,9 @@ An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generat
 ``--all-die-at K``: in the generation that reaches step K every rank ends at once after ``snapshot(K)`` (``os._exit``:
 the whole job dies, as a node losing power would, nothing reaches the folder). Each rank appends the steps it runs to
 ``DIR.steps_<rank>`` (``generation step`` lines); ``--dump`` writes rank 0's final model and optimizer state.
+``--background-commits``: in torchrun's first generation every snapshot is committed in a background thread, as a large
+state's is (this model's is small enough to be committed before ``snapshot`` returns), and slowly, so that the SIGTERM
+which torchrun sends rank 0 after rank 1's kill finds the commit of step K under way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,24 @@ from torch.utils.data import DataLoader, TensorDataset
 import dist_resume as dr
 
 
+def _commit_in_background() -> None:
+    """Every snapshot's commit in a background thread, taking 0.3 s (a large state's CRC-32s): a SIGTERM comes
+    while one is under way."""
+    import time
+
+    from dist_resume._manager import memory
+    from dist_resume._memory.write import PendingSnapshot
+
+    sealed = PendingSnapshot._seal
+
+    def seal(self: PendingSnapshot, layout: Any) -> int:
+        time.sleep(0.3)
+        return sealed(self, layout)
+
+    memory.COMMIT_INLINE_BYTES = 0  # type: ignore[misc]
+    PendingSnapshot._seal = seal  # type: ignore[method-assign]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("folder")
@@ -36,6 +59,7 @@ def main() -> None:
     p.add_argument("--all-die-at", type=int, default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--background-commits", action="store_true")
     p.add_argument(
         "--close-before-dying", action="store_true", help="close() (the folder gets step K) before --all-die-at"
     )
@@ -44,6 +68,8 @@ def main() -> None:
     dr.init_distributed()
     rank = dist.get_rank()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.background_commits and generation == 0:
+        _commit_in_background()
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -42,9 +42,10 @@ def test_a_killed_worker_and_a_dead_job_resume_from_memory_bitwise_and_redo_no_s
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     # rank 1 SIGKILLed right after snapshot(7), between the saves of steps 5 and 10: torchrun restarts both workers
-    # (rank 0 gets SIGTERM), the restart resumes from memory at 7; at step 9 every rank dies at once, restarts spent
+    # (rank 0 gets SIGTERM: its handler ends the commit of step 7 under way in the background, then copies it), the
+    # restart resumes from memory at 7; at step 9 every rank dies at once, restarts spent
     died = run_torchrun(
-        [SCRIPT, "run", "--kill-rank1-at", "7", "--all-die-at", "9"],
+        [SCRIPT, "run", "--kill-rank1-at", "7", "--all-die-at", "9", "--background-commits"],
         nproc=2,
         cwd=tmp_path,
         env=env,
