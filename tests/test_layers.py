@@ -69,3 +69,52 @@ def test_no_module_imports_another_modules_private_name():
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         found.append(f"{path.relative_to(REPO)}: {alias.name}")
     assert found == []
+
+
+# Where a checkpoint is becomes a Location (a Path or a RemotePath) once, at the public entry that received the user's
+# path or URL; everything below takes that value as it is and never resolves a raw path again.
+_PATH_ENTRIES = {
+    ("_checkpoint/restore.py", "resume"),
+    ("_source/open.py", "load_checkpoint"),
+    ("_source/consensus.py", "resolve_checkpoint"),
+    ("_source/listing.py", "latest_checkpoint"),
+    ("_source/integrity.py", "inspect_checkpoint"),
+    ("_source/integrity.py", "verify_archive"),
+    ("_convert/convert.py", "convert_checkpoint"),
+    ("_manager/adopt.py", "convert_into_folder"),
+    ("_manager/manager.py", "CheckpointManager.__init__"),
+    ("_manager/start.py", "start_run"),  # CheckpointManager.resume(init_from=...)
+    ("_save/save.py", "save_checkpoint"),
+    ("_save/async_save.py", "save_checkpoint_async"),
+    ("cli/_parser.py", "_location"),  # every dist-resume command's path arguments (argparse's type=)
+}
+
+
+def _location_calls() -> set[tuple[str, str]]:
+    """(module, enclosing function) of every call of ``location(...)`` (``_store/url.py``'s) in the package."""
+    import ast
+
+    found: set[tuple[str, str]] = set()
+    root = REPO / "dist_resume"
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        if module == "_store/url.py":
+            continue
+
+        def visit(node: ast.AST, scope: list[str], module: str = module) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(child, [*scope, child.name])
+                    continue
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "location":
+                    found.add((module, ".".join(scope) or "<module>"))
+                visit(child, scope)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), [])
+    return found
+
+
+def test_a_path_becomes_a_location_once_at_the_public_entry():
+    calls = _location_calls()
+    assert calls - _PATH_ENTRIES == set(), "a lower function resolves a raw path again: take a Location instead"
+    assert _PATH_ENTRIES - calls == set(), "an entry no longer resolves its path: update _PATH_ENTRIES"
