@@ -14,8 +14,11 @@ into a temporary directory on the local disk (``--dir``); both are removed at th
    copy's stall). Two steps between the copy and the snapshot show what the snapshot no longer does: the same bytes
    written into a new file in shared memory, and ``torch.save`` of the same state into one. Beside the stall, the
    wait from ``snapshot``'s return to the end of its commit in the background (the CRC-32s and the commit record:
-   until then the previous snapshot is the newest), and the first round's snapshot (new slot files) on its own. As
-   ``snapshot`` does, each node's local rank 0 does the copying and the other ranks wait for it.
+   until then the previous snapshot is the newest), and the first round's snapshot (new slot files) on its own. The
+   plain copy is the node's local rank 0 copying every byte while the other ranks wait; ``snapshot`` splits the copy
+   across the node's ranks (each its share of the parameters and the AdamW state), so beside it: the plain copy split
+   the same way (each rank copying alternate tensors into its own buffer) and ``snapshot`` with the copy left to
+   local rank 0 alone (the private switch ``dist_resume._manager.memory.split.writer_only``, another folder).
 2. **Restart** to the first step after a worker is SIGKILLed, 2 ranks under ``torchrun --max-restarts=1``: a loop
    that snapshots every step and saves every ``--save-every`` steps, against one that saves every ``--save-every``
    steps alone (the folder on the local disk). Rank 1 kills itself after step ``2 * save_every - 1``, between two
@@ -56,6 +59,8 @@ SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent d
 LAYERS = 4
 STALL_OPS = (
     "plain copy",
+    "plain copy, split",
+    "snapshot, writer alone",
     "write to a new shm file",
     "torch.save to a new shm file",
     "snapshot",
@@ -116,6 +121,7 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
+    from dist_resume._manager.memory import split
     from dist_resume._memory import held_bytes, store_dir
 
     dr.init_distributed()
@@ -127,17 +133,30 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     snap_folder = os.path.join(cfg["dir"], "snap")
     snap = dr.CheckpointManager(snap_folder, model=model, optimizer=opt, keep_last=1)
+    solo = dr.CheckpointManager(os.path.join(cfg["dir"], "solo"), model=model, optimizer=opt, keep_last=1)
     saver = dr.CheckpointManager(os.path.join(cfg["dir"], "save"), model=model, optimizer=opt, keep_last=1)
-    buffer = torch.ones(state_bytes if writer else 0, dtype=torch.uint8)  # pre-touched: every page is there
+    mine = tensors[rank::world]  # the split plain copy: alternate tensors (equal sizes here), each into its own buffer
+    mine_bytes = sum(t.numel() * t.element_size() for t in mine)
+    buffer = torch.ones(max(state_bytes if writer else 0, mine_bytes), dtype=torch.uint8)  # pre-touched
     scratch = Path(os.environ[SHM_ENV]) / f"bench_memory.scratch.{os.getpid()}"
+
+    def copy_into_buffer(some: list[Any]) -> None:
+        offset = 0
+        for t in some:
+            flat = _bytes_of(t)
+            buffer[offset : offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
 
     def plain_copy() -> None:
         if writer:
-            offset = 0
-            for t in tensors:
-                flat = _bytes_of(t)
-                buffer[offset : offset + flat.numel()].copy_(flat)
-                offset += flat.numel()
+            copy_into_buffer(tensors)
+
+    def snapshot_alone(step: int) -> None:
+        split.writer_only = True
+        try:
+            solo.snapshot(step)
+        finally:
+            split.writer_only = False
 
     def write_file() -> None:
         if writer:
@@ -166,7 +185,12 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
         scratch.unlink(missing_ok=True)
         timed("torch.save to a new shm file", torch_save)
         scratch.unlink(missing_ok=True)
-        timed("plain copy", plain_copy)  # right before the snapshot: both in the same state of the machine
+        timed("plain copy", plain_copy)  # right before the snapshots: all in the same state of the machine
+        timed("plain copy, split", copy_into_buffer, mine)
+        timed("snapshot, writer alone", snapshot_alone, step)
+        if writer:
+            solo._memory._join_commit(raising=True)  # its CRC-32s not left running beside the next call
+        dist.barrier()
         timed("snapshot", snap.snapshot, step)
         # the writer's commit (CRC-32s, record) runs on after snapshot() returned: until it ends, the snapshot does
         # not count; timed from the return (plus a barrier) to its end
@@ -179,6 +203,7 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
     held = held_bytes(snap.folder) if writer else 0
     store = store_dir(snap.folder)
     snap.close()
+    solo.close()
     saver.close()
     left = held_bytes(snap.folder) if writer else 0
     store_left = store is not None and store.exists() and any(store.iterdir())
@@ -335,17 +360,19 @@ def _table(doc: dict[str, Any]) -> str:
         snap = med["snapshot"]
         pairs = [
             ("plain copy", "≤ 1.25× goal"),
+            ("snapshot, writer alone", ""),
+            ("plain copy, split", ""),
             ("write to a new shm file", ""),
             ("torch.save to a new shm file", ""),
             ("save", ""),
             ("save_async", ""),
         ]
         rounds = run["rounds"]
-        paired = statistics.median(a / b for a, b in zip(rounds["snapshot"], rounds["plain copy"], strict=True))
         for i, (other, note) in enumerate(pairs):
             what = f"stall, {ranks} rank{'s' if ranks != '1' else ''}" if i == 0 else ""
             mark = "" if not note else (" ✅" if snap <= 1.25 * med[other] else " ❌")
-            each = f" (median of the rounds' own ratios {_x(paired)})" if note else ""
+            paired = statistics.median(a / b for a, b in zip(rounds["snapshot"], rounds[other], strict=True))
+            each = f" (median of the rounds' own ratios {_x(paired)})" if i < 3 else ""
             rows.append(
                 f"| {'1' if i == 0 and ranks == '1' else ''} | {what} | snapshot {_ms(snap)} | "
                 f"{other} {_ms(med[other])} | {_x(snap / med[other])}{mark}{each} |"

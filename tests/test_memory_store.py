@@ -32,6 +32,7 @@ from dist_resume._memory import (
     newest_snapshot,
     persist_snapshot,
     place,
+    release_mappings,
     remove_snapshots,
     size_estimate,
     slots,
@@ -447,7 +448,7 @@ def _layout(n: int, *, head: bytes = b"HEAD") -> FileLayout:
 
 
 def _fill(value: int, n: int) -> Any:
-    def fill(mm: Any) -> None:
+    def fill(path: Path, mm: Any) -> None:
         mm[64 : 64 + n] = bytes([value]) * n
 
     return fill
@@ -513,7 +514,7 @@ def test_a_copy_that_fails_leaves_the_previous_snapshot(
     first = begin_copy(folder, 1, _layout(n), _fill(1, n)).commit()
     partial = first.path.with_name("state.b.pt")
 
-    def broken(mm: Any) -> None:
+    def broken(path: Path, mm: Any) -> None:
         mm[64:68] = b"half"
         raise ValueError("boom in the copy")
 
@@ -539,3 +540,32 @@ def test_a_slot_replaced_before_its_commit_is_not_committed(shm: Path, folder: P
         FileLayout(100, (), (Region(10, 50, ()), Region(40, 10, ())))
     with pytest.raises(ValueError, match="must go after it"):
         FileLayout(100, (), (Region(10, 50, (20,)),))
+
+
+def test_another_process_attaches_to_the_writers_slot_and_keeps_its_mapping(shm: Path, folder: Path) -> None:
+    n = 4096
+    first = begin_copy(folder, 1, _layout(n), _fill(1, n)).commit()
+    writers = slots.mapped(first.path, first.size)
+    slots.forget(first.path)  # from here this process stands for another local rank: no mapping of its own
+    mm = slots.attach_slot(first.path, first.size)
+    assert mm is not writers and slots.attach_slot(first.path, first.size) is mm  # kept across snapshots
+    mm[64:68] = b"peer"
+    assert first.path.read_bytes()[64:68] == b"peer"  # the writer's file, shared
+    inode = first.path.stat().st_ino
+    first.path.unlink()
+    first.path.write_bytes(bytes(first.size))  # the writer made the slot anew
+    again = slots.attach_slot(first.path, first.size)
+    assert again is not mm and first.path.stat().st_ino != inode  # the old file's mapping held its inode
+    with pytest.raises(OSError):
+        slots.attach_slot(first.path, first.size + 1)  # never resized
+    assert first.path.stat().st_size == first.size
+    other = first.path.with_name("state.b.pt")
+    other.write_bytes(bytes(first.size))
+    slots.attach_slot(other, first.size)
+    first.path.unlink()  # removed by the writer: the next attach drops this process's stale mapping of it
+    slots.attach_slot(other, first.size)
+    assert slots.mapped(first.path, first.size) is None
+    release_mappings(folder)
+    assert slots.mapped(other, first.size) is None
+    with pytest.raises(FileNotFoundError):
+        slots.attach_slot(first.path, first.size)  # never creates one

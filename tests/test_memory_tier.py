@@ -6,6 +6,7 @@ A restart is a new process (the first one ended by ``os._exit``, as a kill would
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -17,8 +18,13 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._manager import memory
-from dist_resume._memory import place
+from dist_resume._format.tensor_records import plan_records
+from dist_resume._format.zip_layout import plan_layout
+from dist_resume._format.zip_write import ZipWriter
+from dist_resume._manager.memory import tier
+from dist_resume._manager.memory.layout import laid_out
+from dist_resume._memory import place, zip_file_layout
+from dist_resume._memory.layout import seal
 from tests.accelerator import Accel, on_accelerators
 
 SCRIPT = textwrap.dedent(
@@ -153,7 +159,7 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
-    monkeypatch.setattr(memory, "COMMIT_INLINE_BYTES", 0)  # every commit in the background, as a large state's
+    monkeypatch.setattr(tier, "COMMIT_INLINE_BYTES", 0)  # every commit in the background, as a large state's
     (tmp_path / "shm").mkdir()
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
@@ -197,9 +203,9 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
 _UNCOMMITTED = textwrap.dedent(
     """
     import os, sys, threading, torch, dist_resume as dr
-    from dist_resume._manager import memory
+    from dist_resume._manager.memory import tier
     from dist_resume._memory import write
-    memory.COMMIT_INLINE_BYTES = 0
+    tier.COMMIT_INLINE_BYTES = 0
     sealed = write.seal
     def seal(view, layout):  # the commit of step 2 never ends: the process dies first
         if threading.current_thread().name.endswith("-2"):
@@ -236,8 +242,48 @@ def test_a_snapshot_whose_commit_did_not_end_is_not_resumed(tmp_path: Path) -> N
 
 def test_a_payload_the_copy_cannot_take_is_saved_by_torch_save() -> None:
     plain = {"w": torch.ones(2), "n": 3}
-    assert memory._laid_out(plain) is not None
-    assert memory._laid_out({"w": torch.nn.Parameter(torch.ones(2))}) is None  # a subclass
-    assert memory._laid_out({"s": torch.ones(2).to_sparse()}) is None
-    assert memory._laid_out({"m": torch.empty(2, device="meta")}) is None
-    assert memory._laid_out({"in_a_set": {torch.ones(1)}}) is None  # a container the copy's walker does not enter
+    assert laid_out(plain) is not None
+    assert laid_out({"w": torch.nn.Parameter(torch.ones(2))}) is None  # a subclass
+    assert laid_out({"s": torch.ones(2).to_sparse()}) is None
+    assert laid_out({"m": torch.empty(2, device="meta")}) is None
+    assert laid_out({"in_a_set": {torch.ones(1)}}) is None  # a container the copy's walker does not enter
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.contiguous().view(torch.uint8).reshape(-1).tolist())
+
+
+def test_the_laid_out_file_is_the_one_write_streamed_writes(tmp_path: Path) -> None:
+    view = torch.randn(4, 6)[:, 1]
+    payload = {
+        "w": torch.randn(3, 4),
+        "view": view,
+        "empty": torch.empty(0, 3),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "n": 3,
+    }
+    plan = plan_records(payload)
+    layout = zip_file_layout(plan_layout(plan.specs()), plan.small())
+    data = bytearray(layout.size)
+    for offset, fixed in layout.fixed:
+        data[offset : offset + len(fixed)] = fixed
+    filled = [t for t, n in zip(plan.tensors, plan.sizes) if n]
+    assert len(layout.regions) == len(filled)
+    for region, tensor in zip(layout.regions, filled):
+        data[region.offset : region.offset + region.size] = _raw(tensor)
+    seal(memoryview(data), layout)
+    fd = os.open(tmp_path / "streamed.pt", os.O_RDWR | os.O_CREAT)
+    try:
+        writer = ZipWriter(fd)  # write_streamed's records of the same plan, one by one
+        for name, small in plan.head:
+            writer.add_bytes(name, small)
+        for i, tensor in enumerate(plan.tensors):
+            writer.add_bytes(plan.name(i), _raw(tensor))
+        for name, small in plan.foot:
+            writer.add_bytes(name, small)
+        writer.finish()
+    finally:
+        os.close(fd)
+    assert bytes(data) == (tmp_path / "streamed.pt").read_bytes()
+    loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    assert torch.equal(loaded["view"], view) and loaded["half"].dtype == torch.bfloat16

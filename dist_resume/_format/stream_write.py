@@ -13,35 +13,21 @@ readers take it as torch's own.
 from __future__ import annotations
 
 import ctypes
-import secrets
 import zlib
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 
-from .._core import torch_compat
 from .._core.errors import CheckpointWriteError
-from .._core.tree import map_tensors
-from .archive import ArchiveContents, StorageInfo
-from .pickle_write import dump_pickle
+from .tensor_records import ARCHIVE_NAME, distinct_tensors, plan_records
 from .zip_write import ZipWriter, write_all
 
-__all__ = ["distinct_tensors", "write_streamed"]
+__all__ = ["ARCHIVE_NAME", "distinct_tensors", "write_streamed"]
 
-ARCHIVE_NAME: Final = "archive"
 _WRITE_CHUNK: Final = 64 << 20
 
 Pieces = Callable[[int, torch.Tensor], Iterable[torch.Tensor]]
-
-
-def distinct_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors of ``obj`` in the order :func:`write_streamed` writes (and asks for) them: walk order,
-    each tensor object once (a tensor reachable twice, e.g. tied weights, is one record). Local."""
-    seen: dict[int, torch.Tensor] = {}
-    map_tensors(obj, lambda t: seen.setdefault(id(t), t))
-    return list(seen.values())
 
 
 def _whole(_: int, tensor: torch.Tensor) -> Iterable[torch.Tensor]:
@@ -76,27 +62,11 @@ def write_streamed(fd: int, obj: Any, pieces: Pieces | None = None) -> int:
                 [1., 1., 1.]]), 'step': 7}
     """
     pieces = pieces or _whole
-    tensors = distinct_tensors(obj)
-    contents = ArchiveContents(Path(), ARCHIVE_NAME, [], 0, None, {})
-    stand_ins: dict[int, torch.Tensor] = {}
-    for i, tensor in enumerate(tensors):
-        meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-        cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
-        nbytes = meta.numel() * tensor.dtype.itemsize
-        numel = nbytes // storage_dtype.itemsize
-        key = str(i)
-        contents.register(
-            meta.untyped_storage(),
-            StorageInfo(key, storage_dtype, "cpu", numel, nbytes, ("storage", cls, key, "cpu", numel)),
-        )
-        stand_ins[id(tensor)] = meta
+    plan = plan_records(obj)
     writer = ZipWriter(fd)
-    writer.add_bytes(f"{ARCHIVE_NAME}/data.pkl", dump_pickle(map_tensors(obj, lambda t: stand_ins[id(t)]), contents))
-    writer.add_bytes(f"{ARCHIVE_NAME}/.format_version", b"1")
-    writer.add_bytes(f"{ARCHIVE_NAME}/.storage_alignment", b"64")
-    writer.add_bytes(f"{ARCHIVE_NAME}/byteorder", b"little")
-    for i, tensor in enumerate(tensors):
-        nbytes = contents.storages[str(i)].nbytes
+    for name, data in plan.head:
+        writer.add_bytes(name, data)
+    for i, (tensor, nbytes) in enumerate(zip(plan.tensors, plan.sizes)):
 
         def fill(offset: int, i: int = i, tensor: torch.Tensor = tensor, nbytes: int = nbytes) -> int:
             crc, written = 0, 0
@@ -121,7 +91,7 @@ def write_streamed(fd: int, obj: Any, pieces: Pieces | None = None) -> int:
                 )
             return crc
 
-        writer.add_streamed(f"{ARCHIVE_NAME}/data/{i}", size=nbytes, fill=fill)
-    writer.add_bytes(f"{ARCHIVE_NAME}/version", b"3\n")
-    writer.add_bytes(f"{ARCHIVE_NAME}/.data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+        writer.add_streamed(plan.name(i), size=nbytes, fill=fill)
+    for name, data in plan.foot:
+        writer.add_bytes(name, data)
     return writer.finish()

@@ -13,7 +13,6 @@ payload, so another process holding the same structure can find its own copy of 
 from __future__ import annotations
 
 import ctypes
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from .._core import torch_compat
 from .._core.tree import map_tensors
 from .archive import ArchiveContents, StorageInfo
 from .pickle_write import dump_pickle
+from .tensor_records import ARCHIVE_NAME, foot_records, head_records
 from .zip_layout import RecordSpec, ZipLayout, plan_layout
 from .zip_write import data_descriptor
 
@@ -41,7 +41,6 @@ __all__ = [
     "plan_archive",
 ]
 
-ARCHIVE_NAME: Final = "archive"
 STRIPE_ALIGNMENT: Final = 1 << 20
 """Where a striped record's data starts: a multiple of 1 MiB (of 64 too, so ``.storage_alignment`` stays ``64``)."""
 STRIPE_THRESHOLD: Final = 1 << 20
@@ -173,19 +172,13 @@ def plan_archive(payload: Any, *, threshold: int = STRIPE_THRESHOLD, alignment: 
             found.append((path, tensor))
         stand_ins[id(tensor)] = _stand_in(tensor, metas[sid])
     pickled = dump_pickle(map_tensors(payload, lambda t: stand_ins[id(t)]), contents)
-    head = [
-        ("data.pkl", pickled),
-        (".format_version", b"1"),
-        (".storage_alignment", b"64"),
-        ("byteorder", b"little"),
-    ]
-    foot = [("version", b"3\n"), (".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())]
-    specs = [RecordSpec(f"{ARCHIVE_NAME}/{name}", len(data)) for name, data in head]
+    head, foot = head_records(pickled), foot_records()
+    specs = [RecordSpec(name, len(data)) for name, data in head]
     sizes = [t.untyped_storage().nbytes() for _, t in found]
     specs += [
         RecordSpec(f"{ARCHIVE_NAME}/data/{i}", n, alignment if n >= threshold else 64) for i, n in enumerate(sizes)
     ]
-    specs += [RecordSpec(f"{ARCHIVE_NAME}/{name}", len(data)) for name, data in foot]
+    specs += [RecordSpec(name, len(data)) for name, data in foot]
     layout = plan_layout(specs)
     first = len(head)
     small = {i: data for i, (_, data) in enumerate(head)}

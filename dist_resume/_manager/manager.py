@@ -307,7 +307,12 @@ class CheckpointManager:
         in host shared memory: each node's local rank 0 writes the registered objects and every rank's RNG streams
         and data position, as the standard torch file ``save`` writes, into one of two slots (the newest complete
         snapshot is never the one being written; a snapshot counts once its commit record follows its CRC-32, so a
-        process killed halfway leaves the previous one). Nothing reaches the folder: ``save(step)`` of the same step
+        process killed halfway leaves the previous one). Under DDP the copy is split across the node's local ranks by
+        bytes: each copies its share of the parameters and optimizer state into the same slot, and a failure on any
+        rank commits nothing and raises the same error on every rank. For a state over 32 MiB the CRC-32s and the
+        commit record follow in a background thread after the call returns; until then the previous snapshot is the
+        newest (the next ``snapshot``, ``save``, ``close`` and the exit handlers wait for it). Nothing reaches the
+        folder: ``save(step)`` of the same step
         copies the snapshot there in a background thread (no second copy from the device), ``close()`` copies the
         newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
         copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot

@@ -3,16 +3,18 @@
 Where a folder's snapshots live and whose they are (``place``), the commit record that makes one complete
 (``record``), the free space a write needs and the bytes a folder holds (``space``), writing one double-buffered,
 committed after its CRC-32 (``write``; a file laid out beforehand, ``layout``, copied into slots this process keeps
-mapped, ``slots``), the complete ones found and checked (``read``), and copying one to the folder, marking it copied
+mapped, ``slots``,
+where the node's other processes map it too to copy their share), the complete ones found and checked (``read``), and copying one to the folder, marking it copied
 and removing them (``persist``). Every function is local: no collective, one node's memory.
 Collective use (which rank writes what, agreeing on a step) belongs to the layers above.
 """
 
-from .layout import FileLayout, Region, read_layout
-from .persist import mark_persisted, persist_snapshot, remove_snapshots
+from .layout import FileLayout, Region, zip_file_layout
+from .persist import mark_persisted, persist_snapshot, release_mappings, remove_snapshots
 from .place import SHM_DIR_ENV, folder_key, shm_root, store_dir
 from .read import newest_snapshot, snapshots
 from .record import Snapshot
+from .slots import attach_slot
 from .space import free_bytes, held_bytes, size_estimate
 from .write import PendingSnapshot, begin_copy, begin_snapshot, write_snapshot
 
@@ -22,15 +24,17 @@ __all__ = [
     "PendingSnapshot",
     "begin_snapshot",
     "begin_copy",
+    "attach_slot",
     "FileLayout",
     "Region",
-    "read_layout",
+    "zip_file_layout",
     "write_snapshot",
     "newest_snapshot",
     "snapshots",
     "mark_persisted",
     "persist_snapshot",
     "remove_snapshots",
+    "release_mappings",
     "held_bytes",
     "free_bytes",
     "size_estimate",

@@ -5,27 +5,24 @@ A :class:`FileLayout` is every byte of a zip file except its big records' data: 
 (``data.pkl``), the data descriptors and the central directory (``fixed``), and where each big record's data goes
 (:class:`Region`). The caller copies the regions' data into place; :func:`seal` then takes each region's CRC-32, writes
 it where the zip keeps it (its data descriptor, its central directory entry) and returns the CRC-32 of the whole file,
-combined from the regions' (:func:`crc32_combine`) so that no byte is read twice. :func:`read_layout` takes a layout
-from a zip written with the regions left empty (a sparse scratch file). Torch-free.
+combined from the regions' (:func:`crc32_combine`) so that no byte is read twice. :func:`zip_file_layout` takes the layout of a zip
+planned by :func:`~dist_resume._format.zip_layout.plan_layout`. Torch-free.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["Region", "FileLayout", "read_layout", "seal", "crc32_combine"]
+from .._format.zip_layout import ZipLayout
+
+__all__ = ["Region", "FileLayout", "zip_file_layout", "seal", "crc32_combine"]
 
 _POLY: Final = 0xEDB88320  # CRC-32 (zlib, zip), reflected
 _U32: Final = struct.Struct("<I")
-_EOCD: Final = struct.Struct("<IHHHHIIH")
-_LOCATOR64: Final = struct.Struct("<IIQI")
-_EOCD64: Final = struct.Struct("<IQHHIIQQQQ")
-_CENTRAL: Final = struct.Struct("<IHHHHHHIIIHHHHHII")
 _CHAINED: Final = (
     1 << 20
 )  # a region up to this size is hashed twice (its own CRC, then the file's): cheaper than combining
@@ -100,43 +97,39 @@ class FileLayout:
                 raise ValueError(f"the CRC-32 of the region at {region.offset} must go after it, inside the file")
 
 
-def _central_crc_offsets(fd: int, size: int) -> dict[str, int]:
-    """Each record's name and where its CRC-32 sits in the central directory of the zip in ``fd`` (torch's writer
-    always ends with the zip64 end record and its locator)."""
-    tail = os.pread(fd, _LOCATOR64.size + _EOCD.size, size - _LOCATOR64.size - _EOCD.size)
-    sig, _, eocd64, _ = _LOCATOR64.unpack_from(tail)
-    if sig != 0x07064B50 or _EOCD.unpack_from(tail, _LOCATOR64.size)[0] != 0x06054B50:
-        raise ValueError("the zip does not end with torch's zip64 end records")
-    record = _EOCD64.unpack(os.pread(fd, _EOCD64.size, eocd64))
-    count, cd_size, cd_offset = record[7], record[8], record[9]
-    directory = os.pread(fd, cd_size, cd_offset)
-    found: dict[str, int] = {}
-    at = 0
-    for _ in range(count):
-        entry = _CENTRAL.unpack_from(directory, at)
-        name_len, extra_len, comment_len = entry[10], entry[11], entry[12]
-        name = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len].decode("utf-8")
-        found[name] = cd_offset + at + 16  # the CRC-32 field of a central directory header
-        at += _CENTRAL.size + name_len + extra_len + comment_len
-    return found
+def zip_file_layout(layout: ZipLayout, small: Mapping[int, bytes]) -> FileLayout:
+    """The file of the zip ``layout`` with the records at the positions of ``small`` holding those bytes and every other
+    record a region: its CRC-32 goes into its data descriptor (right after its data) and its central directory entry.
+    Local; the same bytes :class:`~dist_resume._format.zip_write.ZipWriter` writes for the same records.
 
+    Example::
 
-def read_layout(fd: int, size: int, regions: Mapping[str, tuple[int, int]]) -> FileLayout:
-    """The layout of the ``size``-byte zip in ``fd`` whose records named in ``regions`` (name: (data offset, size))
-    were left empty: every other byte is read as it is, and each region's CRC-32 goes into its data descriptor
-    (right after its data) and its central directory entry. Local."""
-    central = _central_crc_offsets(fd, size)
-    placed = sorted(
-        (Region(offset, n, (offset + n + 4, central[name]) if n else ()) for name, (offset, n) in regions.items()),
-        key=lambda r: r.offset,
-    )
+        >>> zip_layout = plan_layout([RecordSpec("archive/data.pkl", 3), RecordSpec("archive/data/0", 8)])
+        >>> zip_file_layout(zip_layout, {0: b"pkl"}).regions[0].size
+        8
+    """
+    crcs = [zlib.crc32(small[i]) if i in small else 0 for i in range(len(layout.records))]
+    pieces: list[tuple[int, bytes]] = []
+    regions: list[Region] = []
+    central_at = layout.central_offset
+    for i, record in enumerate(layout.records):
+        descriptor = record.descriptor(crcs[i])
+        if i in small:
+            pieces.append((record.header_offset, record.header + small[i] + descriptor))
+        else:
+            pieces += [(record.header_offset, record.header), (record.data_end, descriptor)]
+            if record.size:
+                regions.append(Region(record.data_offset, record.size, (record.data_end + 4, central_at + 16)))
+        central_at += len(record.central(0))  # 16: the CRC-32 field of a central directory header
+    tail = layout.tail(crcs)
+    pieces.append((layout.central_offset, tail))
     fixed: list[tuple[int, bytes]] = []
-    pos = 0
-    for region in [*placed, Region(size, 0, ())]:
-        if region.offset > pos:
-            fixed.append((pos, os.pread(fd, region.offset - pos, pos)))
-        pos = region.offset + region.size
-    return FileLayout(size, tuple(fixed), tuple(placed))
+    for offset, data in pieces:  # adjacent pieces written as one
+        if fixed and fixed[-1][0] + len(fixed[-1][1]) == offset:
+            fixed[-1] = (fixed[-1][0], fixed[-1][1] + data)
+        elif data:
+            fixed.append((offset, data))
+    return FileLayout(layout.central_offset + len(tail), tuple(fixed), tuple(regions))
 
 
 def seal(view: memoryview, layout: FileLayout) -> int:

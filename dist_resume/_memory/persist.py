@@ -126,3 +126,11 @@ def _unlink_owned(path: Path) -> int:
     except FileNotFoundError:
         return 0
     return st.st_size
+
+
+def release_mappings(folder: Location) -> None:
+    """Unmap this process's mappings of ``folder``'s snapshot files (a local rank that copied its share into the
+    writer's slots), so that their memory goes once the writer removes them; the files stay. Local; idempotent."""
+    store = store_dir(folder)
+    if store is not None:
+        slots.forget_store(store)

@@ -6,7 +6,9 @@ A page of a new tmpfs file is allocated and zeroed at its first touch, which cos
 pages: no new file, no ``ftruncate``, no page fault. A slot is made anew (the old file unlinked: a reader holding it
 keeps it whole) when this process has not mapped it yet, when its size changes, or when the file at its name is no
 longer the one mapped (removed, replaced). A new file's pages are allocated with ``posix_fallocate`` before they are
-mapped, so a full shared memory is an ``ENOSPC`` there and never a ``SIGBUS`` in the copy. Torch-free.
+mapped, so a full shared memory is an ``ENOSPC`` there and never a ``SIGBUS`` in the copy. The node's other
+processes, which copy a share of a snapshot into the file its writer made, keep their mapping of it the same way
+(:func:`attach_slot`). Torch-free.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["map_slot", "mapped", "warm", "forget", "forget_store"]
+__all__ = ["map_slot", "attach_slot", "mapped", "warm", "forget", "forget_store"]
 
-_CREATE_NEW: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_RW: Final = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_CREATE_NEW: Final = _OPEN_RW | os.O_CREAT | os.O_EXCL
 _POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)  # fault every page in when mapping (Linux)
 
 
@@ -92,6 +96,36 @@ def map_slot(path: Path, size: int) -> mmap.mmap:
         slot = _create(path, size)
         _slots[path] = slot
         return slot.mm
+
+
+def attach_slot(path: Path, size: int) -> mmap.mmap:
+    """A writable shared mapping of the ``size``-byte data file ``path`` that another process of this user made and
+    sized (the node's writer, :func:`map_slot`): the one this process mapped before when the file there is still that
+    one, else a new mapping of it. Never creates, truncates or unlinks a file. Mappings this process holds of files
+    no longer at their path in the same directory are dropped first, so that their memory is freed. Local.
+
+    Raises ``OSError`` (the file is gone, another size, or not this user's regular file)."""
+    with _lock:
+        stale = [p for p, s in _slots.items() if p.parent == path.parent and not _same_file(p, s)]
+        for old in stale:
+            _close(_slots.pop(old))
+        slot = _slots.get(path)
+        if slot is not None:
+            if slot.size == size and _same_file(path, slot):
+                return slot.mm
+            del _slots[path]
+            _close(slot)
+        fd = os.open(path, _OPEN_RW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size:
+                raise OSError(errno.ESTALE, f"{path} is not this user's {size}-byte snapshot file", str(path))
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        _slots[path] = _Slot(fd, mm, (st.st_dev, st.st_ino), size)
+        return mm
 
 
 def mapped(path: Path, size: int) -> mmap.mmap | None:

@@ -341,7 +341,7 @@ def _dumped(dump: Callable[[Any], None]) -> _Writer:
     return write
 
 
-def _copied(layout: FileLayout, fill: Callable[[mmap.mmap], None]) -> _Writer:
+def _copied(layout: FileLayout, fill: Callable[[Path, mmap.mmap], None]) -> _Writer:
     def write(path: Path, step: int, need: int) -> tuple[int, int | None, FileLayout | None]:
         try:
             mm = slots.map_slot(path, layout.size)
@@ -350,7 +350,7 @@ def _copied(layout: FileLayout, fill: Callable[[mmap.mmap], None]) -> _Writer:
         try:
             for offset, data in layout.fixed:
                 mm[offset : offset + len(data)] = data
-            fill(mm)
+            fill(path, mm)
         except BaseException as err:
             _drop(path)
             if isinstance(err, OSError):
@@ -365,13 +365,14 @@ def begin_copy(
     folder: Location,
     step: int,
     layout: FileLayout,
-    fill: Callable[[mmap.mmap], None],
+    fill: Callable[[Path, mmap.mmap], None],
     *,
     part: str = "state",
     metadata: Mapping[str, Any] | None = None,
 ) -> PendingSnapshot:
-    """Write a snapshot of ``folder`` at ``step`` laid out as ``layout`` into the free slot; ``fill(mm)`` copies the
-    regions' data into ``mm``, a writable mapping of the whole file. Local.
+    """Write a snapshot of ``folder`` at ``step`` laid out as ``layout`` into the free slot; ``fill(path, mm)`` copies
+    the regions' data into ``mm``, a writable mapping of the whole file ``path`` (the node's other processes may map
+    ``path`` with :func:`~dist_resume._memory.slots.attach_slot` and copy a share while ``fill`` runs). Local.
 
     The slot's file and mapping are this process's from the last snapshot into that slot when the size is the same
     (:func:`~dist_resume._memory.slots.map_slot`): the copy is the only pass over the data. Its CRC-32s are left to
@@ -381,7 +382,7 @@ def begin_copy(
 
     Example::
 
-        >>> pending = begin_copy("ckpts", 80, layout, lambda mm: copy_tensors_into(mm))
+        >>> pending = begin_copy("ckpts", 80, layout, lambda path, mm: copy_tensors_into(mm))
         >>> pending.commit().step
         80
     """

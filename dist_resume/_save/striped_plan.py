@@ -5,13 +5,15 @@ keeps identical on every rank is spread: the model's parameters (DDP broadcasts 
 applies the same all-reduced gradients) and the optimizer's per-parameter state. Buffers (BatchNorm's running
 statistics change in each rank's own forward), the EMA (a script may update it on rank 0 only), ``extra``, the RNG
 streams and the data position stay with rank 0, which alone holds the values a rank-0 save would write.
+:func:`assign_shares` also splits a snapshot's copy among a node's local ranks (``_manager/memory/split.py``), the same
+records spread, local rank 0 in rank 0's place.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol, TypeVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -23,7 +25,7 @@ from .._layout.layout import Key
 from .._state.prefix import canonical_key, unwrap_model
 from .._state.sharded import is_sharded
 
-__all__ = ["RANK0_ENV", "StripePlan", "stripes", "replicated_paths", "assign_shares"]
+__all__ = ["RANK0_ENV", "StripePlan", "Shareable", "stripes", "is_ddp", "replicated_paths", "assign_shares"]
 
 RANK0_ENV: Final = "DIST_RESUME_SAVE_RANK0"
 """Private switch, read once at import: ``1`` makes every save a rank-0 save (tests and the benchmark compare)."""
@@ -41,7 +43,24 @@ class StripePlan:
     shares: tuple[tuple[StorageRecord, ...], ...]
 
 
-def _is_ddp(model: nn.Module) -> bool:
+class Shareable(Protocol):
+    """A record :func:`assign_shares` places: its position, its first tensor's path, its size, whether it is large."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def path(self) -> TreePath: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def large(self) -> bool: ...
+
+
+_R = TypeVar("_R", bound=Shareable)
+
+
+def is_ddp(model: nn.Module) -> bool:
+    """Whether ``model`` is a DistributedDataParallel (perhaps inside ``torch.compile``). Local."""
     while True:
         if isinstance(model, DistributedDataParallel):
             return True
@@ -60,7 +79,7 @@ def stripes(model: nn.Module | None, dest: Location, world_size: int) -> bool:
         and not isinstance(dest, RemotePath)
         and model is not None
         and not is_sharded(model)
-        and _is_ddp(model)
+        and is_ddp(model)
     )
 
 
@@ -77,10 +96,10 @@ def _replicated(path: TreePath, parameters: frozenset[str]) -> bool:
 
 
 def assign_shares(
-    storages: tuple[StorageRecord, ...], parameters: frozenset[str], world_size: int, fixed: int
-) -> tuple[tuple[StorageRecord, ...], ...]:
-    """Each rank's storage records, balanced by bytes: rank 0 starts with ``fixed`` bytes (the pickle and the small
-    records) plus every record only it may write; each large replicated record goes, largest first, to the rank with
+    storages: tuple[_R, ...], parameters: frozenset[str], world_size: int, fixed: int
+) -> tuple[tuple[_R, ...], ...]:
+    """Each rank's records (a striped save's storage records, a snapshot's), balanced by bytes: rank 0 starts with
+    ``fixed`` bytes (the pickle and the small records) plus every record only it may write; each large replicated record goes, largest first, to the rank with
     the fewest bytes so far (the lowest such rank on a tie). Deterministic. Local.
 
     Example::
@@ -90,7 +109,7 @@ def assign_shares(
         >>> [[r.index for r in share] for share in assign_shares(recs, frozenset({"w0", "w1", "w2"}), 2, 0)]
         [[0], [1, 2]]
     """
-    shares: list[list[StorageRecord]] = [[] for _ in range(world_size)]
+    shares: list[list[_R]] = [[] for _ in range(world_size)]
     loads = [fixed] + [0] * (world_size - 1)
     spread = []
     for record in storages:

@@ -1,0 +1,69 @@
+"""The node's writer begins a snapshot: its payload laid out and copied into the free slot (the node's other ranks
+copying their shares at the same time when the copy is split), or saved with ``torch.save`` when the copy cannot take
+a tensor. The commit is the caller's."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._core.location import Location
+from ..._core.tree import iter_tensors
+from ..._dist.env import is_distributed, rank_info
+from ..._memory import PendingSnapshot, begin_copy, begin_snapshot, size_estimate
+from .layout import CopyRecord, copy_records, laid_out
+from .split import NodeCopy, send, shares_of
+
+__all__ = ["begin_write"]
+
+
+def begin_write(
+    folder: Location,
+    build: Callable[[], dict[str, Any]],
+    step: int,
+    epoch: int | None,
+    model: nn.Module | None,
+    group: Any,
+) -> tuple[PendingSnapshot, int]:
+    """Write the payload ``build()`` returns into the free slot of ``folder``'s snapshots; the pending snapshot and the tensor bytes this
+    process copied. With ``group`` (the node's ranks, the copy split: :mod:`~dist_resume._manager.memory.split`) the
+    other ranks are sent their shares (None when there is nothing for them to copy: the writer failed before the
+    slot was ready, or the payload is saved whole), collective on ``group`` then. Local otherwise."""
+    world_size = dist.get_world_size() if is_distributed() else 1
+    metadata = {"world_size": world_size, "epoch": epoch}
+    sent = False
+    try:
+        payload = build()
+        laid = laid_out(payload)
+        if laid is None:  # a tensor the copy cannot take: torch.save into a new file
+            if group is not None:
+                sent = True
+                send(None, group)
+            tensors = list(iter_tensors(payload))
+            size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
+            return begin_snapshot(folder, step, lambda f: torch.save(payload, f), size_hint=size, metadata=metadata), 0
+        shares: tuple[tuple[CopyRecord, ...], ...] = (laid.records,)
+        if group is not None and model is not None:
+            shares = shares_of(laid, model, rank_info().local_world_size)
+        copied = 0
+
+        def fill(path: Path, mm: mmap.mmap) -> None:
+            nonlocal sent, copied
+            if group is not None:
+                sent = True
+                send(NodeCopy(str(path), laid.layout.size, shares), group)
+            copied = copy_records(mm, ((r, laid.tensors[r.index]) for r in shares[0]))
+
+        return begin_copy(folder, step, laid.layout, fill, metadata=metadata), copied
+    except BaseException:
+        if group is not None and not sent:  # the node's ranks wait for the slot: nothing comes (this error says why)
+            with contextlib.suppress(Exception):
+                send(None, group)
+        raise
