@@ -26,6 +26,7 @@ from dist_resume._manager.memory.layout import laid_out
 from dist_resume._memory import place, zip_file_layout
 from dist_resume._memory.layout import seal
 from tests.accelerator import Accel, on_accelerators
+from tests.helpers import flip_byte_in_tensor_record
 
 SCRIPT = textwrap.dedent(
     """
@@ -86,6 +87,22 @@ def test_a_restart_resumes_from_memory_and_close_copies_the_newest_then_frees_it
     assert "snapshots in this node's shared memory" not in _list(tmp_path)
     third = _run(tmp_path, 9, "close")  # nothing in memory now: the folder's newest
     assert "resumed (9, 'folder')" in third, third
+
+
+def test_a_snapshot_newer_than_the_folders_names_is_taken_without_reading_the_folder(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    _run(tmp_path, 7, "die")  # the folder: ckpt 5; shared memory: snapshots 6 and 7
+    ckpt5 = tmp_path / "run" / "ckpt_00000005.pt"
+    intact = ckpt5.read_bytes()
+    flip_byte_in_tensor_record(ckpt5)  # damage only a CRC check finds: reading the file to check it would find it
+    out = _run(tmp_path, 8, "die")
+    assert "resumed (7, 'memory')" in out and "skipping checkpoint" not in out, out  # the folder's file never read
+    # the newest name damaged (a copy cut short): the complete checkpoint before it is older than the snapshots,
+    # which are still taken
+    ckpt5.write_bytes(intact)
+    (tmp_path / "run" / "ckpt_00000009.pt").write_bytes(b"PK\x03\x04 cut short")
+    out = _run(tmp_path, 10, "close")
+    assert "resumed (8, 'memory')" in out and "ckpt_00000009.pt" in out, out
 
 
 def test_a_damaged_snapshot_is_never_resumed(tmp_path: Path) -> None:

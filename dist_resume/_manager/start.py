@@ -33,7 +33,7 @@ from .._source.listing import numbered_checkpoints
 from .._source.source import Source
 from .._store.url import location
 from .lock import remove_new_folder
-from .memory import MemoryTier, choose_snapshot, forget_stale
+from .memory import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -190,36 +190,60 @@ def start_run(
     refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
     rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``). With ``memory``, a
     snapshot in shared memory at least as new as that checkpoint, which can restore every rank, is taken instead
-    (:func:`~dist_resume._manager.memory.choose_snapshot`); snapshots older than the folder's newest are freed.
+    (:func:`~dist_resume._manager.memory.choose_snapshot`); snapshots older than the folder's newest are freed. A
+    snapshot at least as new as the folder's newest *name* is chosen before any checkpoint file is read (a restart
+    from memory never reads the folder's newest checkpoint to check it: on a slow store that is the whole state);
+    only when there is none does rank 0 check the folder's checkpoints, and then a snapshot newer than the newest
+    complete one (the newest names were damaged) is still taken.
     """
 
     started = time.perf_counter()
     created = False  # rank 0: this resume created the folder (to take its lock)
 
-    def look_lock_choose() -> CheckpointInfo | None:
+    listed: list[tuple[int, Location]] = []  # rank 0: the folder's checkpoints by name, listed once
+
+    def look_and_lock() -> int | None:
+        """Rank 0: the folder listed and its lock taken; the newest step its names say (None: no checkpoint)."""
         nonlocal created
         state, numbered = folder_state(folder)
         new = isinstance(folder, Path) and not folder.exists()
         take_lock()
         created = new
         if state is FolderState.HOLDS_CHECKPOINTS:
-            return choose_newest(folder, numbered)
+            listed.extend(numbered)
+            return max(step for step, _ in numbered)
         if init_from is None:
             _warn_loose(folder)
         return None
 
+    def look_lock_choose() -> CheckpointInfo | None:
+        return None if look_and_lock() is None else choose_newest(folder, listed)
+
+    def from_memory(choice: MemoryChoice) -> ResumeResult:
+        source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
+        result = restore_from(source, objects, options, started=started)
+        memory.resumed_from(choice)  # type: ignore[union-attr]
+        return dataclasses.replace(result, source="memory")
+
     try:
-        chosen: CheckpointInfo | None = run_on_rank0(
-            look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder"
-        )
         broadcast = options.broadcast_from_rank0 and is_distributed()
-        if memory is not None:
-            choice = choose_snapshot(folder, chosen.step if chosen is not None else None)
+        chosen: CheckpointInfo | None
+        if memory is None:
+            chosen = run_on_rank0(look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder")
+        else:
+            named = run_on_rank0(look_and_lock, fallback=CheckpointError, task="look at the checkpoint folder")
+            choice = choose_snapshot(folder, named)
             if choice is not None:
-                source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
-                result = restore_from(source, objects, options, started=started)
-                memory.resumed_from(choice)
-                return dataclasses.replace(result, source="memory")
+                return from_memory(choice)
+            chosen = None
+            if named is not None:
+                chosen = run_on_rank0(
+                    lambda: choose_newest(folder, listed), fallback=CheckpointError, task="choose the checkpoint"
+                )
+                if chosen.step is not None and chosen.step < named:  # the newest names were damaged or incomplete
+                    choice = choose_snapshot(folder, chosen.step)
+                    if choice is not None:
+                        return from_memory(choice)
             forget_stale(folder)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
