@@ -56,6 +56,17 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return param.to_local()
 
 
+def nested_equal(a: Any, b: Any) -> bool:
+    """Whether two nested dicts/lists/tuples of tensors and plain values are equal, tensors bitwise (dtype included)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(nested_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
 def flip_byte_in_tensor_record(path: os.PathLike[str] | str) -> None:
     """Flip one bit inside the first tensor record of a torch file: its size and zip structure stay intact, its CRC-32
     does not (only a CRC check finds it)."""

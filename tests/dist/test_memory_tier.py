@@ -8,26 +8,16 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from tests.dist.harness import REPO_ROOT, run_torchrun, run_two_nodes
+from tests.helpers import nested_equal
 
 pytestmark = pytest.mark.dist
 
 SCRIPT = str(REPO_ROOT / "tests/dist/memory_script.py")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_equal, a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return bool(a == b)
 
 
 def _steps(path: Path) -> list[tuple[int, int]]:
@@ -61,7 +51,7 @@ def test_a_killed_worker_and_a_dead_job_resume_from_memory_bitwise_and_redo_no_s
     again = run_torchrun([SCRIPT, "run", "--dump", "run.pt"], nproc=2, cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "rank 0 generation 0: resumed (9, 'memory')" in again.stdout + again.stderr
-    assert _equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")), "not bitwise equal"
+    assert nested_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")), "not bitwise equal"
     for rank in (0, 1):  # every step run exactly once, across the three generations
         steps = _steps(tmp_path / f"run.steps_{rank}")
         assert [s for _, s in steps] == list(range(1, 13)), steps
@@ -103,4 +93,4 @@ def test_a_node_whose_memory_was_wiped_gets_the_snapshot_from_rank_0s_node(tmp_p
     assert all(o.returncode == 0 for o in again), out[-3000:]
     for rank in range(4):
         assert f"rank {rank} generation 0: resumed (9, 'memory')" in out, out[-3000:]
-    assert _equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")), "not bitwise equal"
+    assert nested_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")), "not bitwise equal"

@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from tests.dist.harness import REPO_ROOT, run_two_nodes
+from tests.helpers import nested_equal
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 SCRIPT = str(REPO_ROOT / "tests/dist/striped_script.py")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_equal, a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return bool(a == b)
 
 
 def _io(folder: Path, rank: int) -> list[list[str]]:
@@ -51,9 +41,9 @@ def test_two_nodes_save_and_resume_striped_bitwise(tmp_path: Path) -> None:
         (kind, read), *_ = _io(run, rank)
         assert kind == "resume" and int(read) <= size / 2, (rank, read, size)  # its share, not the whole file
         resumed = torch.load(f"{run}.resumed_{rank}.pt", weights_only=True)
-        assert _equal(resumed["model"], saved["model"]), f"rank {rank}: model differs from the file"
-        assert _equal(resumed["optimizer"]["state"], saved["optimizer"]["state"]), f"rank {rank}: optimizer"
-    assert all(_equal(torch.load(f"{run}.resumed_{r}.pt", weights_only=True), resumed) for r in range(3))
+        assert nested_equal(resumed["model"], saved["model"]), f"rank {rank}: model differs from the file"
+        assert nested_equal(resumed["optimizer"]["state"], saved["optimizer"]["state"]), f"rank {rank}: optimizer"
+    assert all(nested_equal(torch.load(f"{run}.resumed_{r}.pt", weights_only=True), resumed) for r in range(3))
     # trained on from there: at 4 ranks DDP's first step after wrapping the model reduces its gradients in another
     # bucket layout than the uninterrupted run's step 6 did (it rebuilds its buckets after its first step), and a ring
     # all-reduce over 4 ranks then adds the 4 gradients in another order: the last bits differ (1e-8 here), with or
