@@ -154,7 +154,7 @@ def read_dcp(path: Location, *, map_location: MapLocation = None, weights_only: 
     Example::
 
         >>> dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id="ckpt")
-        >>> parts = read_dcp("ckpt", map_location="cpu")
+        >>> parts = read_dcp(Path("ckpt"), map_location="cpu")
     """
     folder = local_path(path, "reading a DCP folder")
     device = folder_device(map_location, folder)

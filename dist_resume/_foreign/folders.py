@@ -131,7 +131,7 @@ def read_foreign_folder(
 
     Example::
 
-        >>> parts = read_foreign_folder("out/checkpoint-500", map_location="cpu")
+        >>> parts = read_foreign_folder(Path("out/checkpoint-500"), map_location="cpu")
         >>> parts.step, sorted(parts.model)[:1]
         (500, ['bert.embeddings.LayerNorm.bias'])
     """

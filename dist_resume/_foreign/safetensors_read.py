@@ -173,7 +173,7 @@ def read_safetensors(
 
     Example::
 
-        >>> sd, meta = read_safetensors("model.safetensors")
+        >>> sd, meta = read_safetensors(Path("model.safetensors"))
     """
     if sys.byteorder != "little":
         raise CheckpointError(f"cannot read {str(path)!r}: safetensors is little-endian and this machine is not")

@@ -122,7 +122,7 @@ def read_archive(path: Location) -> ArchiveContents:
     Example::
 
         >>> torch.save({"w": torch.ones(2, 3)}, "ckpt.pt")
-        >>> contents = read_archive("ckpt.pt")
+        >>> contents = read_archive(Path("ckpt.pt"))
         >>> contents.obj["w"].shape, contents.storages["0"].location
         (torch.Size([2, 3]), 'cpu')
     """

@@ -202,7 +202,7 @@ def atomic_write(path: Location, write: Callable[[Any], None]) -> Location:
 
     Example::
 
-        >>> dist_resume._format.atomic.atomic_write("w.pt", lambda f: torch.save({"w": torch.ones(2)}, f))
+        >>> dist_resume._format.atomic.atomic_write(Path("w.pt"), lambda f: torch.save({"w": torch.ones(2)}, f))
         PosixPath('w.pt')
     """
     dest = path

@@ -120,7 +120,7 @@ def load_torch_file(
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> load_torch_file("ckpt.pt", map_location="cpu")["w"]
+        >>> load_torch_file(Path("ckpt.pt"), map_location="cpu")["w"]
         tensor([1., 1.])
     """
     p = check_file(path)

@@ -228,7 +228,7 @@ def peek_archive(path: Location) -> Peeked:
     Example::
 
         >>> torch.save({"w": torch.ones(2, 3), "step": 3}, "ckpt.pt")
-        >>> peeked = peek_archive("ckpt.pt")
+        >>> peeked = peek_archive(Path("ckpt.pt"))
         >>> peeked.obj["step"], peeked.obj["w"].shape, peeked.obj["w"].storage.dtype
         (3, (2, 3), 'float32')
     """

@@ -49,7 +49,7 @@ def read_checked_records(path: Location, *, keep_pickle: bool = False) -> Checke
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> read_checked_records("ckpt.pt").archive_name
+        >>> read_checked_records(Path("ckpt.pt")).archive_name
         'ckpt'
     """
     p = looked_up(path)

@@ -34,7 +34,7 @@ def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
 
     Example::
 
-        >>> persist_snapshot(newest_snapshot("ckpts"), "ckpts/ckpt_00000080.pt")
+        >>> persist_snapshot(newest_snapshot(Path("ckpts")), Path("ckpts/ckpt_00000080.pt"))
         PosixPath('ckpts/ckpt_00000080.pt')
     """
     try:

@@ -107,7 +107,7 @@ def snapshots(folder: Location, *, part: str | None = None, verify: bool = False
 
     Example::
 
-        >>> [(s.step, s.part) for s in snapshots("ckpts")]
+        >>> [(s.step, s.part) for s in snapshots(Path("ckpts"))]
         [(79, 'state'), (80, 'state')]
     """
     parts = [check_part(part)] if part is not None else None
@@ -130,7 +130,7 @@ def newest_snapshot(folder: Location, *, part: str = "state", verify: bool = Tru
 
     Example::
 
-        >>> snap = newest_snapshot("ckpts")
+        >>> snap = newest_snapshot(Path("ckpts"))
         >>> torch.load(snap.path, weights_only=True)["step"] if snap else None
         80
     """

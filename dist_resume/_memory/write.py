@@ -270,7 +270,7 @@ def begin_snapshot(
 
     Example::
 
-        >>> pending = begin_snapshot("ckpts", 80, lambda f: torch.save(payload, f), size_hint=2**20)
+        >>> pending = begin_snapshot(Path("ckpts"), 80, lambda f: torch.save(payload, f), size_hint=2**20)
         >>> pending.commit().step
         80
     """
@@ -382,7 +382,7 @@ def begin_copy(
 
     Example::
 
-        >>> pending = begin_copy("ckpts", 80, layout, lambda path, mm: copy_tensors_into(mm))
+        >>> pending = begin_copy(Path("ckpts"), 80, layout, lambda path, mm: copy_tensors_into(mm))
         >>> pending.commit().step
         80
     """
@@ -402,7 +402,7 @@ def write_snapshot(
 
     Example::
 
-        >>> write_snapshot("ckpts", 80, lambda f: torch.save({"step": 80}, f), size_hint=2**16).step
+        >>> write_snapshot(Path("ckpts"), 80, lambda f: torch.save({"step": 80}, f), size_hint=2**16).step
         80
     """
     return begin_snapshot(folder, step, dump, size_hint=size_hint, part=part, metadata=metadata).commit()

@@ -73,7 +73,7 @@ def archive_digest(path: Location) -> str:
     Example::
 
         >>> torch.save({"w": torch.ones(2)}, "ckpt.pt")
-        >>> len(archive_digest("ckpt.pt"))
+        >>> len(archive_digest(Path("ckpt.pt")))
         64
     """
     _, records = read_records(path)

@@ -39,7 +39,7 @@ def open_checkpoint(
 
     Example::
 
-        >>> contents = open_checkpoint("out/checkpoint-500", map_location="cpu")
+        >>> contents = open_checkpoint(Path("out/checkpoint-500"), map_location="cpu")
         >>> contents.parts.layout.value, contents.parts.step
         ('hf-trainer', 500)
     """
