@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from .._core.location import Location
 from .._core.log import log_rank0
 from .._dist.shard_comm import scatter_full_into
+from .._foreign.own_shards import fill_own_shards
 from .._foreign.sharded_load import load_into_shards
 from .._state.sharded import copy_full_into
 from .apply import Agree, run_transaction
@@ -31,6 +33,7 @@ class Fill(enum.Enum):
     COPY = "every rank copies its boxes out of its own mapping of the file"
     SCATTER = "rank 0 reads and sends each rank its boxes"
     DCP = "dcp.load reads each rank's boxes from the sharded folder"
+    OWN = "every rank copies its own shards out of its own snapshot"
 
 
 @dataclass(frozen=True)
@@ -43,19 +46,22 @@ class ShardedRestore:
     optimizer_state: dict[str, Any] | None  # loaded before the fill: its state tensors are the destinations
     optimizer_destinations: tuple[torch.Tensor, ...] = ()  # those tensors, which the load must keep as they are
     folder: Location | None = None  # DCP: the sharded folder
-    dcp_keys: dict[int, str] = field(default_factory=dict)  # DCP: id(stand-in) -> the folder's key
+    dcp_keys: dict[int, str] = field(default_factory=dict)  # DCP, OWN: id(stand-in) -> the saved tensor's key
+    own: Mapping[str, torch.Tensor] = field(default_factory=dict)  # OWN: key -> the saved local tensor
     weights_only: bool = True
 
 
 def _fill(prepared: ShardedRestore) -> None:
     """Every destination filled with its saved data: collective for ``SCATTER`` and ``DCP`` (each completes its
-    protocol on every rank before raising), local for ``COPY``."""
+    protocol on every rank before raising), local for ``COPY`` and ``OWN``."""
     if prepared.fill is Fill.SCATTER:
         scatter_full_into(prepared.pairs)
     elif prepared.fill is Fill.DCP:
         assert prepared.folder is not None
         targets = {prepared.dcp_keys[id(saved)]: dst for saved, dst in prepared.pairs}
         load_into_shards(prepared.folder, targets, weights_only=prepared.weights_only)
+    elif prepared.fill is Fill.OWN:
+        fill_own_shards({prepared.dcp_keys[id(saved)]: dst for saved, dst in prepared.pairs}, prepared.own)
     else:
         for full, dst in prepared.pairs:
             copy_full_into(dst, full)

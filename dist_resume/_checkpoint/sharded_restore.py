@@ -11,6 +11,9 @@ are full (or stand-ins of full tensors) and each rank keeps only its boxes. How 
   :data:`SMALL_BYTES` each: RNG states, scheduler, scaler) travel by broadcast, every other tensor stays on rank 0
   (the others plan on meta stand-ins) and rank 0 sends each rank its boxes
   (:func:`~dist_resume._dist.shard_comm.scatter_full_into`), received straight into the shards;
+- ``OWN``: an FSDP2 snapshot in shared memory (:mod:`~dist_resume._foreign.own_shards`): each rank reads its own file
+  of its own shards (meta stand-ins for the plan) and copies each into its destination, whose box must be the saved
+  one (the same world size, mesh and placements);
 - ``DCP``: a sharded checkpoint folder (``ckpt_<step>.dcp/``) or any DCP folder: every rank reads its structure
   (meta stand-ins) and ``dcp.load`` fills the shards (:func:`~dist_resume._foreign.sharded_load.load_into_shards`),
   resharding from any world size.
@@ -35,6 +38,7 @@ from .._core.location import Location
 from .._core.tree import map_tensors
 from .._dist.agree import agree_across_ranks
 from .._dist.broadcast import broadcast_loaded
+from .._foreign.own_shards import Box, check_boxes, read_own_shards
 from .._foreign.sharded_load import read_dcp_skeleton, read_sharded_skeleton
 from .._layout.layout import Layout
 from .._source.integrity import verify_source
@@ -73,24 +77,37 @@ def is_sharded_restore(objects: LiveObjects) -> bool:
     return False
 
 
-def _read_local(source: Source, options: ResumeOptions) -> tuple[SourceContents, Fill, dict[int, str]]:
+@dataclass(frozen=True)
+class _Own:
+    """What an FSDP2 snapshot's file gave this rank: each saved local tensor and its box, by key."""
+
+    saved: dict[str, torch.Tensor]
+    boxes: dict[str, Box | None]
+
+
+def _read_local(source: Source, options: ResumeOptions) -> tuple[SourceContents, Fill, dict[int, str], _Own | None]:
+    if source.kind is SourceKind.OWN_SHARDS:
+        parts, keys, saved, boxes = read_own_shards(
+            source.path, rank=dist.get_rank(), world_size=dist.get_world_size(), weights_only=options.weights_only
+        )
+        return SourceContents(source, parts=parts, mmapped=True, collective=True), Fill.OWN, keys, _Own(saved, boxes)
     if source.layout is Layout.SHARDED:
         # every CRC-32 before anything changes: each rank all of them under verify=True; else rank 0 checked them all
         # when it chose a folder's newest checkpoint, or the ranks split the check (each a share of the files)
         chosen = source.kind is SourceKind.FOLDER_NEWEST
         share = (0, 1) if options.verify else None if chosen else (dist.get_rank(), dist.get_world_size())
         parts, keys = read_sharded_skeleton(source.path, weights_only=options.weights_only, share=share)
-        return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys
+        return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys, None
     if source.layout is Layout.DCP:
         if options.verify:
             verify_source(source.path)
         parts, keys = read_dcp_skeleton(source.path, weights_only=options.weights_only)
-        return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys
+        return SourceContents(source, parts=parts, collective=True), Fill.DCP, keys, None
     where = "cpu" if options.map_location is None else options.map_location
     read = read_source(
         source, map_location=where, mmap=options.mmap, weights_only=options.weights_only, verify=options.verify
     )
-    return dataclasses.replace(read, collective=True), Fill.COPY, {}
+    return dataclasses.replace(read, collective=True), Fill.COPY, {}, None
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,7 @@ def prepare_sharded(
     folder: Location | None = None,
     dcp_keys: dict[int, str] | None = None,
     weights_only: bool = True,
+    own: _Own | None = None,
 ) -> ShardedRestore:
     """Check what only an FSDP2 model can refuse and list every copy; changes nothing. Local.
 
@@ -167,7 +185,7 @@ def prepare_sharded(
     if live.ema is not None:
         refuse_load_hooks(live.ema, plan.source)
     keys = dcp_keys or {}
-    if fill is Fill.DCP:
+    if fill in (Fill.DCP, Fill.OWN):
         unknown = [tuple(saved.shape) for saved, _ in pairs if id(saved) not in keys]
         if unknown:
             raise StateMismatchError(
@@ -175,8 +193,12 @@ def prepare_sharded(
                 "folder's DCP files; the folder was changed or written by another tool: convert it to one file "
                 "(dist-resume convert) and resume from that"
             )
+    saved: dict[str, torch.Tensor] = {}
+    if own is not None:  # every destination is the saved tensor's box, checked before anything changes
+        check_boxes({keys[id(s)]: dst for s, dst in pairs}, own.boxes, plan.source)
+        saved = own.saved
     dests = tuple(dst for _, dst in opt_pairs)
-    return ShardedRestore(plan, fill, pairs, optimizer_state, dests, folder, keys, weights_only)
+    return ShardedRestore(plan, fill, pairs, optimizer_state, dests, folder, keys, weights_only=weights_only, own=saved)
 
 
 def restore_sharded(
@@ -190,13 +212,16 @@ def restore_sharded(
     FSDP2 model on every rank, agree, then apply (``agree``: apply's agreements, see :func:`apply_sharded`).
     Collective; returns what was read, the plan and the names of the parts restored."""
     keys: dict[int, str] = {}
+    own: _Own | None = None
     if source.broadcast:  # a failure reading on rank 0 raises on every rank, from the broadcast
         contents, fill = _read_broadcast(source, options), Fill.SCATTER
     try:
         if not source.broadcast:
-            contents, fill, keys = _read_local(source, options)
+            contents, fill, keys, own = _read_local(source, options)
         plan = plan_local(contents)
-        prepared = prepare_sharded(plan, fill, folder=source.path, dcp_keys=keys, weights_only=options.weights_only)
+        prepared = prepare_sharded(
+            plan, fill, folder=source.path, dcp_keys=keys, weights_only=options.weights_only, own=own
+        )
     except Exception as err:
         agree_across_ranks(err, what=_AGREED)
         raise

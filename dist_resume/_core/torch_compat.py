@@ -40,6 +40,7 @@ __all__ = [
     "tensor_owners",
     "tensor_reduction",
     "zstd_available",
+    "dtensor_with_local",
 ]
 
 # torch._weights_only_unpickler.Unpickler: the pure-Python unpickler behind torch.load(weights_only=True)
@@ -263,3 +264,13 @@ def group_timeout(group: Any) -> float | None:
     except (AttributeError, RuntimeError, TypeError):
         return None
     return max(seconds) if seconds else None
+
+
+def dtensor_with_local(dtensor: Any, local: torch.Tensor) -> Any:
+    """A DTensor of ``dtensor``'s spec (mesh, placements, global shape and stride) around ``local``, which may live on
+    another device (host memory for a mesh of accelerators), no data copied. DTensor's own constructor
+    (``DTensor(local_tensor, spec, requires_grad=...)``, torch >= 2.4) takes it as it is, as torch's DCP staging does
+    (``torch.distributed._state_dict_utils``: it swaps ``_local_tensor`` of a copy); ``DTensor.from_local`` would move
+    ``local`` back to the mesh's device."""
+    cls = type(dtensor)
+    return cls(local, dtensor._spec, requires_grad=False)

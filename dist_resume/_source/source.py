@@ -24,6 +24,7 @@ class SourceKind(enum.Enum):
     FILE = "a torch file"  # torch.save's zip (or legacy) format, any layout inside
     FOLDER_NEWEST = "the newest complete checkpoint of a CheckpointManager folder"  # a file or a sharded folder
     FOREIGN = "a foreign checkpoint"  # an HF Trainer / Accelerate / DCP folder or a .safetensors file: see layout
+    OWN_SHARDS = "this rank's own shards of an FSDP2 snapshot"  # each rank its own file, in its node's memory
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class Source:
         """A torch file (``layout`` None) or a foreign source of ``layout``."""
         kind = SourceKind.FILE if layout is None else SourceKind.FOREIGN
         return cls(kind, path, layout, broadcast=broadcast)
+
+    @classmethod
+    def own_shards(cls, path: Location) -> Source:
+        """This rank's file of an FSDP2 snapshot (:mod:`~dist_resume._foreign.own_shards`): each rank reads its own."""
+        return cls(SourceKind.OWN_SHARDS, path, Layout.SHARDED)
 
     @classmethod
     def newest(cls, path: Location, folder: Location, layout: str, *, broadcast: bool = False) -> Source:
