@@ -12,15 +12,18 @@ per process, or none (then everything is on the CPU). :class:`Accelerator` is th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
-from typing import Final
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+
+from .._core.log import logger
 
 __all__ = [
     "VISIBLE_DEVICES",
@@ -34,6 +37,8 @@ __all__ = [
     "synchronize",
     "current_device",
     "pinned_staging",
+    "register_host",
+    "unregister_host",
     "device_rng_state",
     "set_device_rng_state",
     "seed_device",
@@ -148,6 +153,68 @@ def _pins(device_type: str) -> bool:
         return bool(torch.empty(1, dtype=torch.uint8, pin_memory=True).is_pinned())
     except RuntimeError:
         return False
+
+
+# Page-locking memory torch did not allocate: CUDA's cudaHostRegister (ROCm builds report their GPUs as "cuda" and bind
+# hipHostRegister under the same name). torch offers it for no other device type. The flag is torch's own
+# (torch.cuda._pin_memory_utils, used by DCP's staging): cudaHostRegisterPortable, pinned for every device.
+_HOST_REGISTERS: Final = frozenset({"cuda"})
+_HOST_REGISTER_PORTABLE: Final = 1
+
+
+def register_host(address: int, nbytes: int, device_type: str) -> bool:
+    """Page-lock the ``nbytes`` of host memory at ``address`` (memory this process mapped, not a torch allocation)
+    for copies with ``device_type``'s devices, as torch's DCP staging does with shared memory
+    (``_create_cpu_state_dict(pin_memory=True, share_memory=True)``): a copy from a device into it can then run
+    without blocking. True when done; :func:`unregister_host` undoes it, before the memory is unmapped. False where
+    ``device_type`` is not this process's accelerator or cannot (only CUDA and ROCm can here) and where the
+    accelerator refused, then with one DEBUG line: never an error. Local."""
+    if device_type not in _HOST_REGISTERS or not pinned_staging(device_type):
+        return False
+    try:
+        error = int(_cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+    except RuntimeError as err:
+        logger.debug("could not page-lock %d bytes of host memory for %s copies (%s)", nbytes, device_type, err)
+        return False
+    if error:
+        _clear_error(device_type)
+        logger.debug(
+            "could not page-lock %d bytes of host memory for %s copies (cudaHostRegister: error %d)",
+            nbytes,
+            device_type,
+            error,
+        )
+        return False
+    return True
+
+
+def unregister_host(address: int, device_type: str) -> None:
+    """Undo :func:`register_host` of the memory at ``address``; a refusal is one DEBUG line, never an error. Local."""
+    if device_type not in _HOST_REGISTERS:
+        return
+    try:
+        error = int(_cudart().cudaHostUnregister(address))
+    except RuntimeError as err:
+        logger.debug("could not unlock host memory registered for %s copies (%s)", device_type, err)
+        return
+    if error:
+        _clear_error(device_type)
+        logger.debug(
+            "could not unlock host memory registered for %s copies (cudaHostUnregister: error %d)", device_type, error
+        )
+
+
+def _cudart() -> Any:
+    """torch's bindings of the CUDA (or HIP) runtime."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _clear_error(device_type: str) -> None:
+    # A failed runtime call stays this thread's last CUDA error, which torch raises at its next kernel launch
+    # (C10_CUDA_KERNEL_LAUNCH_CHECK reads cudaGetLastError, which torch does not bind for Python): a kernel launched
+    # here reads it, and raises it here instead.
+    with contextlib.suppress(RuntimeError):
+        torch.ones(1, device=current_device(device_type))
 
 
 def _rng_module(device: torch.device, function: str) -> ModuleType | None:

@@ -8,7 +8,8 @@ keeps it whole) when this process has not mapped it yet, when its size changes, 
 longer the one mapped (removed, replaced). A new file's pages are allocated with ``posix_fallocate`` before they are
 mapped, so a full shared memory is an ``ENOSPC`` there and never a ``SIGBUS`` in the copy. The node's other
 processes, which copy a share of a snapshot into the file its writer made, keep their mapping of it the same way
-(:func:`attach_slot`). Torch-free.
+(:func:`attach_slot`). What the layer above attaches to a kept mapping (an accelerator's registration of its pages) is
+undone just before it is unmapped: :func:`when_unmapped`. Torch-free.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import mmap
 import os
 import stat
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-__all__ = ["map_slot", "attach_slot", "mapped", "warm", "forget", "forget_store"]
+__all__ = ["map_slot", "attach_slot", "mapped", "warm", "when_unmapped", "forget", "forget_store"]
 
 _OPEN_RW: Final = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CREATE_NEW: Final = _OPEN_RW | os.O_CREAT | os.O_EXCL
@@ -35,6 +37,7 @@ class _Slot:
     mm: mmap.mmap
     inode: tuple[int, int]  # (st_dev, st_ino) of the file mapped
     size: int
+    unmapped: list[Callable[[], None]] = field(default_factory=list)  # called before the mapping is dropped
 
 
 _slots: dict[Path, _Slot] = {}
@@ -51,10 +54,14 @@ def _same_file(path: Path, slot: _Slot) -> bool:
 
 def _close(slot: _Slot) -> None:
     try:
-        slot.mm.close()
-    except BufferError:  # a view of it is still alive (a commit reading it): unmapped once the view is gone
-        pass
-    os.close(slot.fd)
+        for callback in slot.unmapped:
+            callback()
+    finally:
+        try:
+            slot.mm.close()
+        except BufferError:  # a view of it is still alive (a commit reading it): unmapped once the view is gone
+            pass
+        os.close(slot.fd)
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -145,6 +152,20 @@ def warm(path: Path, size: int) -> None:
         if path in _slots or os.path.lexists(path):
             return
         _slots[path] = _create(path, size)
+
+
+def when_unmapped(mm: mmap.mmap, callback: Callable[[], None]) -> bool:
+    """Call ``callback()`` once, just before this process drops ``mm``, a mapping it keeps (:func:`forget`,
+    :func:`forget_store`, a slot made anew, a stale mapping dropped by :func:`attach_slot`), while its pages are still
+    mapped: what the caller attached to it is undone there. False, and nothing kept, when ``mm`` is not a mapping this
+    process keeps. ``callback`` may run in any thread, perhaps under this module's lock: it must neither raise nor
+    call this module. Local."""
+    with _lock:
+        for slot in _slots.values():
+            if slot.mm is mm:
+                slot.unmapped.append(callback)
+                return True
+    return False
 
 
 def forget(path: Path) -> None:

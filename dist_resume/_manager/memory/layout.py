@@ -5,7 +5,8 @@ contiguous CPU record in walk order, :func:`~dist_resume._format.tensor_records.
 :func:`~dist_resume._format.zip_layout.plan_layout` and turned into a
 :class:`~dist_resume._memory.FileLayout` (the headers, ``data.pkl`` and the zip's tail written as they are, each
 tensor's record a region). :func:`copy_records` is the snapshot's one pass over the data: each tensor copied with
-``copy_`` into a view of the slot's mapping at its record, whichever local rank copies it.
+``copy_`` into a view of the slot's mapping at its record, whichever local rank copies it; from the accelerator
+through page-locked memory where it has some (the mapping registered, or pinned staging buffers: :mod:`.pinned`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..._format.striped_archive import STRIPE_THRESHOLD, TreePath, tensor_paths
 from ..._format.tensor_records import plan_records
 from ..._format.zip_layout import plan_layout
 from ..._memory import FileLayout, zip_file_layout
+from .pinned import copying_into
 
 __all__ = ["CopyRecord", "LaidOut", "laid_out", "copyable", "copy_records"]
 
@@ -88,15 +90,16 @@ def laid_out(payload: dict[str, Any]) -> LaidOut | None:
 
 
 def copy_records(mm: mmap.mmap, copies: Iterable[tuple[CopyRecord, torch.Tensor]]) -> int:
-    """Copy each tensor into its record in the slot's mapping ``mm``; the bytes copied. Local."""
+    """Copy each tensor into its record in the slot's mapping ``mm`` (an accelerator's through page-locked memory
+    where it has some: :func:`~.pinned.copying_into`); the bytes copied, all landed when it returns. Local."""
     dest = torch.frombuffer(mm, dtype=torch.uint8)
     copied = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), copying_into(mm, dest) as copy:
             for record, tensor in copies:
                 if record.nbytes:
                     start = record.offset
-                    dest[start : start + record.nbytes].view(record.dtype).view(record.shape).copy_(tensor)
+                    copy(dest[start : start + record.nbytes].view(record.dtype).view(record.shape), tensor)
                     copied += record.nbytes
     finally:
         del dest  # the mapping's buffer is released with it
