@@ -21,7 +21,6 @@ from .._checkpoint.restore import ResumeResult, checked_options
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import logger
-from .._core.rank import global_rank
 from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
 from .._dist.comm import run_on_rank0
@@ -289,12 +288,15 @@ class CheckpointManager:
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
         target = self._target()
-        if self._memory.used:
-            copies = run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots")
-            if copies:
+        if self._memory.used and self._memory.sharded:  # FSDP2: every rank's own shards, from memory when all hold step
+            copied = self._memory.copy_sharded(target, live, step)
+            if copied is not None:
+                return copied
+        elif self._memory.used:
+            copy = run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots")
+            if copy is not None:  # rank 0 (with its node's ranks, striped) copies the snapshot in the background
                 path = target.file(step)
-                if global_rank() == 0:
-                    self._memory.copy_in_background(target, path, step)
+                self._memory.copy_in_background(target, path, copy)
                 return path
         return save_into(target, live, step, epoch=epoch, extra=extra)
 
@@ -317,8 +319,11 @@ class CheckpointManager:
         newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
         copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot
         newer than the folder's newest checkpoint can restore every rank (``ResumeResult.source == "memory"``).
-        Linux only (elsewhere :class:`~dist_resume.errors.UsageError`); an FSDP2 model is refused
-        (:class:`~dist_resume.errors.UsageError`); too little shared memory is a
+        An FSDP2 model has no node writer: every rank keeps its own shards in its own part of its node's memory (the
+        ranks agree before any commits), resumes from them only when every rank holds its own of one step at the same
+        world size (from the folder otherwise), and ``save(step)`` writes the sharded checkpoint folder from them in a
+        background thread on every rank; at an exception or SIGTERM its snapshots stay in memory (a sharded folder is a
+        collective write). Linux only (elsewhere :class:`~dist_resume.errors.UsageError`); too little shared memory is a
         :class:`~dist_resume.errors.CheckpointWriteError` before the previous snapshot is touched. ``$DIST_RESUME_SHM_DIR``
         puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
         """

@@ -18,7 +18,13 @@ from typing import Final
 from .._checkpoint.objects import LiveObjects
 from .._checkpoint.options import OptimizerHparams, ResumeOptions
 from .._checkpoint.restore import ResumeResult, restore_from
-from .._core.errors import CheckpointConsensusError, CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from .._core.errors import (
+    CheckpointConsensusError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    StateMismatchError,
+)
 from .._core.location import Location, RemotePath
 from .._core.log import log_rank0, shown_path
 from .._core.text import preview
@@ -31,6 +37,7 @@ from .._source.consensus import choose_newest, confirm_choice, resolve_source
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
 from .._source.source import Source
+from .._state.sharded import is_sharded
 from .._store.url import location
 from .lock import remove_new_folder
 from .memory import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
@@ -219,32 +226,48 @@ def start_run(
     def look_lock_choose() -> CheckpointInfo | None:
         return None if look_and_lock() is None else choose_newest(folder, listed)
 
-    def from_memory(choice: MemoryChoice) -> ResumeResult:
-        source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
-        result = restore_from(source, objects, options, started=started)
-        memory.resumed_from(choice)  # type: ignore[union-attr]
+    def from_memory(choice: MemoryChoice) -> ResumeResult | None:
+        if choice.sharded:  # each rank its own shards, from its own node
+            try:
+                result = restore_from(Source.own_shards(choice.path), objects, options, started=started)
+            except StateMismatchError as err:  # every rank, before anything changed: another mesh or sharding
+                log_rank0(
+                    logging.WARNING,
+                    "the FSDP2 snapshot of step %d in shared memory does not fit this model's shards (%s): resuming "
+                    "from the folder",
+                    choice.step,
+                    err,
+                )
+                return None
+        else:
+            source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
+            result = restore_from(source, objects, options, started=started)
+        memory.resumed_from(choice, objects)  # type: ignore[union-attr]
         return dataclasses.replace(result, source="memory")
 
     try:
         broadcast = options.broadcast_from_rank0 and is_distributed()
+        sharded = objects.model is not None and is_sharded(objects.model)
         chosen: CheckpointInfo | None
         if memory is None:
             chosen = run_on_rank0(look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder")
         else:
             named = run_on_rank0(look_and_lock, fallback=CheckpointError, task="look at the checkpoint folder")
-            choice = choose_snapshot(folder, named)
-            if choice is not None:
-                return from_memory(choice)
+            choice = choose_snapshot(folder, named, sharded=sharded)
+            resumed = None if choice is None else from_memory(choice)
+            if resumed is not None:
+                return resumed
             chosen = None
             if named is not None:
                 chosen = run_on_rank0(
                     lambda: choose_newest(folder, listed), fallback=CheckpointError, task="choose the checkpoint"
                 )
                 if chosen.step is not None and chosen.step < named:  # the newest names were damaged or incomplete
-                    choice = choose_snapshot(folder, chosen.step)
-                    if choice is not None:
-                        return from_memory(choice)
-            forget_stale(folder)
+                    choice = choose_snapshot(folder, chosen.step, sharded=sharded)
+                    resumed = None if choice is None else from_memory(choice)
+                    if resumed is not None:
+                        return resumed
+            forget_stale(folder, None if chosen is None else chosen.step)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)

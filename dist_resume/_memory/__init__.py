@@ -4,13 +4,21 @@ Where a folder's snapshots live and whose they are (``place``), the commit recor
 (``record``), the free space a write needs and the bytes a folder holds (``space``), writing one double-buffered,
 committed after its CRC-32 (``write``; a file laid out beforehand, ``layout``, copied into slots this process keeps
 mapped, ``slots``,
-where the node's other processes map it too to copy their share), the complete ones found and checked (``read``), and copying one to the folder, marking it copied
+where the node's other processes map it too to copy their share), the complete ones found and checked (``read``), and copying one to the folder (whole, or a range of it, the CRC-32 checked), marking it copied
 and removing them (``persist``). Every function is local: no collective, one node's memory.
 Collective use (which rank writes what, agreeing on a step) belongs to the layers above.
 """
 
-from .layout import FileLayout, Region, zip_file_layout
-from .persist import mark_persisted, persist_snapshot, release_mappings, remove_snapshots
+from .layout import FileLayout, Region, crc32_combine, zip_file_layout
+from .persist import (
+    check_copied,
+    copy_bytes,
+    mark_persisted,
+    open_snapshot,
+    persist_snapshot,
+    release_mappings,
+    remove_snapshots,
+)
 from .place import SHM_DIR_ENV, folder_key, shm_root, store_dir
 from .read import newest_snapshot, snapshots
 from .record import Snapshot
@@ -28,11 +36,15 @@ __all__ = [
     "FileLayout",
     "Region",
     "zip_file_layout",
+    "crc32_combine",
     "write_snapshot",
     "newest_snapshot",
     "snapshots",
     "mark_persisted",
     "persist_snapshot",
+    "open_snapshot",
+    "copy_bytes",
+    "check_copied",
     "remove_snapshots",
     "release_mappings",
     "held_bytes",

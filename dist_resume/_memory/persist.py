@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,60 @@ from .place import open_owned, owned_store, store_dir
 from .read import CHUNK, slot_snapshots
 from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
 
-__all__ = ["persist_snapshot", "mark_persisted", "remove_snapshots"]
+__all__ = ["persist_snapshot", "open_snapshot", "copy_bytes", "check_copied", "mark_persisted", "remove_snapshots"]
 
 logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._core.log imports torch)
+
+
+def open_snapshot(path: Path, step: int) -> int:
+    """A read-only descriptor of the data file of the snapshot of ``step`` at ``path`` (this user's regular file: see
+    :func:`~dist_resume._memory.place.open_owned`); the caller closes it. Local. Raises
+    :class:`CheckpointCorruptError` when it is gone or refused."""
+    try:
+        fd, _ = open_owned(path)
+    except OSError as err:
+        raise CheckpointCorruptError(
+            f"the snapshot of step {step} is gone from shared memory ({err}); save from the live state"
+        ) from err
+    return fd
+
+
+def copy_bytes(
+    src: int, write: Callable[[memoryview, int], object], start: int = 0, end: int | None = None
+) -> tuple[int, int]:
+    """Read the bytes ``[start, end)`` of the descriptor ``src`` (``end`` None: to the file's end) in chunks of
+    :data:`~dist_resume._memory.read.CHUNK`, hand each to ``write(data, offset)`` (``offset``: its place in ``src``;
+    ``data`` is valid during the call only) and return their CRC-32 and length. Stops early at the file's end. Local.
+
+    Example::
+
+        >>> with open("w.bin", "rb") as f:  # a 3 MiB file, its second MiB
+        ...     copy_bytes(f.fileno(), lambda data, offset: None, 1 << 20, 2 << 20)
+        (..., 1048576)
+    """
+    crc, pos = 0, start
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    while end is None or pos < end:
+        want = CHUNK if end is None else min(CHUNK, end - pos)
+        n = os.preadv(src, [view[:want]], pos)
+        if not n:
+            break
+        write(view[:n], pos)
+        crc = zlib.crc32(view[:n], crc)
+        pos += n
+    return crc, pos - start
+
+
+def check_copied(snapshot: Snapshot, crc: int, total: int, dest: Location) -> None:
+    """Raise :class:`CheckpointCorruptError` unless the bytes copied from ``snapshot`` (their CRC-32 and length) are
+    the ones its record describes. Local."""
+    if (crc, total) != (snapshot.crc32, snapshot.size):
+        raise CheckpointCorruptError(
+            f"the snapshot of step {snapshot.step} ({snapshot.path}) reads {total} bytes with CRC-32 "
+            f"{crc:08x}, its record says {snapshot.size} bytes, {snapshot.crc32:08x}: it was damaged or "
+            f"overwritten while it was copied; nothing was written to {str(dest)!r}, save from the live state"
+        )
 
 
 def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
@@ -31,35 +82,19 @@ def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
     damaged or replaced meanwhile raises :class:`CheckpointCorruptError` (on a store, the upload's
     :class:`CheckpointWriteError`) and nothing appears at ``dest``. The copy reads the file it opened first, so a
     newer snapshot written into the same slot meanwhile cannot mix into it. Returns ``dest`` as a location.
+    (Striped across a node's ranks: ``dist_resume._manager.memory.striped_copy``.)
 
     Example::
 
         >>> persist_snapshot(newest_snapshot(Path("ckpts")), Path("ckpts/ckpt_00000080.pt"))
         PosixPath('ckpts/ckpt_00000080.pt')
     """
-    try:
-        fd, _ = open_owned(snapshot.path)
-    except OSError as err:
-        raise CheckpointCorruptError(
-            f"the snapshot of step {snapshot.step} is gone from shared memory ({err}); save from the live state"
-        ) from err
+    fd = open_snapshot(snapshot.path, snapshot.step)
     try:
 
         def copy(f: Any) -> None:
-            crc, total = 0, 0
-            buffer = bytearray(CHUNK)
-            view = memoryview(buffer)
-            with open(fd, "rb", buffering=0, closefd=False) as src:
-                while n := src.readinto(buffer):
-                    f.write(view[:n])
-                    crc = zlib.crc32(view[:n], crc)
-                    total += n
-            if (crc, total) != (snapshot.crc32, snapshot.size):
-                raise CheckpointCorruptError(
-                    f"the snapshot of step {snapshot.step} ({snapshot.path}) reads {total} bytes with CRC-32 "
-                    f"{crc:08x}, its record says {snapshot.size} bytes, {snapshot.crc32:08x}: it was damaged or "
-                    f"overwritten while it was copied; nothing was written to {str(dest)!r}, save from the live state"
-                )
+            crc, total = copy_bytes(fd, lambda data, _offset: f.write(data))
+            check_copied(snapshot, crc, total, dest)
 
         written = atomic_write(dest, copy)
     finally:

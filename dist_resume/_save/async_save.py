@@ -30,10 +30,10 @@ from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
 from .._store.url import location
 from .save import prepare_payload, tell
-from .sharded import begin_sharded, finish_sharded, save_full
+from .sharded import ShardedSave, begin_sharded, finish_sharded, save_full
 from .striped import begin_striped, stripes
 
-__all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "wait_pending"]
+__all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "finish_sharded_in_background", "wait_pending"]
 
 _pending: AsyncSave | None = None
 _pending_lock = threading.Lock()
@@ -220,16 +220,33 @@ def _sharded_in_background(
     started: float,
 ) -> AsyncSave:
     begun = begin_sharded(dest, build, model, step=step, epoch=epoch, started=started)
-    save = dataclasses.replace(begun, how=_IN_BACKGROUND).staged()
+    return _finish_in_background(begun.staged(), after)
+
+
+def _finish_in_background(begun: ShardedSave, after: Callable[[Location], None] | None) -> AsyncSave:
+    save = dataclasses.replace(begun, how=_IN_BACKGROUND)
     group = _background_group()
-    handle = AsyncSave(dest, None, every_rank=True)
+    handle = AsyncSave(save.dest, None, every_rank=True)
 
     def write() -> None:
         finish_sharded(save, group)
-        if after is not None and dist.get_rank() == 0:
-            after(dest)
+        if after is not None:
+            after(save.dest)
 
     handle._start(write)
+    return handle
+
+
+def finish_sharded_in_background(begun: ShardedSave, after: Callable[[Location], None] | None = None) -> AsyncSave:
+    """Every rank writes the begun sharded save ``begun`` in a thread of its own (its tensors must stay as they are
+    until the handle is done: an FSDP2 snapshot in shared memory, which the next snapshot waits for), the collectives
+    on the second gloo group, then runs ``after(dest)`` (every rank). Collective (the group, made the first time);
+    waits for the previous asynchronous save first, and is the one :func:`wait_pending` waits for."""
+    global _pending
+    wait_pending()
+    handle = _finish_in_background(begun, after)
+    with _pending_lock:
+        _pending = handle
     return handle
 
 
@@ -290,8 +307,9 @@ def write_in_background(
                 run_on_rank0(lambda: after_write(written))
             handle = AsyncSave(written, None)
         else:
+            rank0_after = None if after_write is None or dist.get_rank() != 0 else after_write
             handle = _sharded_in_background(
-                dest, build, model, step=step, epoch=epoch, after=after_write, started=began
+                dest, build, model, step=step, epoch=epoch, after=rank0_after, started=began
             )
     elif (
         model is not None

@@ -52,7 +52,15 @@ from .._state.sharded import is_sharded, sharded_parameters
 from .full_state import save_full_state
 from .sharded_remote import clear_destination, commit_remote, drop_staging, local_staging, upload_own
 
-__all__ = ["writes_folder", "ShardedSave", "begin_sharded", "finish_sharded", "save_sharded", "save_full"]
+__all__ = [
+    "writes_folder",
+    "ShardedSave",
+    "begin_sharded",
+    "begin_sharded_from",
+    "finish_sharded",
+    "save_sharded",
+    "save_full",
+]
 
 Build = Callable[[], dict[str, Any]]
 
@@ -77,12 +85,16 @@ def _agree(error: BaseException | None, value: Any, step: str, dest: Location, g
     return [o.value for o in outcomes]
 
 
-def _payload(build: Build) -> dict[str, Any]:
+def _need_numpy() -> None:
     if importlib.util.find_spec("numpy") is None:  # DCP's object collectives decode through tensor.numpy()
         raise CheckpointWriteError(
             "a sharded save uses torch.distributed.checkpoint, whose collectives need numpy: pip install numpy, "
             "or save one file with full_state=True"
         )
+
+
+def _payload(build: Build) -> dict[str, Any]:
+    _need_numpy()
     return build()
 
 
@@ -192,6 +204,36 @@ def begin_sharded(
     """Steps 1 and 2 of a sharded save (see the module): the temporary folder, every rank's payload, the train
     state. Collective (the default group). On failure every rank raises and the folder is gone. On an object store
     each rank stages its files in a local folder instead (:mod:`.sharded_remote`)."""
+    return _begin(path, lambda: split_payload(_payload(build)), model, step=step, epoch=epoch, started=started)
+
+
+def begin_sharded_from(
+    path: Location,
+    states: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+    model: nn.Module,
+    *,
+    step: int | None,
+    epoch: int | None,
+) -> ShardedSave:
+    """:func:`begin_sharded` of a payload split already: ``states()`` gives this rank's DCP state (DTensor leaves) and
+    the train state (rank 0's is written), as an FSDP2 snapshot holds them. Collective (the default group)."""
+
+    def checked() -> tuple[dict[str, Any], dict[str, Any]]:
+        _need_numpy()
+        return states()
+
+    return _begin(path, checked, model, step=step, epoch=epoch, started=None)
+
+
+def _begin(
+    path: Location,
+    states: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+    model: nn.Module,
+    *,
+    step: int | None,
+    epoch: int | None,
+    started: float | None,
+) -> ShardedSave:
     dest = path
     if dest.suffix in CHECKPOINT_SUFFIXES:
         raise UsageError(
@@ -207,7 +249,7 @@ def begin_sharded(
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
-        state, train_state = split_payload(_payload(build))
+        state, train_state = states()
         if not tmp.is_dir():
             raise CheckpointWriteError(
                 f"rank {rank} does not see the folder {str(tmp)!r} rank 0 created; a sharded checkpoint is written "

@@ -42,7 +42,7 @@ from .._format.striped_write import write_frame, write_storage, write_tail
 from .._format.zip_write import write_all
 from .striped_plan import StripePlan, assign_shares, replicated_paths, stripes
 
-__all__ = ["StripedSave", "stripes", "begin_striped", "save_striped"]
+__all__ = ["StripedSave", "stripes", "begin_striped", "save_striped", "agree_seen"]
 
 _OPEN_FLAGS: Final = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -207,21 +207,21 @@ def _plan(
     return StripePlan(str(temp), token, shares)
 
 
-def _agree_seen(dest: Path, key: str, fd: int | None, token: str, temp: Path) -> bool:
-    """Collective: whether every rank sees rank 0's file; remembered for the folder. When not, rank 0 removes the
-    file and says so once."""
+def agree_seen(dest: Path, fd: int | None, token: str, temp: Path, group: Any = None) -> bool:
+    """Whether every rank of ``group`` (None: the default group) sees rank 0's temporary file ``temp`` of ``dest``
+    (open here as ``fd``, None where it could not be opened): it holds ``token`` at its start. When not, every rank
+    closes ``fd``, rank 0 removes the file and says so once. Collective on ``group``."""
     seen = fd is not None and (dist.get_rank() == 0 or _sees(fd, token))
     everyone = False
     try:
         with collective_step("checking that every rank sees the checkpoint folder", CheckpointWriteError):
-            everyone = all(all_gather_objects(seen))
+            everyone = all(all_gather_objects(seen, group=group))
     finally:
         if not everyone:  # some rank does not see the file, or a peer was lost: this save's file goes
             if fd is not None:
                 os.close(fd)
             if dist.get_rank() == 0:
                 discard_temp(temp)
-    _seen[key] = everyone
     if not everyone:
         log_rank0(
             logging.INFO,
@@ -259,8 +259,10 @@ def begin_striped(
             fd = os.open(temp, _OPEN_FLAGS)
         except OSError as err:
             error = write_error(dest, err)
-    if stripe.token is not None and not _agree_seen(dest, key, fd, stripe.token, temp):
-        return None
+    if stripe.token is not None:
+        _seen[key] = agree_seen(dest, fd, stripe.token, temp)
+        if not _seen[key]:
+            return None
     items: list[tuple[StorageRecord, torch.Tensor]] = []
     try:
         if error is None:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from ..._core.location import Location
 from ..._core.log import log_rank0, shown_path
+from ..._core.rank import global_rank
 from ..._dist.comm import all_gather_objects
 from ..._dist.env import is_distributed, rank_info
 from ..._memory import Snapshot, newest_snapshot, remove_snapshots, snapshots
 from ..._memory.place import shm_root
+from .shards import own_part
 
 __all__ = ["MemoryChoice", "choose_snapshot", "forget_stale"]
 
@@ -26,20 +30,22 @@ class MemoryChoice:
     path: Location
     own: Snapshot | None
     broadcast: bool
+    sharded: bool = False  # FSDP2: ``path`` is this rank's own shards (:mod:`.shards`)
 
 
-def choose_snapshot(folder: Location, folder_step: int | None) -> MemoryChoice | None:
+def choose_snapshot(folder: Location, folder_step: int | None, *, sharded: bool = False) -> MemoryChoice | None:
     """The newest snapshot of ``folder`` that can restore every rank and is at least as new as the folder's newest
     checkpoint (``folder_step``), or None. Collective under torch.distributed (one all-gather).
 
     Every rank lists its node's complete snapshots (CRC-32 checked); a step every rank holds is read by every rank from
     its own node, a step only rank 0's node holds is read by rank 0 and broadcast (a node replaced). A damaged snapshot
-    is never chosen (one WARNING)."""
-    mine = _complete_steps(folder)
+    is never chosen (one WARNING). ``sharded`` (an FSDP2 model): each rank lists its own part's snapshots, both slots,
+    taken at this world size, and only a step every rank holds is chosen (no rank holds another's shards)."""
+    mine = _own_steps(folder) if sharded else _complete_steps(folder)
     everyone: list[dict[int, Snapshot]] = all_gather_objects(mine) if is_distributed() else [mine]
     floor = -1 if folder_step is None else folder_step
     everywhere = set(everyone[0]).intersection(*everyone[1:])
-    on_rank0 = set(everyone[0])
+    on_rank0 = set() if sharded else set(everyone[0])
     best = max((s for s in everywhere if s >= floor), default=None)
     sent = max((s for s in on_rank0 if s >= floor), default=None)
     if sent is not None and (best is None or sent > best):
@@ -48,12 +54,14 @@ def choose_snapshot(folder: Location, folder_step: int | None) -> MemoryChoice |
         if any(s > floor for held in everyone for s in held):
             log_rank0(
                 logging.WARNING,
-                "shared memory holds a snapshot of %s newer than its newest checkpoint, but not on rank 0's node nor on "
-                "every node: resuming from the folder",
+                "shared memory holds a snapshot of %s newer than its newest checkpoint, but %s: resuming from the folder",
                 shown_path(folder),
+                "not every rank's shards of one step (an FSDP2 rank restores from its own only)"
+                if sharded
+                else "not on rank 0's node nor on every node",
             )
         return None
-    return MemoryChoice(best, mine[best].path, mine[best], broadcast=False)
+    return MemoryChoice(best, mine[best].path, mine[best], broadcast=False, sharded=sharded)
 
 
 def _complete_steps(folder: Location) -> dict[int, Snapshot]:
@@ -63,8 +71,33 @@ def _complete_steps(folder: Location) -> dict[int, Snapshot]:
     return {} if newest is None else {newest.step: newest}
 
 
-def forget_stale(folder: Location) -> None:
-    """After a resume that took no snapshot, every node's local rank 0 frees the snapshots it no longer needs (none is
-    newer than the folder's newest checkpoint). Local."""
-    if rank_info().local_rank == 0 and shm_root() is not None and snapshots(folder):
+def _own_steps(folder: Location) -> dict[int, Snapshot]:
+    """This rank's complete snapshots of its own shards (:func:`~.shards.own_part`) taken at this world size, by their
+    step, both slots (CRC-32 checked, a damaged one left out with one WARNING); ``{}`` without shared memory."""
+    if shm_root() is None:
+        return {}
+    world_size = dist.get_world_size() if is_distributed() else 1
+    own = snapshots(folder, part=own_part(global_rank()), verify=True)
+    other = sorted({s.metadata.get("world_size") for s in own} - {world_size}, key=str)
+    if other:
+        log_rank0(
+            logging.WARNING,
+            "shared memory holds FSDP2 snapshots of %s taken at world size %s, which cannot restore %d ranks (each "
+            "rank's shards are its own): resuming from the folder; relaunch at that world size to resume from them",
+            shown_path(folder),
+            ", ".join(map(str, other)),
+            world_size,
+        )
+    return {s.step: s for s in own if s.metadata.get("world_size") == world_size}
+
+
+def forget_stale(folder: Location, folder_step: int | None) -> None:
+    """After a resume that took no snapshot, every node's local rank 0 frees its snapshots when none is newer than the
+    folder's newest checkpoint (``folder_step``; None: the folder holds none, or none with a step). Snapshots newer
+    than it are kept (the resume could not use them: another world size, a node without them, shards that did not
+    fit; a WARNING said so), for the relaunch that can. Local."""
+    if rank_info().local_rank != 0 or shm_root() is None:
+        return
+    held = snapshots(folder)
+    if held and folder_step is not None and all(s.step <= folder_step for s in held):
         remove_snapshots(folder)

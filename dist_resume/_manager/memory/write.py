@@ -31,11 +31,14 @@ def begin_write(
     epoch: int | None,
     model: nn.Module | None,
     group: Any,
+    *,
+    part: str = "state",
 ) -> tuple[PendingSnapshot, int]:
     """Write the payload ``build()`` returns into the free slot of ``folder``'s snapshots; the pending snapshot and the tensor bytes this
     process copied. With ``group`` (the node's ranks, the copy split: :mod:`~dist_resume._manager.memory.split`) the
     other ranks are sent their shares (None when there is nothing for them to copy: the writer failed before the
-    slot was ready, or the payload is saved whole), collective on ``group`` then. Local otherwise."""
+    slot was ready, or the payload is saved whole), collective on ``group`` then. Local otherwise. ``part``: the
+    store's part written (an FSDP2 rank's own, :mod:`~dist_resume._manager.memory.shards`)."""
     world_size = dist.get_world_size() if is_distributed() else 1
     metadata = {"world_size": world_size, "epoch": epoch}
     sent = False
@@ -48,7 +51,9 @@ def begin_write(
                 send(None, group)
             tensors = list(iter_tensors(payload))
             size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
-            return begin_snapshot(folder, step, lambda f: torch.save(payload, f), size_hint=size, metadata=metadata), 0
+            return begin_snapshot(
+                folder, step, lambda f: torch.save(payload, f), size_hint=size, part=part, metadata=metadata
+            ), 0
         shares: tuple[tuple[CopyRecord, ...], ...] = (laid.records,)
         if group is not None and model is not None:
             shares = shares_of(laid, model, rank_info().local_world_size)
@@ -61,7 +66,7 @@ def begin_write(
                 send(NodeCopy(str(path), laid.layout.size, shares), group)
             copied = copy_records(mm, ((r, laid.tensors[r.index]) for r in shares[0]))
 
-        return begin_copy(folder, step, laid.layout, fill, metadata=metadata), copied
+        return begin_copy(folder, step, laid.layout, fill, part=part, metadata=metadata), copied
     except BaseException:
         if group is not None and not sent:  # the node's ranks wait for the slot: nothing comes (this error says why)
             with contextlib.suppress(Exception):

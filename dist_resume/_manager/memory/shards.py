@@ -1,0 +1,101 @@
+"""An FSDP2 model's snapshots: every rank keeps its own shards in a part of its own in its node's shared memory.
+
+Under FSDP2 no rank holds the whole state, so there is no node writer: rank ``r`` writes its part ``shards-<r>``
+(:func:`own_part`), the standard torch file :func:`~dist_resume._foreign.own_shards.own_shards` describes (its DTensors'
+local tensors, each one's box, and its train state: the RNG streams and data positions of every rank, the scheduler,
+the scaler), double-buffered and committed like any snapshot (:mod:`dist_resume._memory`). The ranks agree before
+anything is committed: a failure on one rank leaves the previous snapshot the newest on every rank.
+
+A restart resumes from memory when every rank finds its own part at one step (each rank reads its own file, so
+nothing crosses the network, and nothing can be sent from another node either: a rank whose shards are gone, a node
+replaced, makes the job resume from the folder). ``save(step)`` of a step every rank holds writes the sharded
+checkpoint folder ``ckpt_<step>.dcp`` from the snapshots (the live DTensors' specs around the saved local tensors: no
+copy from the device), in a background thread on every rank as an asynchronous save does; ``close()`` does it now
+for the newest snapshot the folder lacks. A process that ends otherwise (an exception, SIGTERM) cannot write a sharded
+folder alone (it is collective): its snapshots stay in memory for the restart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..._checkpoint.objects import LiveObjects
+from ..._core.errors import CheckpointWriteError
+from ..._core.location import Location
+from ..._dist.comm import all_gather_objects, collective_step, run_on_rank0
+from ..._foreign.own_shards import own_shards, with_saved_shards
+from ..._foreign.sharded import split_payload
+from ..._format.load import load_torch_file
+from ..._memory import PendingSnapshot, Snapshot, mark_persisted
+from ..._save.async_save import finish_sharded_in_background, wait_pending
+from ..._save.save import prepare_payload
+from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
+from ..._source.listing import numbered_checkpoints
+from ..folder_save import SaveTarget
+from .write import begin_write
+
+__all__ = ["own_part", "begin_own", "held_everywhere", "persist_own", "newer_than_folder"]
+
+
+def own_part(rank: int) -> str:
+    """The store's part that rank ``rank`` of an FSDP2 job writes: ``shards-00003``."""
+    return f"shards-{rank:05d}"
+
+
+def begin_own(folder: Location, build: Any, step: int, epoch: int | None) -> tuple[PendingSnapshot, int]:
+    """Write this rank's own shards of the payload ``build()`` returns into its part's free slot; the pending snapshot
+    and the tensor bytes copied. Local (the caller agrees before committing)."""
+    dcp_state, train_state = split_payload(build())
+    obj = own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
+    return begin_write(folder, lambda: obj, step, epoch, None, None, part=own_part(dist.get_rank()))
+
+
+def held_everywhere(newest: Snapshot | None, step: int) -> bool:
+    """Whether every rank's newest snapshot is of ``step`` (committed). Collective (one all-gather): call it on every
+    rank, whatever it holds."""
+    mine = newest is not None and newest.step == step
+    with collective_step("asking every rank whether it holds the snapshot", CheckpointWriteError):
+        held: list[bool] = all_gather_objects(mine)
+    return all(held)
+
+
+def persist_own(snapshot: Snapshot, target: SaveTarget, live: LiveObjects, *, background: bool) -> Location | None:
+    """Write the sharded checkpoint folder of ``snapshot``'s step (each rank's own ``snapshot``) into the target's
+    folder from the snapshots, then mark them copied and rotate: in a background thread on every rank
+    (``background``; its error at the next call, as an asynchronous save's) or now. Collective. None when the target
+    saves one full file (``full_state=True``): a snapshot of shards cannot be copied into that without the gather a
+    save does."""
+    if not writes_folder(live.model, target.full_state):
+        return None
+    step = snapshot.step
+    dest = target.path(live, step)
+    wait_pending()
+    run_on_rank0(target.prepare)
+    saved = load_torch_file(snapshot.path, map_location="cpu", mmap=True, weights_only=True)
+    build, _ = prepare_payload(live, step=step, epoch=None, extra=None, rng=False)
+
+    def states() -> tuple[dict[str, Any], dict[str, Any]]:
+        live_state, _ = split_payload(build())  # the live DTensors: their specs around the saved local tensors
+        return with_saved_shards(live_state, saved["state"]), dict(saved["train_state"])
+
+    epoch = snapshot.metadata.get("epoch")
+    begun = begin_sharded_from(dest, states, live.model, step=step, epoch=epoch if isinstance(epoch, int) else None)
+
+    def after(done: Location) -> None:
+        mark_persisted(snapshot)
+        if dist.get_rank() == 0:
+            target.rotate(done, step)
+
+    if background:
+        finish_sharded_in_background(begun, after)
+    else:
+        after(finish_sharded(begun))
+    return dest
+
+
+def newer_than_folder(target: SaveTarget, step: int) -> bool:
+    """Rank 0: whether the folder's newest checkpoint is older than ``step`` (its names)."""
+    newest = max((s for s, _ in numbered_checkpoints(target.folder)), default=None)
+    return newest is None or newest < step
