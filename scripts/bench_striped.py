@@ -8,14 +8,23 @@ with ``dist_resume.save_checkpoint`` striped (every rank writes its share) and r
 per configuration, the median wall time of a save (barrier to return, on rank 0, which returns last: it commits) and the
 bytes each rank wrote (``wchar`` of /proc/self/io, measured around the save), then the ratio rank-0 / striped.
 
+The same run measures the memory tier's copy into the folder (``--persist``, on by default): ``snapshot(step)`` into
+a directory of ``/dev/shm`` made for the run, then ``save(step)``, whose copy of the snapshot runs in background
+threads, striped over the node's ranks (each copies its byte range of the snapshot file) or by rank 0 alone (the same
+switch); its time is rank 0's, barrier to the copy durable (``save`` returns at once; the copy's thread joined: the
+file renamed, the snapshot marked copied, a rotation that deletes nothing), and the bytes each rank's ``wchar`` around
+``save`` and the join of its own copy thread.
+
 The simulated link: every byte a save writes passes through a token bucket of ``--link-mib-s`` MiB/s per rank (the
-rank's client link to shared storage, as a node's is). The benchmark alone wraps the two places a save's bytes leave
-Python, the rank-0 save's file object (``_format/atomic.py: _RecordingFile.write``, which ``torch.save`` writes
-through) and the striped save's positional writes (``_format/striped_write.py: write_all``): each write happens, then
+rank's client link to shared storage, as a node's is). The benchmark alone wraps the places a save's bytes leave
+Python, the rank-0 save's file object (``_format/atomic.py: _RecordingFile.write``, which ``torch.save`` and the
+rank-0 copy of a snapshot write through) and the positional writes of the striped save and the striped copy
+(``_format/striped_write.py: write_all``, ``_manager/memory/striped_copy.py: write_all``): each write happens, then
 the rank sleeps until its bytes so far, at the link's rate, would have taken that long since the save began.
 
     python scripts/bench_striped.py                      # a few minutes on 2 cores
     python scripts/bench_striped.py --rounds 5 --ranks 2 4 --link-mib-s 256
+    python scripts/bench_striped.py --ranks 2 --no-persist   # the saves alone
 
 The resume half (striped resume against every-rank / broadcast) joins :func:`save_rows`' rows in the same table.
 """
@@ -34,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 WORKER_ENV = "BENCH_STRIPED_WORKER"
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
 MiB = 1 << 20
 
 
@@ -62,8 +72,9 @@ class Throttle:
 
 
 def _install_throttle(throttle: Throttle) -> None:
-    """Wrap the rank-0 save's file writes and the striped save's positional writes (benchmark only)."""
+    """Wrap the rank-0 save's file writes and the striped save's and copy's positional writes (benchmark only)."""
     from dist_resume._format import atomic, striped_write
+    from dist_resume._manager.memory import striped_copy
 
     file_write = atomic._RecordingFile.write
 
@@ -80,11 +91,78 @@ def _install_throttle(throttle: Throttle) -> None:
         throttle.take(len(memoryview(data)))
 
     striped_write.write_all = throttled_write_all  # type: ignore[attr-defined]
+    striped_copy.write_all = throttled_write_all  # type: ignore[attr-defined]
 
 
-def save_rows(folder: str, rounds: int, link_mib_s: float) -> list[dict[str, Any]]:
+def _rows(
+    samples: dict[tuple[str, str], list[tuple[float, int]]], kind: str, size: int, links: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Collective: every rank's samples gathered; rank 0's median time and each rank's median bytes, per row."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, samples)
+    rows = []
+    for link in links:
+        for mode in ("striped", "rank 0"):
+            per_rank = [g[(link, mode)] for g in gathered]
+            rows.append(
+                {
+                    "ranks": dist.get_world_size(),
+                    "what": f"{kind}, {mode}",
+                    "link": link,
+                    "seconds": statistics.median(s for s, _ in per_rank[0]),
+                    "mib_per_rank": [statistics.median(b for _, b in samples_) / MiB for samples_ in per_rank],
+                    "file_mib": size / MiB,
+                }
+            )
+    return rows
+
+
+def persist_rows(
+    folder: str, model: Any, opt: Any, rounds: int, links: Sequence[tuple[str, float | None]], throttle: Throttle
+) -> list[dict[str, Any]]:
+    """Collective (every rank): ``snapshot(step)`` then ``save(step)``, its copy into the folder striped and by rank 0
+    alone in interleaved rounds, each timed from a barrier to the copy durable and marked on rank 0."""
+    import torch.distributed as dist
+
+    import dist_resume as dr
+    from dist_resume._save import striped_plan
+
+    samples: dict[tuple[str, str], list[tuple[float, int]]] = {
+        (link, mode): [] for link, _ in links for mode in ("striped", "rank 0")
+    }
+    step = 0
+    # rotation deletes nothing (keep_last): the older checkpoints are removed between samples, untimed (deleting a
+    # 384 MiB file takes 0.27 s here, in either mode)
+    with dr.CheckpointManager(os.path.join(folder, "persist"), model=model, optimizer=opt, keep_last=99) as mgr:
+        for round_ in range(rounds + 1):  # round 0 warms up (the copies' group made, the first file written): untimed
+            for link, rate in links:
+                for mode in ("striped", "rank 0"):
+                    striped_plan.rank0_only = mode == "rank 0"
+                    step += 1
+                    if dist.get_rank() == 0:
+                        for old in mgr.checkpoints():
+                            os.unlink(old)
+                    mgr.snapshot(step)
+                    mgr._memory._join_commit(raising=True)  # the copy starts once the commit ends: not timed here
+                    dist.barrier()
+                    throttle.begin(rate)
+                    before, start = _written(), time.perf_counter()
+                    mgr.save(step)
+                    mgr._memory._join_copy()  # rank 0: the file is durable and renamed; another rank: its share
+                    if round_:
+                        samples[(link, mode)].append((time.perf_counter() - start, _written() - before))
+                    dist.barrier()  # rank 0's copy committed (another rank's join returns after its share)
+        striped_plan.rank0_only = False
+        size = os.path.getsize(mgr.checkpoints()[-1])
+    return _rows(samples, "persist", size, [link for link, _ in links])
+
+
+def save_rows(folder: str, rounds: int, link_mib_s: float, *, persist: bool = True) -> list[dict[str, Any]]:
     """Collective (every rank): time the striped and the rank-0 save in interleaved rounds, locally and over the
-    simulated link; rows (rank 0's: with every rank's bytes) for :func:`print_table`."""
+    simulated link (and with ``persist`` the memory tier's copy, :func:`persist_rows`); rows (rank 0's: with every
+    rank's bytes) for :func:`print_table`."""
     import torch
     import torch.distributed as dist
 
@@ -114,51 +192,38 @@ def save_rows(folder: str, rounds: int, link_mib_s: float) -> list[dict[str, Any
                 dr.save_checkpoint(path, model=model, optimizer=opt, step=1, rng=False)
                 samples[(link, mode)].append((time.perf_counter() - start, _written() - before))
     striped_plan.rank0_only = False
-    size = os.path.getsize(path)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, samples)
-    rows = []
-    for link, _ in links:
-        for mode in modes:
-            per_rank = [g[(link, mode)] for g in gathered]  # type: ignore[index]
-            rows.append(
-                {
-                    "ranks": dist.get_world_size(),
-                    "what": f"save, {mode}",
-                    "link": link,
-                    "seconds": statistics.median(s for s, _ in per_rank[0]),
-                    "mib_per_rank": [statistics.median(b for _, b in samples_) / MiB for samples_ in per_rank],
-                    "file_mib": size / MiB,
-                }
-            )
+    rows = _rows(samples, "save", os.path.getsize(path), [link for link, _ in links])
+    if persist:
+        rows += persist_rows(folder, model, opt, rounds, links, throttle)
     return rows
 
 
 def print_table(rows: Sequence[dict[str, Any]], out: Callable[[str], None] = print) -> None:
-    """The rows side by side, and per (ranks, link) the ratio of the rank-0 save's time to the striped save's."""
-    out(f"{'ranks':>5}  {'link':<18} {'what':<16} {'wall s':>7}  MiB written per rank")
+    """The rows side by side, and per (ranks, link, save or persist) the ratio of the rank-0 time to the striped."""
+    out(f"{'ranks':>5}  {'link':<18} {'what':<18} {'wall s':>7}  MiB written per rank")
     for r in rows:
         written = ", ".join(f"{m:.1f}" for m in r["mib_per_rank"])
-        out(f"{r['ranks']:>5}  {r['link']:<18} {r['what']:<16} {r['seconds']:>7.2f}  [{written}]")
+        out(f"{r['ranks']:>5}  {r['link']:<18} {r['what']:<18} {r['seconds']:>7.2f}  [{written}]")
     by = {(r["ranks"], r["link"], r["what"]): r for r in rows}
     for (ranks, link, what), r in by.items():
-        if what == "save, striped" and (ranks, link, "save, rank 0") in by:
-            rank0 = by[(ranks, link, "save, rank 0")]
+        kind, _, mode = what.partition(", ")
+        if mode == "striped" and (ranks, link, f"{kind}, rank 0") in by:
+            rank0 = by[(ranks, link, f"{kind}, rank 0")]
             out(
-                f"{ranks} ranks, {link}: rank-0 save / striped save = {rank0['seconds'] / r['seconds']:.2f}x "
+                f"{ranks} ranks, {link}: rank-0 {kind} / striped {kind} = {rank0['seconds'] / r['seconds']:.2f}x "
                 f"(file {r['file_mib']:.0f} MiB; most any rank wrote: rank 0 {max(rank0['mib_per_rank']):.0f} MiB, "
                 f"striped {max(r['mib_per_rank']):.0f} MiB)"
             )
 
 
-def _worker(folder: str, rounds: int, link_mib_s: float, report: str) -> None:
+def _worker(folder: str, rounds: int, link_mib_s: float, report: str, persist: bool) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
 
     dr.init_distributed()
     dr.set_verbosity("warning")  # no line per save
-    rows = save_rows(folder, rounds, link_mib_s)
+    rows = save_rows(folder, rounds, link_mib_s, persist=persist)
     if dist.get_rank() == 0:
         with open(report, "w") as f:
             json.dump(rows, f)
@@ -167,20 +232,27 @@ def _worker(folder: str, rounds: int, link_mib_s: float, report: str) -> None:
 
 def main() -> None:
     if os.environ.get(WORKER_ENV):
-        _worker(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
+        _worker(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5] == "1")
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--link-mib-s", type=float, default=256.0, help="the simulated per-rank link, MiB/s")
+    p.add_argument(
+        "--no-persist", dest="persist", action="store_false", help="leave out the memory tier's copy into the folder"
+    )
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the snapshots: a directory of it made for the run
     for n in args.ranks:
-        with tempfile.TemporaryDirectory(prefix="bench_striped.") as tmp:
-            env = {**os.environ, WORKER_ENV: "1", "OMP_NUM_THREADS": "1"}
+        with (
+            tempfile.TemporaryDirectory(prefix="bench_striped.") as tmp,
+            tempfile.TemporaryDirectory(prefix="bench_striped.", dir=shm) as snapshots,
+        ):
+            env = {**os.environ, WORKER_ENV: "1", "OMP_NUM_THREADS": "1", SHM_ENV: snapshots}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
             report = os.path.join(tmp, "rows.json")
-            argv = [__file__, tmp, str(args.rounds), str(args.link_mib_s), report]
+            argv = [__file__, tmp, str(args.rounds), str(args.link_mib_s), report, "1" if args.persist else "0"]
             subprocess.run([*cmd, *argv], env=env, check=True)
             with open(report) as f:
                 rows += json.load(f)
