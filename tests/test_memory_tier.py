@@ -21,7 +21,7 @@ import dist_resume as dr
 from dist_resume._format.tensor_records import plan_records
 from dist_resume._format.zip_layout import plan_layout
 from dist_resume._format.zip_write import ZipWriter
-from dist_resume._manager.memory import tier
+from dist_resume._manager.memory import commit
 from dist_resume._manager.memory.layout import laid_out
 from dist_resume._memory import place, zip_file_layout
 from dist_resume._memory.layout import seal
@@ -176,7 +176,7 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
-    monkeypatch.setattr(tier, "COMMIT_INLINE_BYTES", 0)  # every commit in the background, as a large state's
+    monkeypatch.setattr(commit, "COMMIT_INLINE_BYTES", 0)  # every commit in the background, as a large state's
     (tmp_path / "shm").mkdir()
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
@@ -220,9 +220,9 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
 _UNCOMMITTED = textwrap.dedent(
     """
     import os, sys, threading, torch, dist_resume as dr
-    from dist_resume._manager.memory import tier
+    from dist_resume._manager.memory import commit
     from dist_resume._memory import write
-    tier.COMMIT_INLINE_BYTES = 0
+    commit.COMMIT_INLINE_BYTES = 0
     sealed = write.seal
     def seal(view, layout):  # the commit of step 2 never ends: the process dies first
         if threading.current_thread().name.endswith("-2"):

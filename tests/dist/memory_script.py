@@ -38,7 +38,7 @@ def _commit_in_background() -> None:
     while one is under way."""
     import time
 
-    from dist_resume._manager.memory import tier
+    from dist_resume._manager.memory import commit
     from dist_resume._memory.write import PendingSnapshot
 
     sealed = PendingSnapshot._seal
@@ -47,7 +47,7 @@ def _commit_in_background() -> None:
         time.sleep(0.3)
         return sealed(self, layout)
 
-    tier.COMMIT_INLINE_BYTES = 0  # type: ignore[misc]
+    commit.COMMIT_INLINE_BYTES = 0  # type: ignore[misc]
     PendingSnapshot._seal = seal  # type: ignore[method-assign]
 
 

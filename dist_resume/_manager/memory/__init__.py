@@ -21,6 +21,7 @@ that needs it waits for that commit: the next ``snapshot``, ``save``, ``close``,
 """
 
 from .choose import MemoryChoice, choose_snapshot, forget_stale
-from .tier import COMMIT_INLINE_BYTES, MemoryTier
+from .commit import COMMIT_INLINE_BYTES
+from .tier import MemoryTier
 
 __all__ = ["MemoryTier", "MemoryChoice", "choose_snapshot", "forget_stale", "COMMIT_INLINE_BYTES"]

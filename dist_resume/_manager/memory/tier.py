@@ -3,18 +3,13 @@ background, copy it into the folder and free it."""
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from pathlib import Path
-from typing import Any, Final
-
-import torch.distributed as dist
+from typing import Any
 
 from ..._checkpoint.objects import LiveObjects
 from ..._core.errors import CheckpointWriteError, DistResumeError
 from ..._core.location import Location
-from ..._core.log import log_rank0, logger, shown_path, shown_size
+from ..._core.log import logger, shown_path, shown_size
 from ..._core.rank import global_rank
 from ..._dist.agree import first_failure
 from ..._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
@@ -22,29 +17,24 @@ from ..._dist.env import is_distributed, rank_info
 from ..._memory import (
     PendingSnapshot,
     Snapshot,
-    mark_persisted,
-    persist_snapshot,
     release_mappings,
     remove_snapshots,
 )
 from ..._memory.place import required_root
 from ..._save.async_save import wait_pending
 from ..._save.save import prepare_payload
-from ..._source.listing import numbered_checkpoints
 from ..._state.sharded import is_sharded
 from ..folder_save import SaveTarget
 from .choose import MemoryChoice
+from .commit import Commits
 from .exit import unwatch, watch
+from .folder_copy import FolderCopies
 from .shards import begin_own, held_everywhere, newer_than_folder, persist_own
 from .split import copy_share, meet, node_group, receive, splits
-from .striped_copy import CopyTask, call_off, copy_group, copy_striped, copy_striped_share, copying_ranks
+from .striped_copy import CopyTask
 from .write import begin_write
 
-__all__ = ["MemoryTier", "COMMIT_INLINE_BYTES"]
-
-COMMIT_INLINE_BYTES: Final = 32 << 20
-"""A snapshot up to this size is committed before ``snapshot()`` returns (its CRC-32s take a few milliseconds); a
-larger one in a background thread."""
+__all__ = ["MemoryTier"]
 
 
 class MemoryTier:
@@ -53,14 +43,9 @@ class MemoryTier:
 
     def __init__(self, folder: Location) -> None:
         self.folder = folder
-        self.newest: Snapshot | None = None
+        self.commits = Commits(folder)  # the newest snapshot, and its commit in the background
+        self.copies = FolderCopies(self.commits)  # its copy into the folder, in the background
         self.used = False  # this process snapshotted or resumed from memory: close() copies and frees
-        self._copy: threading.Thread | None = None
-        self._copy_error: BaseException | None = None
-        self._commit: threading.Thread | None = None  # the newest snapshot's commit, in the background
-        self._committing: int | None = None  # its step
-        self._commit_error: BaseException | None = None
-        self._lock = threading.Lock()
         self.copied = 0  # the tensor bytes this process copied into the last snapshot
         self.sharded = False  # FSDP2: every rank writes its own shards (.shards), no node writer
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
@@ -70,7 +55,7 @@ class MemoryTier:
     def take(self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> None:
         """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed. Returns once the
         snapshot's data is in shared memory; its commit (the CRC-32s, then the record) follows in a background thread
-        unless it is small (:data:`COMMIT_INLINE_BYTES`). The previous snapshot's commit is waited for first, and its
+        unless it is small (:data:`~.commit.COMMIT_INLINE_BYTES`). The previous snapshot's commit is waited for first, and its
         error is this call's. Under DDP with several local ranks each copies its share (:mod:`.split`) and the node's
         ranks meet before the commit; any rank's failure is the same error on every rank, nothing committed."""
         sharded = live.model is not None and is_sharded(live.model)
@@ -128,7 +113,7 @@ class MemoryTier:
                 pending.abort()
             raise
         if pending is not None:
-            self._commit_later(pending)
+            self.commits.later(pending)
 
     def _meet_then_commit(self, error: BaseException | None, pending: PendingSnapshot | None, group: Any) -> None:
         """The node's writer commits once the node's ranks met with no failure; every rank agrees on the outcome."""
@@ -136,7 +121,7 @@ class MemoryTier:
             if group is not None and meet(error, group) and pending is not None:
                 pending.abort()  # another local rank failed its share: its error is agreed on below
             elif pending is not None and error is None:
-                self._commit_later(pending)
+                self.commits.later(pending)
             pending = None
         except Exception as err:
             error = error or err
@@ -148,150 +133,32 @@ class MemoryTier:
         elif error is not None:
             raise error
 
-    # --- the commit ---
+    # --- the commit and the copy into the folder (.commit, .folder_copy) ---
 
-    def _commit_later(self, pending: PendingSnapshot) -> None:
-        """Commit ``pending`` now when it is small, else in a background thread (its error at the next call)."""
-        if pending.size <= COMMIT_INLINE_BYTES:
-            self.newest = pending.commit()
-            return
+    @property
+    def newest(self) -> Snapshot | None:
+        """The newest snapshot this process committed (the node's writer's; an FSDP2 rank's own)."""
+        return self.commits.newest
 
-        def run() -> None:
-            try:
-                snapshot = pending.commit()
-            except BaseException as err:
-                self._commit_error = err
-                return
-            with self._lock:
-                self.newest = snapshot
-
-        self._committing = pending.step
-        self._commit = threading.Thread(target=run, name=f"dist_resume-commit-{pending.step}", daemon=False)
-        self._commit.start()
+    @newest.setter
+    def newest(self, snapshot: Snapshot | None) -> None:
+        self.commits.newest = snapshot
 
     def _join_commit(self, *, raising: bool) -> None:
-        """Wait for the snapshot being committed; its error is raised (``raising``) or logged once."""
-        thread = self._commit
-        if thread is not None:
-            thread.join()
-            self._commit = self._committing = None
-        error, self._commit_error = self._commit_error, None
-        if error is None:
-            return
-        if raising:
-            raise CheckpointWriteError(f"committing a snapshot of {str(self.folder)!r} failed: {error}") from error
-        logger.warning("committing a snapshot of %s failed: %s", shown_path(self.folder), error)
-
-    # --- the copy into the folder ---
+        self.commits.join(raising=raising)
 
     def copies_step(self, step: int) -> CopyTask | None:
-        """On rank 0: whether ``save(step)`` can copy this process's snapshot of ``step`` (committed, or being
-        committed) instead of saving again, once the previous copy is done (its error raised here): the copy, with
-        how many ranks make it (:func:`~.striped_copy.copying_ranks`), or None. Local."""
-        self._join_copy()
-        if self._committing is not None:
-            held = self._committing == step
-        else:
-            newest = self.newest
-            held = newest is not None and newest.step == step
-        return CopyTask(step, copying_ranks(self.folder)) if held else None
+        """On rank 0: the copy ``save(step)`` makes of this process's snapshot of ``step`` instead of saving again
+        (:meth:`FolderCopies.task`), or None. Local."""
+        return self.copies.task(step)
 
     def copy_in_background(self, target: SaveTarget, dest: Location, copy: CopyTask) -> None:
-        """Copy the snapshot of ``copy.step`` into ``dest`` once it is committed, then rotate, in a thread; its error is
-        raised at the next ``snapshot``, ``save`` or ``close``, on every rank. Collective: every rank passes rank 0's
-        ``copy``. With ``copy.ranks`` > 1 (a local folder) the copy is striped (:mod:`.striped_copy`): ranks
-        ``1 .. copy.ranks - 1``, rank 0's node, each copy their range of the file in a thread of their own, on a group
-        made the first time by every rank; the other ranks return at once."""
-        self._join_copy(raising=False)  # this rank's previous share: two copies never share the group
-        path = dest if isinstance(dest, Path) else None
-        group = copy_group(copy.ranks) if copy.ranks > 1 and path is not None else None
-        rank, commit, step = global_rank(), self._commit, copy.step
-
-        def share(path: Path) -> None:
-            try:
-                copy_striped_share(path, group)
-            except BaseException as err:  # rank 0's copy fails too: its error is every rank's at the next call
-                logger.debug("rank %d's share of the snapshot copy into %s failed: %s", rank, path, err)
-
-        def run() -> None:
-            try:
-                if commit is not None:
-                    commit.join()
-                snapshot = self.newest
-                if snapshot is None or snapshot.step != step:  # its commit failed: that error comes at the next call
-                    if group is not None:
-                        call_off(group)
-                    raise CheckpointWriteError(f"the snapshot of step {step} was not committed; nothing was copied")
-                self._copy_now(target, snapshot, dest, group)
-            except BaseException as err:
-                self._copy_error = err
-
-        if rank == 0:
-            self._copy = threading.Thread(target=run, name=f"dist_resume-copy-{step}", daemon=False)
-        elif group is not None and path is not None and rank < copy.ranks:
-            self._copy = threading.Thread(target=share, args=(path,), name=f"dist_resume-copy-{step}", daemon=False)
-        else:
-            return
-        self._copy.start()
-
-    def _copy_now(self, target: SaveTarget, snapshot: Snapshot, dest: Location, group: Any = None) -> None:
-        """On rank 0: copy ``snapshot`` into ``dest`` (striped over ``group``, collective on it; or alone), mark it
-        copied, say so, rotate."""
-        started = time.perf_counter()
-        striped = group is not None and isinstance(dest, Path) and copy_striped(snapshot, dest, group)
-        if not striped:
-            persist_snapshot(snapshot, dest)
-        marked = mark_persisted(snapshot)
-        with self._lock:
-            if marked is not None and self.newest is not None and self.newest.seq == snapshot.seq:
-                self.newest = marked
-        log_rank0(
-            logging.INFO,
-            "saved %s (step %d, %s, copied from shared memory%s) in %.2f s",
-            shown_path(dest),
-            snapshot.step,
-            shown_size(snapshot.size),
-            f", striped over {dist.get_world_size(group)} ranks" if striped else "",
-            time.perf_counter() - started,
-        )
-        target.rotate(dest, snapshot.step)
+        """Copy the snapshot of ``copy.step`` into ``dest`` in the background (:meth:`FolderCopies.start`). Collective:
+        every rank passes rank 0's ``copy``."""
+        self.copies.start(target, dest, copy)
 
     def _join_copy(self, *, raising: bool = True) -> None:
-        """Wait for this process's copy into the folder (rank 0's, or this rank's share of a striped one); rank 0's
-        error is raised (``raising``; else it waits for the next call). Local."""
-        thread, self._copy = self._copy, None
-        if thread is not None:
-            thread.join()
-        if not raising:
-            return
-        error, self._copy_error = self._copy_error, None
-        if error is not None:
-            raise CheckpointWriteError(f"copying a snapshot into {str(self.folder)!r} failed: {error}") from error
-
-    def copy_newest(self, target: SaveTarget, *, stripe: bool = False) -> CopyTask | None:
-        """On rank 0: copy this process's newest snapshot (its commit waited for) into the folder unless it holds that
-        step already. Local. ``stripe`` (for ``close()``, collective): the previous copy's error is raised here, and a
-        copy that stripes (:func:`~.striped_copy.copying_ranks`) is returned, for every rank to make. Without (at an
-        unplanned end, rank 0 alone) that error is logged and rank 0 copies the newest snapshot itself."""
-        self._join_commit(raising=False)
-        if stripe:
-            self._join_copy()
-        else:
-            try:
-                self._join_copy()
-            except CheckpointWriteError as err:  # a striped copy whose peers are gone (a SIGTERM): rank 0 alone now
-                logger.warning("%s; copying the newest snapshot again, from rank 0 alone", err)
-        snapshot = self.newest
-        if snapshot is None or snapshot.persisted:
-            return None
-        newest_saved = max((s for s, _ in numbered_checkpoints(target.folder)), default=None)
-        if newest_saved is not None and newest_saved >= snapshot.step:
-            return None
-        ranks = copying_ranks(self.folder) if stripe else 1
-        if ranks > 1:
-            return CopyTask(snapshot.step, ranks)
-        self._copy_now(target, snapshot, target.file(snapshot.step))
-        return None
+        self.copies.join(raising=raising)
 
     # --- the end ---
 
@@ -304,7 +171,7 @@ class MemoryTier:
             self._close_sharded(target)
             return
         copy = run_on_rank0(
-            lambda: self.copy_newest(target, stripe=True), fallback=CheckpointWriteError, task="copy a snapshot"
+            lambda: self.copies.newest(target, stripe=True), fallback=CheckpointWriteError, task="copy a snapshot"
         )
         if copy is not None:  # striped across rank 0's node's ranks, as a save's copy
             self.copy_in_background(target, target.file(copy.step), copy)
@@ -352,7 +219,7 @@ class MemoryTier:
         if global_rank() != 0 or self.sharded:  # a sharded folder is every rank's collective write: memory keeps it
             return
         try:
-            self.copy_newest(target)
+            self.copies.newest(target)
         except Exception as err:
             logger.warning("at exit, copying the newest snapshot into %s failed: %s", shown_path(self.folder), err)
 
