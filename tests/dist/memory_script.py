@@ -1,16 +1,18 @@
-"""A DDP script as users write it that snapshots every step into host memory and saves every 5 steps
-(tests/dist/test_memory_tier.py runs it under torchrun with 2 ranks, kills it and relaunches it).
+"""A DDP (or ``--fsdp``: FSDP2) script as users write it that snapshots every step into host memory and saves every
+5 steps (tests/dist/test_memory_tier.py and test_memory_fsdp.py run it under torchrun with 2 ranks, kill it and
+relaunch it).
 
     torchrun --standalone --nproc_per_node=2 [--max-restarts=1] tests/dist/memory_script.py DIR [--steps N]
         [--kill-rank1-at K] [--all-die-at K] [--close-before-dying] [--dump FILE] [--save-every N]
-        [--background-commits]
+        [--background-commits] [--fsdp]
 
 An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generator=`` over a
 ``ResumableDistributedSampler``, all registered with one ``CheckpointManager``, no logging set up.
 ``--kill-rank1-at K``: in torchrun's first generation, rank 1 SIGKILLs itself right after ``snapshot(K)``;
 ``--all-die-at K``: in the generation that reaches step K every rank ends at once after ``snapshot(K)`` (``os._exit``:
 the whole job dies, as a node losing power would, nothing reaches the folder). Each rank appends the steps it runs to
-``DIR.steps_<rank>`` (``generation step`` lines); ``--dump`` writes rank 0's final model and optimizer state.
+``DIR.steps_<rank>`` (``generation step`` lines); ``--dump`` writes rank 0's final model and optimizer state (``--fsdp``: the model ``fully_shard``-ed on a CPU mesh instead of
+DDP, each rank its own shards to ``DUMP.<rank>``).
 ``--background-commits``: in torchrun's first generation every snapshot is committed in a background thread, as a large
 state's is (this model's is small enough to be committed before ``snapshot`` returns), and slowly, so that the SIGTERM
 which torchrun sends rank 0 after rank 1's kill finds the commit of step K under way.
@@ -51,6 +53,26 @@ def _commit_in_background() -> None:
     PendingSnapshot._seal = seal  # type: ignore[method-assign]
 
 
+def _fully_shard(net: nn.Sequential) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (net[0], net[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _local(value: Any) -> Any:
+    """``value`` with every DTensor as a copy of this rank's local shard."""
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return value.to_local().clone() if hasattr(value, "to_local") else value
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("folder")
@@ -60,6 +82,7 @@ def main() -> None:
     p.add_argument("--dump", default=None)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--background-commits", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="fully_shard the model (per layer, then whole) on a CPU mesh")
     p.add_argument(
         "--close-before-dying", action="store_true", help="close() (the folder gets step K) before --all-die-at"
     )
@@ -71,7 +94,8 @@ def main() -> None:
     if args.background_commits and generation == 0:
         _commit_in_background()
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4)))
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+    model = _fully_shard(net) if args.fsdp else DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5)
     g = torch.Generator().manual_seed(1)
@@ -106,8 +130,10 @@ def main() -> None:
             if step == args.steps:
                 break
     mgr.close()  # copies the newest snapshot the folder lacks, frees the memory
-    if args.dump and rank == 0:
-        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, args.dump)
+    if args.dump and args.fsdp:  # each rank its own shards
+        torch.save({"model": _local(model.state_dict()), "optimizer": _local(opt.state_dict())}, f"{args.dump}.{rank}")
+    elif args.dump and rank == 0:
+        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, args.dump)
     dr.destroy_distributed()
 
 

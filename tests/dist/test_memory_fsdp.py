@@ -1,5 +1,5 @@
-"""FSDP2 snapshots in host memory, as a user reaches them: tests/dist/memory_fsdp_script.py (snapshot every step, save
-every 5) under torchrun with 2 ranks, rank 1 SIGKILLed between saves and both workers restarted by
+"""FSDP2 snapshots in host memory, as a user reaches them: tests/dist/memory_script.py ``--fsdp`` (snapshot every step,
+save every 5) under torchrun with 2 ranks, rank 1 SIGKILLed between saves and both workers restarted by
 ``--max-restarts=1``: every rank resumes from its own shards in memory, redoes no step and ends bitwise equal to a run
 that never failed; the folder's sharded checkpoints written from the snapshots hold the state of their step, and a
 clean end leaves nothing in shared memory (``DIST_RESUME_SHM_DIR`` points the snapshots into the test's folder)."""
@@ -18,7 +18,7 @@ from tests.helpers import nested_equal
 
 pytestmark = pytest.mark.dist
 
-SCRIPT = str(REPO_ROOT / "tests/dist/memory_fsdp_script.py")
+SCRIPT = str(REPO_ROOT / "tests/dist/memory_script.py")
 
 
 def _steps(path: Path) -> list[int]:
@@ -29,12 +29,12 @@ def test_a_killed_fsdp2_worker_resumes_from_its_own_shards_in_memory_bitwise(tmp
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"DIST_RESUME_SHM_DIR": str(shm)}
-    ref = run_torchrun([SCRIPT, "ref", "--dump", "ref.pt"], nproc=2, cwd=tmp_path, env=env)
+    ref = run_torchrun([SCRIPT, "ref", "--fsdp", "--dump", "ref.pt"], nproc=2, cwd=tmp_path, env=env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert list(shm.iterdir()) == [], list(shm.rglob("*"))
 
     run = run_torchrun(
-        [SCRIPT, "run", "--kill-rank1-at", "7", "--dump", "run.pt"],
+        [SCRIPT, "run", "--fsdp", "--kill-rank1-at", "7", "--dump", "run.pt"],
         nproc=2,
         cwd=tmp_path,
         env=env,
