@@ -212,7 +212,8 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
 def destroy_distributed() -> None:
     """Destroy the default process group if one exists; do nothing otherwise.
 
-    Call it on every rank at the end, after the last collective (and after ``AsyncSave.wait()``): it
+    Call it on every rank at the end, after the last collective (and after ``AsyncSave.wait()`` and the
+    ``CheckpointManager.close()`` of a manager that snapshots: their background threads use process groups too): it
     ends the group :func:`init_distributed` created (or one the script created itself), and is safe
     to call in a plain single process, where there is none. It communicates nothing.
 

@@ -25,6 +25,7 @@ from .._dist.accelerator import pinned_staging, synchronize
 from .._dist.checkin import check_in
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
+from .._dist.groups import gloo_group
 from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
@@ -202,7 +203,7 @@ def _background_group() -> Any:
     """A gloo process group of every rank for the writes of background threads (collective the first time)."""
     global _background
     if _background[0] is not dist.group.WORLD:
-        _background = (dist.group.WORLD, dist.new_group(backend="gloo"))
+        _background = (dist.group.WORLD, gloo_group())
     return _background[1]
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from ..._core.errors import CheckpointWriteError
 from ..._dist.comm import Outcome, all_gather_objects, broadcast_object, collective_step
 from ..._dist.env import rank_info
+from ..._dist.groups import gloo_group
 from ..._format.striped_archive import find_tensor
 from ..._memory import attach_slot
 from ..._save.striped_plan import assign_shares, is_ddp, replicated_paths
@@ -80,7 +81,7 @@ def node_group() -> Any:
             nodes = [[r for r, b in enumerate(bases) if b == base] for base in sorted(set(bases))]
             mine = None
             for ranks in nodes:  # every group made by every rank, in the same order
-                group = dist.new_group(ranks, backend="gloo")
+                group = gloo_group(ranks)
                 if dist.get_rank() in ranks:
                     mine = group
         _groups = (dist.group.WORLD, mine)

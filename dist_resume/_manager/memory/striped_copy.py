@@ -42,6 +42,7 @@ from ..._core.location import Location
 from ..._dist.agree import first_failure
 from ..._dist.comm import Outcome, all_gather_objects, broadcast_object, collective_step
 from ..._dist.env import is_distributed, rank_info
+from ..._dist.groups import gloo_group
 from ..._format.atomic import commit_file, create_temp, discard_temp, write_error
 from ..._format.striped_archive import STRIPE_ALIGNMENT
 from ..._format.zip_write import write_all
@@ -99,7 +100,7 @@ def copy_group(ranks: int) -> Any:
     global _group
     if _group[0] is not dist.group.WORLD or _group[1] != ranks:
         with collective_step("making the process group of the snapshot copies", CheckpointWriteError):
-            _group = (dist.group.WORLD, ranks, dist.new_group(list(range(ranks)), backend="gloo"))
+            _group = (dist.group.WORLD, ranks, gloo_group(range(ranks)))
     return _group[2]
 
 
