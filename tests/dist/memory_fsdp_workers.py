@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import dist_resume as dr
 from dist_resume._manager.memory import shards
-from dist_resume.errors import DistResumeError
+from dist_resume.errors import DistResumeError, UsageError
 from tests.dist.fsdp_workers import _differ, _locals, _mesh, _sharded, _train
 
 
@@ -52,9 +52,16 @@ def failing_snapshot(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     }
 
 
-def left_at_two(rank: int, world_size: int, folder: str) -> None:
-    """Save step 2, snapshot steps 3 and 4, end without ``close()``: the snapshots stay in memory."""
+def left_at_two(rank: int, world_size: int, folder: str) -> str:
+    """Save step 2, snapshot steps 3 and 4, end without ``close()``: the snapshots stay in memory. Returns what a
+    manager saving one full file (``full_state=True``) says to ``snapshot``: its shards cannot become that file."""
     model, opt = _sharded(_mesh(world_size), 0)
+    full = dr.CheckpointManager(f"{folder}.full", model=model, optimizer=opt, full_state=True)
+    try:
+        full.snapshot(1)
+        refused = "no error"
+    except UsageError as err:
+        refused = str(err)
     mgr = dr.CheckpointManager(folder, model=model, optimizer=opt)
     for step in (1, 2, 3, 4):
         _train(model, opt, 1, seed=step)
@@ -63,6 +70,7 @@ def left_at_two(rank: int, world_size: int, folder: str) -> None:
             mgr.save(step)
     mgr._memory.leave(mgr._target())
     mgr.close()
+    return refused
 
 
 def resumed_at_one(rank: int, world_size: int, folder: str) -> dict[str, Any]:

@@ -78,7 +78,8 @@ def test_snapshots_of_another_world_size_are_not_used_and_are_kept(tmp_path: Pat
     shm.mkdir()
     env = {"DIST_RESUME_SHM_DIR": str(shm)}
     folder = str(tmp_path / "run")
-    run_ranks(MW.left_at_two, 2, tmp_path=tmp_path, args=(folder,), env=env)
+    refused = run_ranks(MW.left_at_two, 2, tmp_path=tmp_path, args=(folder,), env=env)
+    assert all("full_state=True" in r and "sharded checkpoint" in r for r in refused), refused
     (result,) = run_ranks(MW.resumed_at_one, 1, tmp_path=tmp_path, args=(folder,), env=env)
     assert result["resumed"] == (2, "folder"), result
     assert result["kept"] == sorted(f"shards-0000{r}.{s}.json" for r in (0, 1) for s in "ab"), result

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from ..._checkpoint.objects import LiveObjects
-from ..._core.errors import CheckpointWriteError, DistResumeError
+from ..._core.errors import CheckpointWriteError, DistResumeError, UsageError
 from ..._core.location import Location
 from ..._core.log import logger, shown_path, shown_size
 from ..._core.rank import global_rank
@@ -59,6 +59,12 @@ class MemoryTier:
         error is this call's. Under DDP with several local ranks each copies its share (:mod:`.split`) and the node's
         ranks meet before the commit; any rank's failure is the same error on every rank, nothing committed."""
         sharded = live.model is not None and is_sharded(live.model)
+        if sharded and target.full_state:
+            raise UsageError(
+                "CheckpointManager(full_state=True).snapshot() of an FSDP2 model: its snapshots hold each rank's own "
+                "shards, which reach the folder as a sharded checkpoint, not as one full file",
+                hint="drop full_state=True to snapshot (the folder then gets ckpt_<step>.dcp folders), or save() alone",
+            )
         required_root()  # no shared memory (not Linux): a UsageError on every rank before anything is written
         wait_pending()
 
