@@ -19,15 +19,16 @@ from .._core.torch_compat import group_timeout
 __all__ = ["gloo_group"]
 
 
-def gloo_group(ranks: Sequence[int] | None = None) -> Any:
-    """A new gloo process group of ``ranks`` (None: every rank) whose collectives wait as long as the default group's.
-    Collective: every rank of the default group calls it, in the same order, whether it is in ``ranks`` or not.
+def gloo_group(ranks: Sequence[int] | None = None, *, timeout: float | None = None) -> Any:
+    """A new gloo process group of ``ranks`` (None: every rank) whose collectives wait as long as the default group's,
+    or ``timeout`` seconds. Collective: every rank of the default group calls it, in the same order, whether it is in
+    ``ranks`` or not.
 
     Example::
 
         >>> group = gloo_group()  # doctest: +SKIP
         >>> dist.barrier(group=group)  # doctest: +SKIP
     """
-    seconds = group_timeout(dist.group.WORLD)
-    timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
-    return dist.new_group(None if ranks is None else list(ranks), timeout=timeout, backend="gloo")
+    seconds = group_timeout(dist.group.WORLD) if timeout is None else timeout
+    wait = None if seconds is None else datetime.timedelta(seconds=seconds)
+    return dist.new_group(None if ranks is None else list(ranks), timeout=wait, backend="gloo")

@@ -322,8 +322,9 @@ class CheckpointManager:
         An FSDP2 model has no node writer: every rank keeps its own shards in its own part of its node's memory (the
         ranks agree before any commits), resumes from them only when every rank holds its own of one step at the same
         world size (from the folder otherwise), and ``save(step)`` writes the sharded checkpoint folder from them in a
-        background thread on every rank; at an exception or SIGTERM its snapshots stay in memory (a sharded folder is a
-        collective write). Linux only (elsewhere :class:`~dist_resume.errors.UsageError`); too little shared memory is a
+        background thread on every rank; at SIGTERM or an exit without ``close()`` the ranks write the newest one
+        together (nothing when a rank is gone), and keep the snapshots. Linux only (elsewhere
+        :class:`~dist_resume.errors.UsageError`); too little shared memory is a
         :class:`~dist_resume.errors.CheckpointWriteError` before the previous snapshot is touched. ``$DIST_RESUME_SHM_DIR``
         puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
         """

@@ -214,15 +214,17 @@ def begin_sharded_from(
     *,
     step: int | None,
     epoch: int | None,
+    group: Any = None,
 ) -> ShardedSave:
     """:func:`begin_sharded` of a payload split already: ``states()`` gives this rank's DCP state (DTensor leaves) and
-    the train state (rank 0's is written), as an FSDP2 snapshot holds them. Collective (the default group)."""
+    the train state (rank 0's is written), as an FSDP2 snapshot holds them. Collective on ``group`` (a group of every
+    rank; None: the default one)."""
 
     def checked() -> tuple[dict[str, Any], dict[str, Any]]:
         _need_numpy()
         return states()
 
-    return _begin(path, checked, model, step=step, epoch=epoch, started=None)
+    return _begin(path, checked, model, step=step, epoch=epoch, started=None, group=group)
 
 
 def _begin(
@@ -233,6 +235,7 @@ def _begin(
     step: int | None,
     epoch: int | None,
     started: float | None,
+    group: Any = None,
 ) -> ShardedSave:
     dest = path
     if dest.suffix in CHECKPOINT_SUFFIXES:
@@ -241,10 +244,10 @@ def _begin(
             hint=f"give a folder name (e.g. {dest.stem}.dcp), or pass full_state=True for one ordinary torch file",
         )
     if isinstance(dest, RemotePath):
-        run_on_rank0(lambda: clear_destination(dest), task=f"clear {str(dest)!r}")
+        run_on_rank0(lambda: clear_destination(dest), task=f"clear {str(dest)!r}", group=group)
         tmp = local_staging(dest)
     else:
-        tmp = run_on_rank0(lambda: make_temp_folder(dest), task=f"create the folder for {str(dest)!r}")
+        tmp = run_on_rank0(lambda: make_temp_folder(dest), task=f"create the folder for {str(dest)!r}", group=group)
     rank = dist.get_rank()
     error: BaseException | None = None
     state: dict[str, Any] = {}
@@ -260,7 +263,7 @@ def _begin(
     except Exception as err:
         error = err
     try:
-        _agree(error, None, "preparing the save", dest, None)
+        _agree(error, None, "preparing the save", dest, group)
     except BaseException:
         _cleanup(tmp, dest)
         raise

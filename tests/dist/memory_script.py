@@ -4,7 +4,7 @@ relaunch it).
 
     torchrun --standalone --nproc_per_node=2 [--max-restarts=1] tests/dist/memory_script.py DIR [--steps N]
         [--kill-rank1-at K] [--all-die-at K] [--close-before-dying] [--dump FILE] [--save-every N]
-        [--background-commits] [--fsdp]
+        [--background-commits] [--fsdp] [--preempt-at K]
 
 An MLP with dropout under DDP, AdamW, StepLR, a ``DataLoader`` without ``generator=`` over a
 ``ResumableDistributedSampler``, all registered with one ``CheckpointManager``, no logging set up.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,6 @@ import dist_resume as dr
 def _commit_in_background() -> None:
     """Every snapshot's commit in a background thread, taking 0.3 s (a large state's CRC-32s): a SIGTERM comes
     while one is under way."""
-    import time
 
     from dist_resume._manager.memory import commit
     from dist_resume._memory.write import PendingSnapshot
@@ -84,6 +84,13 @@ def main() -> None:
     p.add_argument("--background-commits", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="fully_shard the model (per layer, then whole) on a CPU mesh")
     p.add_argument(
+        "--preempt-at",
+        type=int,
+        default=None,
+        help="in torchrun's second generation, after snapshot(K) rank 0 sends torchrun SIGTERM (a preemption notice: "
+        "torchrun stops every worker with SIGTERM) and every rank waits for it",
+    )
+    p.add_argument(
         "--close-before-dying", action="store_true", help="close() (the folder gets step K) before --all-die-at"
     )
     args = p.parse_args()
@@ -123,6 +130,10 @@ def main() -> None:
                 mgr.save(step)  # the folder gets the snapshot's bytes, in the background
             if step == args.kill_rank1_at and rank == 1 and generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.preempt_at and generation == 1:
+                if rank == 0:
+                    os.kill(os.getppid(), signal.SIGTERM)
+                time.sleep(60)  # torchrun's SIGTERM ends it: the handlers write the newest snapshot into the folder
             if step == args.all_die_at:
                 if args.close_before_dying:
                     mgr.close()

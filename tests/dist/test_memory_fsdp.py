@@ -33,21 +33,33 @@ def test_a_killed_fsdp2_worker_resumes_from_its_own_shards_in_memory_bitwise(tmp
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert list(shm.iterdir()) == [], list(shm.rglob("*"))
 
+    # rank 1 SIGKILLed after step 7: torchrun stops rank 0 (SIGTERM: its peer is gone, so nothing is written at
+    # exit) and restarts both, which resume from memory at 7; after step 9 torchrun gets SIGTERM (a preemption
+    # notice) and stops both workers with SIGTERM: together they write the snapshot of step 9 into the folder
     run = run_torchrun(
-        [SCRIPT, "run", "--fsdp", "--kill-rank1-at", "7", "--dump", "run.pt"],
+        [SCRIPT, "run", "--fsdp", "--kill-rank1-at", "7", "--preempt-at", "9"],
         nproc=2,
         cwd=tmp_path,
         env=env,
         extra_torchrun_args=["--max-restarts=1"],
     )
     out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-3000:]
+    assert run.returncode != 0, out[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} generation 1: resumed (7, 'memory')" in out, out[-3000:]
+    folder = tmp_path / "run"
+    assert {p.name for p in folder.glob("ckpt_*")} == {"ckpt_00000005.dcp", "ckpt_00000009.dcp"}, out[-3000:]
+    assert dr.load_checkpoint(folder / "ckpt_00000009.dcp")["step"] == 9
+    assert list(shm.rglob("shards-*.json")), "the snapshots stay in memory for the restart"
+
+    again = run_torchrun([SCRIPT, "run", "--fsdp", "--dump", "run.pt"], nproc=2, cwd=tmp_path, env=env)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} generation 0: resumed (9, 'memory')" in out, out[-3000:]
         mine, theirs = torch.load(tmp_path / f"run.pt.{rank}"), torch.load(tmp_path / f"ref.pt.{rank}")
         assert nested_equal(mine, theirs), f"rank {rank}'s shards are not bitwise equal"
         assert _steps(tmp_path / f"run.steps_{rank}") == list(range(1, 13))  # no step run twice
-    folder = tmp_path / "run"
     assert {p.name for p in folder.glob("ckpt_*")} == {"ckpt_00000010.dcp", "ckpt_00000012.dcp"}
     assert list(shm.iterdir()) == [], list(shm.rglob("*"))
 
@@ -57,7 +69,7 @@ def test_a_killed_fsdp2_worker_resumes_from_its_own_shards_in_memory_bitwise(tmp
     for key, value in saved["model"].items():
         assert torch.equal(value, torch.cat([full[0][key], full[1][key]])), key
     assert saved["step"] == 12
-    # save(10) wrote its folder from the snapshots in the background, in the killed run as in the reference
+    # save(10) wrote its folder from the snapshots in the background, in the interrupted run as in the reference
     tenth = [dr.load_checkpoint(tmp_path / name / "ckpt_00000010.dcp") for name in ("run", "ref")]
     assert tenth[0]["step"] == 10 and nested_equal(tenth[0]["model"], tenth[1]["model"])
 

@@ -11,13 +11,16 @@ nothing crosses the network, and nothing can be sent from another node either: a
 replaced, makes the job resume from the folder). ``save(step)`` of a step every rank holds writes the sharded
 checkpoint folder ``ckpt_<step>.dcp`` from the snapshots (the live DTensors' specs around the saved local tensors: no
 copy from the device), in a background thread on every rank as an asynchronous save does; ``close()`` does it now
-for the newest snapshot the folder lacks. A process that ends otherwise (an exception, SIGTERM) cannot write a sharded
-folder alone (it is collective): its snapshots stay in memory for the restart.
+for the newest snapshot the folder lacks. At SIGTERM (a preemption notice, torchrun stopping the workers) or an exit
+without ``close()``, every rank writes the newest snapshot into the folder together, on a group of their own that
+waits :data:`EXIT_WAIT_S` at most (:func:`exit_group`): when a rank is gone (the reason torchrun stops the others)
+nothing is written. An exception that ends a ``with`` block, perhaps on one rank, writes nothing. The snapshots stay in
+memory for the restart either way.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch.distributed as dist
 
@@ -25,18 +28,24 @@ from ..._checkpoint.objects import LiveObjects
 from ..._core.errors import CheckpointWriteError
 from ..._core.location import Location
 from ..._dist.comm import all_gather_objects, collective_step, run_on_rank0
+from ..._dist.groups import gloo_group
 from ..._foreign.own_shards import own_shards, with_saved_shards
 from ..._foreign.sharded import split_payload
 from ..._format.load import load_torch_file
 from ..._memory import PendingSnapshot, Snapshot, mark_persisted
 from ..._save.async_save import finish_sharded_in_background, wait_pending
-from ..._save.save import prepare_payload
+from ..._save.save import build_payload
 from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
 from .write import begin_write
 
-__all__ = ["own_part", "begin_own", "held_everywhere", "persist_own", "newer_than_folder"]
+__all__ = ["EXIT_WAIT_S", "own_part", "begin_own", "held_everywhere", "persist_own", "persist_newest", "exit_group"]
+
+EXIT_WAIT_S: Final = 20.0
+"""How long a collective of the copy at an unplanned end waits for a rank (torchrun gives a stopped worker 30 s)."""
+
+_exit: tuple[Any, Any] = (None, None)  # (the default process group, the exit group made for it)
 
 
 def own_part(rank: int) -> str:
@@ -61,27 +70,31 @@ def held_everywhere(newest: Snapshot | None, step: int) -> bool:
     return all(held)
 
 
-def persist_own(snapshot: Snapshot, target: SaveTarget, live: LiveObjects, *, background: bool) -> Location | None:
+def persist_own(
+    snapshot: Snapshot, target: SaveTarget, live: LiveObjects, *, background: bool, group: Any = None
+) -> Location | None:
     """Write the sharded checkpoint folder of ``snapshot``'s step (each rank's own ``snapshot``) into the target's
     folder from the snapshots, then mark them copied and rotate: in a background thread on every rank
-    (``background``; its error at the next call, as an asynchronous save's) or now. Collective. None when the target
-    saves one full file (``full_state=True``): a snapshot of shards cannot be copied into that without the gather a
-    save does."""
+    (``background``; its error at the next call, as an asynchronous save's) or now. Collective on ``group`` (every
+    rank; None: the default group, after the previous asynchronous save). None when the target saves one full file
+    (``full_state=True``): a snapshot of shards cannot be copied into that without the gather a save does."""
     if not writes_folder(live.model, target.full_state):
         return None
     step = snapshot.step
     dest = target.path(live, step)
-    wait_pending()
-    run_on_rank0(target.prepare)
+    if group is None:
+        wait_pending()
+    run_on_rank0(target.prepare, group=group)
     saved = load_torch_file(snapshot.path, map_location="cpu", mmap=True, weights_only=True)
-    build, _ = prepare_payload(live, step=step, epoch=None, extra=None, rng=False)
 
     def states() -> tuple[dict[str, Any], dict[str, Any]]:
-        live_state, _ = split_payload(build())  # the live DTensors: their specs around the saved local tensors
+        # the live DTensors (no collective: no RNG or data position gathered), their specs around the saved local tensors
+        live_state, _ = split_payload(build_payload(live, step=step))
         return with_saved_shards(live_state, saved["state"]), dict(saved["train_state"])
 
     epoch = snapshot.metadata.get("epoch")
-    begun = begin_sharded_from(dest, states, live.model, step=step, epoch=epoch if isinstance(epoch, int) else None)
+    epoch = epoch if isinstance(epoch, int) else None
+    begun = begin_sharded_from(dest, states, live.model, step=step, epoch=epoch, group=group)
 
     def after(done: Location) -> None:
         mark_persisted(snapshot)
@@ -91,8 +104,34 @@ def persist_own(snapshot: Snapshot, target: SaveTarget, live: LiveObjects, *, ba
     if background:
         finish_sharded_in_background(begun, after)
     else:
-        after(finish_sharded(begun))
+        after(finish_sharded(begun, group))
     return dest
+
+
+def persist_newest(newest: Snapshot | None, target: SaveTarget, live: LiveObjects | None, group: Any = None) -> bool:
+    """Write the newest snapshot into the folder now (:func:`persist_own`) when every rank's newest is of one step, not
+    copied yet, and newer than the folder's newest checkpoint; whether it did. Collective on ``group`` (None: the
+    default group)."""
+    unsaved = None if newest is None or newest.persisted else newest.step
+    with collective_step("asking every rank for its newest snapshot", CheckpointWriteError):
+        steps: list[int | None] = all_gather_objects(unsaved, group=group)
+    step = steps[0]
+    if newest is None or live is None or step is None or any(s != step for s in steps):
+        return False
+    if not run_on_rank0(lambda: newer_than_folder(target, step), task="look at the checkpoint folder", group=group):
+        return False
+    return persist_own(newest, target, live, background=False, group=group) is not None
+
+
+def exit_group() -> Any:
+    """The gloo group an FSDP2 job's ranks write their newest snapshot into the folder on at an unplanned end (SIGTERM,
+    an exit without ``close()``): every rank, waiting :data:`EXIT_WAIT_S` at most, so that a rank gone (the reason
+    torchrun stops the others) costs that long and no more. Collective the first time (call it in the foreground)."""
+    global _exit
+    if _exit[0] is not dist.group.WORLD:
+        with collective_step("making the process group of the snapshots' copy at exit", CheckpointWriteError):
+            _exit = (dist.group.WORLD, gloo_group(timeout=EXIT_WAIT_S))
+    return _exit[1]
 
 
 def newer_than_folder(target: SaveTarget, step: int) -> bool:

@@ -29,7 +29,7 @@ from .choose import MemoryChoice
 from .commit import Commits
 from .exit import unwatch, watch
 from .folder_copy import FolderCopies
-from .shards import begin_own, held_everywhere, newer_than_folder, persist_own
+from .shards import begin_own, exit_group, held_everywhere, persist_newest, persist_own
 from .split import copy_share, meet, node_group, receive, splits
 from .striped_copy import CopyTask
 from .write import begin_write
@@ -49,6 +49,7 @@ class MemoryTier:
         self.copied = 0  # the tensor bytes this process copied into the last snapshot
         self.sharded = False  # FSDP2: every rank writes its own shards (.shards), no node writer
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
+        self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
 
     # --- snapshot ---
 
@@ -97,6 +98,7 @@ class MemoryTier:
             error = err
         if sharded:
             self._agree_then_commit(error, pending)
+            self.exit_group = exit_group()  # collective the first time: now, in the foreground
         else:
             self._meet_then_commit(error, pending, group)
         self.used = True
@@ -199,6 +201,8 @@ class MemoryTier:
             self.newest = choice.own
         self.sharded = choice.sharded
         self.live = live if choice.sharded else None
+        if choice.sharded:
+            self.exit_group = exit_group()  # collective the first time: every rank resumes from memory here
         self.used = True
 
     def watch(self, target: SaveTarget) -> None:
@@ -209,20 +213,34 @@ class MemoryTier:
     def leave(self, target: SaveTarget) -> None:
         """Local, at an error that ends a ``with`` block (perhaps on this rank alone): :meth:`at_exit`, then forget the
         snapshots without freeing them, so that ``close()`` makes no collective call for them."""
-        self.at_exit(target)
+        self.at_exit(target, alone=True)
         self.newest = None
         self.used = False
         unwatch(self)
 
-    def at_exit(self, target: SaveTarget) -> None:
+    def at_exit(self, target: SaveTarget, *, alone: bool = False) -> None:
         """Local, at an unplanned end (exception, SIGTERM, no close()): each node's local rank 0 finishes the commit
         under way, rank 0 copies its newest snapshot into the folder; the snapshots stay, for the restart that may
-        follow."""
+        follow. FSDP2: every rank its commit, then, unless this rank ends ``alone`` (an exception in a ``with``
+        block), every rank together writes the newest snapshot on the exit group (:func:`~.shards.persist_newest`;
+        a rank gone: nothing, within :data:`~.shards.EXIT_WAIT_S`)."""
         if not self.used:
             return
         if rank_info().local_rank == 0 or self.sharded:
             self._join_commit(raising=False)
-        if global_rank() != 0 or self.sharded:  # a sharded folder is every rank's collective write: memory keeps it
+        if self.sharded:
+            if not alone and self.exit_group is not None:
+                try:
+                    persist_newest(self.newest, target, self.live, self.exit_group)
+                except Exception as err:
+                    logger.warning(
+                        "at exit, the ranks did not write the newest snapshot into %s together (%s); it stays in "
+                        "shared memory",
+                        shown_path(self.folder),
+                        err,
+                    )
+            return
+        if global_rank() != 0:
             return
         try:
             self.copies.newest(target)
@@ -250,15 +268,7 @@ class MemoryTier:
         as a sharded checkpoint folder now; then each node's memory freed. Collective."""
         self._join_commit(raising=False)  # no record may follow the removal
         wait_pending()  # a save(step) copying a snapshot in the background
-        newest = self.newest
-        unsaved = None if newest is None or newest.persisted else newest.step
-        with collective_step("asking every rank for its newest snapshot", CheckpointWriteError):
-            steps: list[int | None] = all_gather_objects(unsaved)
-        step = steps[0]
-        live = self.live
-        if newest is not None and step is not None and all(s == step for s in steps) and live is not None:
-            if run_on_rank0(lambda: newer_than_folder(target, step), task="look at the checkpoint folder"):
-                persist_own(newest, target, live, background=False)
+        persist_newest(self.newest, target, self.live)
         if rank_info().local_rank == 0:
             remove_snapshots(self.folder)
         else:
