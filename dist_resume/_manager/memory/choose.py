@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..._core.errors import DistResumeError
 from ..._core.location import Location
 from ..._core.log import log_rank0, shown_path
 from ..._core.rank import global_rank
@@ -15,6 +16,7 @@ from ..._dist.comm import all_gather_objects
 from ..._dist.env import is_distributed, rank_info
 from ..._memory import Snapshot, newest_snapshot, remove_snapshots, snapshots
 from ..._memory.place import shm_root
+from .fetch import fetch_to_rank0
 from .shards import own_part
 
 __all__ = ["MemoryChoice", "choose_snapshot", "forget_stale"]
@@ -38,8 +40,9 @@ def choose_snapshot(folder: Location, folder_step: int | None, *, sharded: bool 
     checkpoint (``folder_step``), or None. Collective under torch.distributed (one all-gather).
 
     Every rank lists its node's complete snapshots (CRC-32 checked); a step every rank holds is read by every rank from
-    its own node, a step only rank 0's node holds is read by rank 0 and broadcast (a node replaced). A damaged snapshot
-    is never chosen (one WARNING). ``sharded`` (an FSDP2 model): each rank lists its own part's snapshots, both slots,
+    its own node, a step only rank 0's node holds is read by rank 0 and broadcast (a node replaced), and a newer step
+    only other nodes hold is first copied into rank 0's node's memory over the process group, then read by rank 0 and
+    broadcast (a node replaced where rank 0 now runs). A damaged snapshot is never chosen (one WARNING). ``sharded`` (an FSDP2 model): each rank lists its own part's snapshots, both slots,
     taken at this world size, and only a step every rank holds is chosen (no rank holds another's shards)."""
     mine = _own_steps(folder) if sharded else _complete_steps(folder)
     everyone: list[dict[int, Snapshot]] = all_gather_objects(mine) if is_distributed() else [mine]
@@ -48,6 +51,11 @@ def choose_snapshot(folder: Location, folder_step: int | None, *, sharded: bool 
     on_rank0 = set() if sharded else set(everyone[0])
     best = max((s for s in everywhere if s >= floor), default=None)
     sent = max((s for s in on_rank0 if s >= floor), default=None)
+    newest = max((s for held in everyone for s in held if s >= floor), default=None)
+    if not sharded and newest is not None and newest not in on_rank0 and (best is None or newest > best):
+        fetched = _fetched(folder, everyone, newest)  # only other nodes hold it: bring it to rank 0's node first
+        if fetched is not None:
+            return MemoryChoice(newest, fetched.path, fetched if global_rank() == 0 else mine.get(newest), True)
     if sent is not None and (best is None or sent > best):
         return MemoryChoice(sent, everyone[0][sent].path, mine.get(sent), broadcast=is_distributed())
     if best is None:
@@ -58,10 +66,30 @@ def choose_snapshot(folder: Location, folder_step: int | None, *, sharded: bool 
                 shown_path(folder),
                 "not every rank's shards of one step (an FSDP2 rank restores from its own only)"
                 if sharded
-                else "not on rank 0's node nor on every node",
+                else "not on every node, and it could not be brought to rank 0's",
             )
         return None
     return MemoryChoice(best, mine[best].path, mine[best], broadcast=False, sharded=sharded)
+
+
+def _fetched(folder: Location, everyone: list[dict[int, Snapshot]], step: int) -> Snapshot | None:
+    """The snapshot of ``step``, which only nodes other than rank 0's hold, copied into rank 0's node's memory from the
+    lowest rank that holds it (:func:`~.fetch.fetch_to_rank0`); rank 0's copy (the holder's record on the other ranks),
+    or None with one WARNING when the transfer failed. Collective."""
+    holder = min(rank for rank, held in enumerate(everyone) if step in held)
+    try:
+        copy = fetch_to_rank0(folder, everyone[holder][step], holder)
+    except DistResumeError as err:
+        log_rank0(
+            logging.WARNING,
+            "the snapshot of step %d of %s is on rank %d's node only and could not be brought to rank 0's (%s)",
+            step,
+            shown_path(folder),
+            holder,
+            err,
+        )
+        return None
+    return copy if copy is not None else everyone[holder][step]
 
 
 def _complete_steps(folder: Location) -> dict[int, Snapshot]:
