@@ -80,3 +80,23 @@ def resumed_at_one(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     assert result is not None
     shm = Path(folder).parent / "shm"
     return {"resumed": (result.step, result.source), "kept": sorted(p.name for p in shm.rglob("*.json"))}
+
+
+def uneven_commits(rank: int, world_size: int, folder: str) -> list[str]:
+    """Snapshots of steps 1 and 2, rank 1's record of step 2 then lost (a SIGTERM in the middle of its commit): the
+    write at an unplanned end takes step 1, the newest every rank holds."""
+    from dist_resume._manager.memory.shards import own_part, persist_newest
+
+    model, opt = _sharded(_mesh(world_size), 0)
+    mgr = dr.CheckpointManager(folder, model=model, optimizer=opt)
+    for step in (1, 2):
+        _train(model, opt, 1, seed=step)
+        mgr.snapshot(step)
+    if rank == 1:
+        store = mgr._memory.newest.path.parent  # type: ignore[union-attr]
+        (store / f"{own_part(1)}.{mgr._memory.newest.slot}.json").unlink()  # type: ignore[union-attr]
+    dist.barrier()
+    persist_newest(mgr._memory.folder, mgr._target(), mgr._memory.live, mgr._memory.exit_group)
+    written = sorted(p.name for p in Path(folder).glob("ckpt_*"))
+    mgr.close()
+    return written

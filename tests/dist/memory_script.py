@@ -131,6 +131,7 @@ def main() -> None:
             if step == args.kill_rank1_at and rank == 1 and generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.preempt_at and generation == 1:
+                dist.barrier()  # every rank's snapshot of K committed (else the ranks write the step before)
                 if rank == 0:
                     os.kill(os.getppid(), signal.SIGTERM)
                 time.sleep(60)  # torchrun's SIGTERM ends it: the handlers write the newest snapshot into the folder

@@ -95,3 +95,11 @@ def test_snapshots_of_another_world_size_are_not_used_and_are_kept(tmp_path: Pat
     (result,) = run_ranks(MW.resumed_at_one, 1, tmp_path=tmp_path, args=(folder,), env=env)
     assert result["resumed"] == (2, "folder"), result
     assert result["kept"] == sorted(f"shards-0000{r}.{s}.json" for r in (0, 1) for s in "ab"), result
+
+
+def test_the_write_at_an_unplanned_end_takes_the_newest_step_every_rank_holds(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"DIST_RESUME_SHM_DIR": str(shm)}
+    results = run_ranks(MW.uneven_commits, 2, tmp_path=tmp_path, args=(str(tmp_path / "run"),), env=env)
+    assert results == [["ckpt_00000001.dcp"], ["ckpt_00000001.dcp"]], results

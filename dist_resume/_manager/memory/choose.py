@@ -104,7 +104,7 @@ def _own_steps(folder: Location) -> dict[int, Snapshot]:
     step, both slots (CRC-32 checked, a damaged one left out with one WARNING); ``{}`` without shared memory."""
     if shm_root() is None:
         return {}
-    world_size = dist.get_world_size() if is_distributed() else 1
+    world_size = dist.get_world_size()
     own = snapshots(folder, part=own_part(global_rank()), verify=True)
     other = sorted({s.metadata.get("world_size") for s in own} - {world_size}, key=str)
     if other:

@@ -32,7 +32,7 @@ from ..._dist.groups import gloo_group
 from ..._foreign.own_shards import own_shards, with_saved_shards
 from ..._foreign.sharded import split_payload
 from ..._format.load import load_torch_file
-from ..._memory import PendingSnapshot, Snapshot, mark_persisted
+from ..._memory import PendingSnapshot, Snapshot, mark_persisted, snapshots
 from ..._save.async_save import finish_sharded_in_background, wait_pending
 from ..._save.save import build_payload
 from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
@@ -40,7 +40,16 @@ from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
 from .write import begin_write
 
-__all__ = ["EXIT_WAIT_S", "own_part", "begin_own", "held_everywhere", "persist_own", "persist_newest", "exit_group"]
+__all__ = [
+    "EXIT_WAIT_S",
+    "own_part",
+    "begin_own",
+    "held_everywhere",
+    "persist_own",
+    "persist_newest",
+    "own_snapshots",
+    "exit_group",
+]
 
 EXIT_WAIT_S: Final = 20.0
 """How long a collective of the copy at an unplanned end waits for a rank (torchrun gives a stopped worker 30 s)."""
@@ -108,19 +117,28 @@ def persist_own(
     return dest
 
 
-def persist_newest(newest: Snapshot | None, target: SaveTarget, live: LiveObjects | None, group: Any = None) -> bool:
-    """Write the newest snapshot into the folder now (:func:`persist_own`) when every rank's newest is of one step, not
-    copied yet, and newer than the folder's newest checkpoint; whether it did. Collective on ``group`` (None: the
+def own_snapshots(folder: Location, *, verify: bool) -> dict[int, Snapshot]:
+    """This rank's complete snapshots of its own shards (:func:`own_part`) taken at this world size, by their step, both
+    slots (``verify``: CRC-32 checked, a damaged one left out with one WARNING). Local."""
+    world_size = dist.get_world_size()
+    own = snapshots(folder, part=own_part(dist.get_rank()), verify=verify)
+    return {s.step: s for s in own if s.metadata.get("world_size") == world_size}
+
+
+def persist_newest(folder: Location, target: SaveTarget, live: LiveObjects | None, group: Any = None) -> bool:
+    """Write the newest step every rank holds a snapshot of into the folder now (:func:`persist_own`) when it is newer
+    than the folder's newest checkpoint; whether it did. Each rank's two slots count, so a rank whose newest commit did
+    not end (a SIGTERM in the middle of it) still has the previous step written. Collective on ``group`` (None: the
     default group)."""
-    unsaved = None if newest is None or newest.persisted else newest.step
-    with collective_step("asking every rank for its newest snapshot", CheckpointWriteError):
-        steps: list[int | None] = all_gather_objects(unsaved, group=group)
-    step = steps[0]
-    if newest is None or live is None or step is None or any(s != step for s in steps):
+    mine = own_snapshots(folder, verify=False)
+    with collective_step("asking every rank for its snapshots", CheckpointWriteError):
+        held: list[list[int]] = all_gather_objects(sorted(mine), group=group)
+    step = max(set(held[0]).intersection(*held[1:]), default=None)
+    if live is None or step is None:
         return False
     if not run_on_rank0(lambda: newer_than_folder(target, step), task="look at the checkpoint folder", group=group):
         return False
-    return persist_own(newest, target, live, background=False, group=group) is not None
+    return persist_own(mine[step], target, live, background=False, group=group) is not None
 
 
 def exit_group() -> Any:

@@ -231,7 +231,7 @@ class MemoryTier:
         if self.sharded:
             if not alone and self.exit_group is not None:
                 try:
-                    persist_newest(self.newest, target, self.live, self.exit_group)
+                    persist_newest(self.folder, target, self.live, self.exit_group)
                 except Exception as err:
                     logger.warning(
                         "at exit, the ranks did not write the newest snapshot into %s together (%s); it stays in "
@@ -268,7 +268,7 @@ class MemoryTier:
         as a sharded checkpoint folder now; then each node's memory freed. Collective."""
         self._join_commit(raising=False)  # no record may follow the removal
         wait_pending()  # a save(step) copying a snapshot in the background
-        persist_newest(self.newest, target, self.live)
+        persist_newest(self.folder, target, self.live)
         if rank_info().local_rank == 0:
             remove_snapshots(self.folder)
         else:
