@@ -17,6 +17,7 @@ from .._core.log import log_rank0, shown_path
 from .._core.types import PathLike
 from .._dist.agree import agree_across_ranks
 from .._dist.checkin import check_in
+from .._dist.ddp_buckets import DDP_BUCKETS, parse_layout, replay_layout
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
@@ -204,6 +205,8 @@ def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions, 
     parts = plan.parts
     if "optimizer" in restored and objects.optimizer is not None:
         check_first_step(objects.model, objects.optimizer)  # a model.to() after this: named at the first step
+    if "model" in restored:  # DDP's first step reduces in the saved run's buckets (collective for a DDP model)
+        replay_layout(objects.model, parse_layout(parts.meta.get(DDP_BUCKETS), f"checkpoint {str(contents.path)!r}"))
     if began is not None:
         log_rank0(logging.INFO, "%s", _resumed_line(contents.path, parts, restored, time.perf_counter() - began))
     return ResumeResult(

@@ -11,6 +11,7 @@ from .._core.errors import NotACheckpointError
 from .._core.text import article, described, preview
 from .._core.untrusted import untrusted
 from .._core.version import __version__
+from .._dist.ddp_buckets import DDP_BUCKETS, parse_layout
 from .detect import detect_parts, overrides
 from .kinds import as_int, is_state_dict
 
@@ -183,6 +184,7 @@ def _check_meta(meta: Mapping[str, Any], source: str) -> None:
                 f"{article(type(value).__name__)}, not {article(types[0].__name__)} (the file is damaged or was "
                 "edited); resume from another checkpoint"
             )
+    parse_layout(meta.get(DDP_BUCKETS), source)  # DDP's bucket layout, replayed at the first step after a resume
 
 
 def split_checkpoint(

@@ -24,6 +24,7 @@ from .._core.types import PathLike
 from .._core.version import __version__
 from .._dist.checkin import check_in
 from .._dist.comm import collective_step, run_on_rank0
+from .._dist.ddp_buckets import DDP_BUCKETS, saved_layout
 from .._dist.env import is_distributed
 from .._exact.data import loop_epoch, stateful_data
 from .._exact.rank_states import gather_rank_states, merge_rank_states
@@ -80,8 +81,10 @@ def build_payload(
     world_size: int = 1,
     rng: list[dict[str, Any]] | None = None,
     sampler: dict[str, Any] | None = None,
+    ddp_buckets: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata."""
+    """The dict a dist_resume checkpoint holds: canonical model keys, canonical optimizer names, metadata
+    (``ddp_buckets``: :func:`~dist_resume._dist.ddp_buckets.saved_layout`, read on every rank)."""
     problem = structure_problem(extra)  # before the recursive check below; a reader would refuse it too
     if problem is not None:
         raise CheckpointWriteError(
@@ -108,6 +111,8 @@ def build_payload(
             "saved_at": time.time(),
         },
     }
+    if ddp_buckets is not None:  # DDP's bucket layout, so that a resume's first step reduces in it
+        payload[Key.META][DDP_BUCKETS] = ddp_buckets
     if optimizer is not None:
         payload[Key.OPTIMIZER] = canonical_optimizer_state(optimizer, model)
     if objects.scheduler is not None:
@@ -137,6 +142,7 @@ def prepare_payload(
     data = objects.data
     position = data if data is None or isinstance(data, Mapping) else data.state_dict()
     epoch = loop_epoch(epoch, position, data)
+    buckets = saved_layout(objects.model)  # every rank: it may rebuild DDP's buckets now, a collective
     rank_states = None
     if rng or position is not None:
         with collective_step("gathering every rank's RNG and sampler state for the checkpoint", CheckpointWriteError):
@@ -147,7 +153,14 @@ def prepare_payload(
     def build() -> dict[str, Any]:
         rng_states, sampler_state = merge_rank_states(rank_states) if rank_states else (None, None)
         return build_payload(
-            objects, step=step, epoch=epoch, extra=extra, world_size=world_size, rng=rng_states, sampler=sampler_state
+            objects,
+            step=step,
+            epoch=epoch,
+            extra=extra,
+            world_size=world_size,
+            rng=rng_states,
+            sampler=sampler_state,
+            ddp_buckets=buckets,
         )
 
     return build, epoch

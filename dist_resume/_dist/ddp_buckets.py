@@ -1,0 +1,119 @@
+"""A DDP resume reduces its first step in the uninterrupted run's bucket layout, so it stays bitwise past 2 ranks.
+
+A new ``DistributedDataParallel`` reduces its first iteration in one bucket and rebuilds its buckets at the next
+forward (FACTS 42): an uninterrupted run's step ``k + 1`` is on the rebuilt buckets, a run resumed at ``k`` reduces
+that step in one bucket, and past 2 ranks a ring all-reduce then adds each element in another order. A save records
+the layout the DDP reduces in (``meta["ddp_buckets"]``: each bucket's parameter indices); a resume gives the live
+DDP, before its first forward, a reducer with that layout (:func:`dist_resume._core.torch_ddp.install_layout`). Its
+first step then reduces every element in the same order as the uninterrupted run's, and at the next forward it
+rebuilds from its own gradient-ready order, which is the uninterrupted run's (FACTS 47).
+
+Every rank installs the layout or none does (one all-gather of each rank's decision): a layout on some ranks only
+would make the ranks' bucket all-reduces differ in size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+import torch.distributed as dist
+from torch import nn
+
+from .._core.errors import CheckpointCorruptError
+from .._core.log import log_rank0
+from .._core.text import described
+from .._core.torch_ddp import (
+    BucketLayout,
+    bucket_layout_of,
+    ddp_started,
+    find_ddp,
+    install_layout,
+    reduced_parameters,
+    unsupported_reason,
+)
+from .comm import all_gather_objects
+
+__all__ = ["DDP_BUCKETS", "saved_layout", "parse_layout", "replay_layout"]
+
+DDP_BUCKETS: Final = "ddp_buckets"
+"""The ``meta`` entry that holds the layout: a list of buckets, each a list of parameter indices."""
+
+
+def saved_layout(model: nn.Module) -> list[list[int]] | None:
+    """What a save records for ``model`` under ``meta["ddp_buckets"]``: the layout its DDP reduces in, or None (not
+    DDP, or not rebuilt yet: its next step is a first step in one bucket, as a resumed DDP's). Local."""
+    ddp = find_ddp(model)
+    layout = None if ddp is None else bucket_layout_of(ddp)
+    return None if layout is None else [list(bucket) for bucket in layout]
+
+
+def parse_layout(value: Any, source: str) -> BucketLayout | None:
+    """``meta["ddp_buckets"]`` as read from a checkpoint: None, or a layout (a non-empty list of non-empty lists of
+    distinct non-negative ints, each below their count); anything else raises :class:`CheckpointCorruptError`."""
+    if value is None:
+        return None
+    problem = _problem(value)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{source}: its meta entry {DDP_BUCKETS!r} is {described(value, 60)}: {problem} (the file is damaged or "
+            "was edited); resume from another checkpoint"
+        )
+    return tuple(tuple(bucket) for bucket in value)
+
+
+def _problem(value: Any) -> str | None:
+    if type(value) is not list or not value:
+        return "not a non-empty list of buckets"
+    if any(type(bucket) is not list or not bucket for bucket in value):
+        return "a bucket is not a non-empty list of parameter indices"
+    indices = [i for bucket in value for i in bucket]
+    if any(type(i) is not int for i in indices):
+        return "a parameter index is not an int"
+    if sorted(indices) != list(range(len(indices))):
+        return f"its {len(indices)} indices are not each parameter's index once"
+    return None
+
+
+def replay_layout(model: nn.Module, layout: BucketLayout | None) -> bool:
+    """Give ``model``'s DDP the saved bucket ``layout`` before its first step; whether it did.
+
+    Collective when ``model`` is (or wraps) a ``DistributedDataParallel`` and ``layout`` is not None (every rank
+    installs it or none does); local and a no-op otherwise. When it cannot (the DDP already ran a forward pass, another
+    parameter count, a built-in comm hook, ...), the first step after the resume reduces in one bucket as any new DDP
+    does: rank 0 says why once (WARNING past 2 ranks, where it changes the sums' last bits).
+    """
+    ddp = find_ddp(model)
+    if ddp is None or layout is None:
+        return False
+    reason = _local_reason(ddp, layout)
+    decisions = all_gather_objects((layout, reason), group=ddp.process_group)
+    reasons = [f"rank {rank}: {why}" for rank, (_, why) in enumerate(decisions) if why is not None]
+    if not reasons and any(saved != layout for saved, _ in decisions):
+        reasons = ["the ranks read different layouts"]
+    if reasons:
+        world = dist.get_world_size(ddp.process_group)
+        log_rank0(
+            logging.WARNING if world > 2 else logging.INFO,
+            "DDP's first step after this resume reduces its gradients in one bucket, not in the layout the saved run "
+            "reduced in (%s): at %d ranks its sums can differ from an uninterrupted run's in their last bits "
+            "(docs/exact-resume.md#ddp-buckets)",
+            "; ".join(reasons),
+            world,
+        )
+        return False
+    install_layout(ddp, layout)
+    return True
+
+
+def _local_reason(ddp: Any, layout: BucketLayout) -> str | None:
+    if ddp_started(ddp):
+        return "the DDP model ran a forward pass before the resume; resume before training"
+    unsupported = unsupported_reason(ddp)
+    if unsupported is not None:
+        return unsupported
+    count = len(reduced_parameters(ddp))
+    saved = sum(len(bucket) for bucket in layout)
+    if saved != count:
+        return f"the checkpoint's layout has {saved} parameters, this DDP reduces {count}"
+    return None
