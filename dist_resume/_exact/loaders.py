@@ -2,16 +2,15 @@
 
 Both kinds have ``state_dict()`` (this rank's position, gathered with its RNG state at a save), ``check_state``
 (validation, changes nothing: the plan calls it) and ``load_state_dict`` (a checkpoint's position, or what
-``state_dict()`` returned), and make the iterators of a resumed epoch draw nothing from the global RNG
-(:mod:`.resumed_iterators`).
+``state_dict()`` returned), and install the loader's hooks (:mod:`.loader_hooks`: the count of what the loop got,
+per-sample streams, iterators of a resumed epoch that draw nothing from the global RNG).
 
 - :class:`LoaderPosition`, torch's ``DataLoader`` over a :class:`ResumableDistributedSampler`. With
-  ``num_workers=0`` the sampler's position is what the loop trained on. With ``persistent_workers=True`` the loader
-  keeps its one iterator, which counts the batches it handed to the loop (FACTS 36) in the sampler's newest pass,
-  even once the workers drew that pass to its end and the sampler moved on: that count is the position. With
-  workers but without ``persistent_workers`` the loader keeps no reference to the iterator the loop holds, so what
-  the loop consumed is out of sight: the first save warns (rank 0, once) with the ways to an exact position and
-  saves the sampler's own, which is ahead by the prefetched batches.
+  ``num_workers=0`` the sampler's position is what the loop trained on. With workers, persistent or not, the
+  loader's hooks (:mod:`.loader_hooks`) count the batches its newest iterator handed to the loop in the sampler's
+  newest pass, even once the workers drew that pass to its end and the sampler moved on: that count is the position.
+  Batches that cannot be counted in samples (a ``batch_sampler`` of the user's own, ``in_order=False``) leave the
+  sampler's own position, ahead by the prefetched batches: the first save warns (rank 0, once).
 - :class:`StatefulLoaderPosition`, torchdata's ``StatefulDataLoader``: each rank's own state
   (:mod:`.stateful_loader`), under the position's ``"loader"`` key, next to the sampler's exact position.
 """
@@ -26,8 +25,8 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0
-from .._core.torch_compat import batches_yielded, live_loader_iterator
-from .resumed_iterators import resume_iterators, stop_resuming_iterators
+from .._core.torch_loader import batches_yielded, live_loader_iterator
+from .loader_hooks import hooks_of
 from .sampler import ResumableDistributedSampler, check_sampler_state
 from .stateful_loader import (
     LoaderRestore,
@@ -43,11 +42,14 @@ from .stateful_loader import (
 __all__ = ["LoaderPosition", "StatefulLoaderPosition", "prefetch_warning", "warn_prefetch_once"]
 
 _NO_ITERATOR: Final = (
-    "dataloader= is a DataLoader with %d worker(s) and prefetch_factor=%d that keeps no reference to its iterator "
-    "(persistent_workers=False), so a checkpoint cannot see what the loop trained on: the saved position counts the "
-    "batches the workers prefetched too, and a resume would skip them. Build it with persistent_workers=True "
-    "(exact), use torchdata's StatefulDataLoader (exact), or save dataloader=sampler.state_dict(consumed=<samples "
-    "this rank trained on in this pass>) (CheckpointManager.save: sampler=...)"
+    "dataloader= is a DataLoader with %d worker(s) and prefetch_factor=%d whose iterator was created before "
+    "dist_resume was given the loader, and it keeps no reference to it (persistent_workers=False), so this save "
+    "cannot see what the loop trained on: the saved position counts the batches the workers prefetched too, and a "
+    "resume would skip them. Give the loader to dist_resume before iterating it (CheckpointManager(dataloader=...), "
+    "or resume(..., dataloader=...) before the loop: from its next iterator on the position is exact), build it "
+    "with persistent_workers=True, use torchdata's StatefulDataLoader, or save "
+    "dataloader=sampler.state_dict(consumed=<samples this rank trained on in this pass>) "
+    "(CheckpointManager.save: sampler=...)"
 )
 _UNCOUNTED: Final = (
     "the DataLoader's batches cannot be counted in samples (a batch_sampler other than torch's BatchSampler, or "
@@ -80,8 +82,10 @@ def _batching(loader: DataLoader[Any]) -> tuple[int, bool] | None:
 
 
 def prefetch_warning(loader: Any) -> str | None:
-    """The warning for a plain ``DataLoader`` whose workers prefetch from a ``ResumableDistributedSampler`` where no
-    checkpoint can count what the loop trained on, or None (``num_workers=0``, persistent workers). Local."""
+    """The warning for a plain ``DataLoader`` whose workers prefetch from a ``ResumableDistributedSampler`` where a
+    save may not see what the loop trained on, or None (``num_workers=0``, persistent workers). Local: batches that
+    cannot be counted in samples, or (the caller decides when) an iterator created before dist_resume saw the loader.
+    """
     if loader.num_workers == 0 or is_stateful_loader(loader):
         return None
     if not isinstance(loader_sampler(loader), ResumableDistributedSampler):
@@ -112,9 +116,9 @@ def _trained(sampler: ResumableDistributedSampler, batches: int, size: int, drop
     return length if batches >= total else batches * size
 
 
-def _counted(sampler: ResumableDistributedSampler, iterator: Any, batching: tuple[int, bool]) -> dict[str, Any]:
-    """The sampler's state at what ``iterator`` handed to the loop: the batches it yielded, counted in samples."""
-    trained = _trained(sampler, batches_yielded(iterator), *batching)
+def _counted(sampler: ResumableDistributedSampler, batches: int, batching: tuple[int, bool]) -> dict[str, Any]:
+    """The sampler's state at the ``batches`` its newest pass's iterator handed to the loop, counted in samples."""
+    trained = _trained(sampler, batches, *batching)
     if trained > sampler._yielded:  # set_epoch or load_state_dict since the iterator's pass: that position
         return sampler.state_dict()
     return sampler.state_dict(consumed=trained)
@@ -133,20 +137,30 @@ class LoaderPosition:
     def __init__(self, loader: DataLoader[Any], sampler: Any) -> None:
         self.loader = loader
         self.sampler = sampler
+        self.hooks = hooks_of(loader)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: the sampler's state dict, counted in what the loop got. Local."""
         loader, sampler = self.loader, self.sampler
         if not isinstance(sampler, ResumableDistributedSampler):
             return dict(sampler.state_dict())
-        iterator = live_loader_iterator(loader) if _persistent(loader) else None
         batching = _batching(loader)
-        if iterator is None or batching is None:
+        if loader.num_workers > 0 and batching is None:
             if sampler._pass:  # drawn from (or loaded) already: not the snapshot a resume takes of a fresh loader
                 warn_prefetch_once(loader)
             return sampler.state_dict()
-        sampler._warned_prefetch = True  # the loader's count is the position: nothing for the sampler to say
-        return _counted(sampler, iterator, batching)
+        if loader.num_workers == 0:
+            return sampler.state_dict()  # the main process loads: the sampler gave out what the loop got
+        if self.hooks.pass_token == sampler._pass:  # the newest pass is one of the loader's counted iterators'
+            sampler._warned_prefetch = True  # the loop's count is the position: nothing for the sampler to say
+            return _counted(sampler, self.hooks.batches, batching)  # type: ignore[arg-type]
+        live = live_loader_iterator(loader)
+        if live is not None:  # persistent workers started before dist_resume saw the loader: its own count
+            sampler._warned_prefetch = True
+            return _counted(sampler, batches_yielded(live), batching)  # type: ignore[arg-type]
+        if sampler._prefetching is not None and sampler._yielded > 0:  # drawn by workers the hooks did not start
+            warn_prefetch_once(loader)
+        return sampler.state_dict()
 
     def check_state(self, state: Any, source: str) -> None:
         """Raise :class:`StateMismatchError` when ``state`` cannot be loaded; change nothing. Local."""
@@ -154,16 +168,16 @@ class LoaderPosition:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``: the sampler's position, and the resumed epoch's iterators. Local."""
-        loader, sampler = self.loader, self.sampler
+        loader, sampler, hooks = self.loader, self.sampler, self.hooks
         sampler.load_state_dict(state)
         if not isinstance(sampler, ResumableDistributedSampler) or live_loader_iterator(loader) is not None:
-            stop_resuming_iterators(loader)
+            hooks.stop_resuming()
         elif _persistent(loader) and (sampler.epoch, sampler.consumed) != (0, 0):  # its one iterator existed then
-            resume_iterators(loader, epoch=None, first_only=True)
+            hooks.resume(epoch=None, first_only=True)
         elif not _persistent(loader) and sampler.consumed > 0:  # mid-epoch: that epoch's iterators existed at the save
-            resume_iterators(loader, epoch=sampler.epoch, first_only=False)
+            hooks.resume(epoch=sampler.epoch, first_only=False)
         else:
-            stop_resuming_iterators(loader)
+            hooks.stop_resuming()
 
 
 class StatefulLoaderPosition:
@@ -172,6 +186,7 @@ class StatefulLoaderPosition:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.sampler = loader_sampler(loader)
+        self.hooks = hooks_of(loader)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: ``{"loader": its entry}`` and the sampler's position at the top. Local."""
@@ -187,7 +202,7 @@ class StatefulLoaderPosition:
             if not entry["state"]:
                 position = sampler.state_dict()
             elif _untracked(loader) and iterator is not None and batching is not None:
-                position = _counted(sampler, iterator, batching)
+                position = _counted(sampler, batches_yielded(iterator), batching)
             elif _untracked(loader) and not sampler._warned_prefetch:
                 sampler._warned_prefetch = True
                 log_rank0(logging.WARNING, _UNTRACKED, type(loader.batch_sampler).__name__)
@@ -201,16 +216,16 @@ class StatefulLoaderPosition:
         """Continue from ``state`` (every rank's entries, or this rank's from :meth:`state_dict`). Local."""
         restore = self._plan(state, "the dataloader state")
         restore_loader(restore)
-        loader, position = self.loader, restore.position
+        loader, position, hooks = self.loader, restore.position, self.hooks
         if restore.mode is RestoreMode.SAMPLER or not restore.state:
             if position is not None and position["consumed"] > 0:
-                resume_iterators(loader, epoch=position["epoch"], first_only=_persistent(loader))
+                hooks.resume(epoch=position["epoch"], first_only=_persistent(loader))
             else:
-                stop_resuming_iterators(loader)
+                hooks.stop_resuming()
         elif _persistent(loader):
-            resume_iterators(loader, epoch=None, first_only=True)
+            hooks.resume(epoch=None, first_only=True)
         else:  # every iterator of the resumed epoch starts from the state (the tutorial's peek takes one)
-            resume_iterators(loader, epoch=getattr(self.sampler, "epoch", None), first_only=False, state=restore.state)
+            hooks.resume(epoch=getattr(self.sampler, "epoch", None), first_only=False, state=restore.state)
 
     def _plan(self, state: Any, source: str) -> LoaderRestore:
         if not isinstance(state, Mapping):

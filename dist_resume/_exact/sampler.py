@@ -10,11 +10,12 @@ from typing import Any, Final
 import torch
 from torch.utils.data import Sampler
 
-from .._core import torch_compat
+from .._core import torch_loader
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import rank_and_world
 from .._core.text import described
+from .sample_streams import SampleIndex, stream_seed
 from .sampler_config import SamplerConfig
 
 __all__ = [
@@ -78,7 +79,10 @@ class ResumableDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        sample_streams: bool = True,
     ) -> None:
+        if not isinstance(sample_streams, bool):
+            raise TypeError(f"sample_streams must be a bool, got {type(sample_streams).__name__} {sample_streams!r}")
         if num_replicas is None or rank is None:
             cur_rank, cur_world = rank_and_world()
             num_replicas = cur_world if num_replicas is None else num_replicas
@@ -93,6 +97,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self._pass = 0  # bumped by every new pass, set_epoch and load_state_dict: older iterators stop
         self._prefetching: tuple[int, int] | None = None  # (workers, prefetch) of a DataLoader drawing ahead
         self._warned_prefetch = False
+        #: yield each index tagged with its sample's stream seed (:mod:`.sample_streams`): draws in DataLoader workers
+        self.sample_streams = sample_streams
 
     num_samples = property(lambda self: self._cfg.num_samples, doc="Length of the dataset.")
     num_replicas = property(lambda self: self._cfg.num_replicas, doc="Ranks sharing each epoch.")
@@ -140,17 +146,18 @@ class ResumableDistributedSampler(Sampler[int]):
         self._pass += 1
         token, start, w = self._pass, self._resume_at, self._cfg.num_replicas
         self._pass_epoch, self._start, self._yielded = self._epoch, start, 0
-        self._prefetching = torch_compat.drawing_loader_workers() or self._prefetching
+        self._prefetching = torch_loader.drawing_loader_workers() or self._prefetching
         order = self._order(self._epoch)
         rest = order[start:]
         total = self._share(start) * w
         if total > len(rest):  # pad the final round from the start of the permutation
             rest += (order * math.ceil((total - len(rest)) / len(order)))[: total - len(rest)]
+        seed, epoch = self._cfg.seed, self._epoch
         for index in rest[self._cfg.rank : total : w]:
             if self._pass != token:
                 return  # superseded by a newer pass, set_epoch or load_state_dict
             self._yielded += 1
-            yield index
+            yield SampleIndex(index, stream_seed(seed, epoch, index)) if self.sample_streams else index
         if self._pass == token:  # the pass stays the newest (a loop may still train on what workers drew)
             self._epoch, self._resume_at = self._epoch + 1, 0
 
