@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep", action="store_true", help="keep both checkpoint folders and the logs; print their paths")
     p.add_argument(
+        "--strict-extra",
+        action="store_true",
+        help="count a difference in extra (the script's own entries, such as args written after a resume) as a "
+        "difference; by default the resume is exact when only extra differs, and the keys that differ are named",
+    )
+    p.add_argument(
         "command_argv",  # not "command": that is the subcommand's name (report_error says it)
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND",
