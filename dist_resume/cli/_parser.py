@@ -108,7 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="with --into: the step to write the checkpoint at, instead of the one SRC records (needed when SRC "
-        "records none)",
+        "records neither a step nor an epoch)",
+    )
+    p.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        metavar="K",
+        help="with --into, for a SRC that records an epoch but no step (torchvision's and timm's checkpoint.pth): "
+        "the step is the epochs before the one the run continues in times K (without it: 0, the epoch set)",
     )
     p.add_argument(
         "--to",
