@@ -75,7 +75,7 @@ def convert_into_folder(
 
     ``src`` is anything ``resume`` reads: a torch file in any layout (nanoGPT's ``ckpt.pt``, a Lightning ``.ckpt``,
     this toolkit's files), an HF Trainer, Accelerate, DCP or sharded checkpoint folder, a ``.safetensors`` file.
-    The step and the epoch are where the source's own resume would continue (:mod:`.resume_point`): ``step``
+    The step and the epoch are where the source's own resume would continue: ``step``
     defaults to the source's own (``meta.step``, Lightning's and HF's ``global_step``, a top-level
     ``iter_num``/``step``/``global_step``/..., an Accelerate folder named ``step_N``); the epoch is the one the next
     run continues in (``meta.epoch``, torchvision's and timm's finished ``epoch`` + 1, Lightning's fit loop, HF's
