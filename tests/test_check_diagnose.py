@@ -312,3 +312,14 @@ def test_a_ddp_resume_without_a_recorded_bucket_layout_is_named_past_two_ranks(t
         folder.mkdir()
         check = _check(folder, ref, got)
         assert check.causes == () and (check.diagnosis or "").startswith("no known cause fits"), (name, check.diagnosis)
+
+
+def test_a_prefetch_record_is_read_only_in_its_own_form() -> None:
+    # a file may hold anything under the key: only positive ints count, and a long WARNING is quoted cut
+    from dist_resume.cli.check._diagnose_setup import _prefetched
+
+    assert _prefetched({"workers": 2, "prefetch_factor": 3, "warning": 7}) == (2, 3, "")
+    for odd in (None, "2 workers", {"workers": True, "prefetch_factor": 2}, {"workers": 2, "prefetch_factor": -1}):
+        assert _prefetched(odd) is None, odd
+    long = _prefetched({"workers": 1, "prefetch_factor": 2, "warning": "w" * 5000})
+    assert long is not None and len(long[2]) == 1000 and long[2].endswith("...")

@@ -24,6 +24,7 @@ __all__ = ["prefetched_position", "ddp_first_step"]
 
 Found = tuple[Cause, str]
 _TRAINED: Final = frozenset({"model", "optimizer", "ema", "extra"})  # what the bucket order moves (and a loss log)
+_QUOTED: Final = 1000  # characters of the recorded WARNING quoted (a file may hold any string there)
 
 
 def _count(value: Any) -> int | None:
@@ -37,7 +38,9 @@ def _prefetched(entry: Any) -> tuple[int, int, str] | None:
     workers, factor, text = _count(entry.get("workers")), _count(entry.get("prefetch_factor")), entry.get("warning")
     if workers is None or factor is None:
         return None
-    return workers, factor, text if isinstance(text, str) else ""
+    if not isinstance(text, str):
+        text = ""
+    return workers, factor, text if len(text) <= _QUOTED else text[: _QUOTED - 3] + "..."
 
 
 def prefetched_position(ev: Evidence) -> Found | None:
