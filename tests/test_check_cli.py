@@ -223,6 +223,22 @@ def test_a_batch_held_across_the_save_is_named_with_its_evidence() -> None:
         assert unfounded not in text, unfounded
 
 
+def test_a_loader_whose_position_counts_prefetched_batches_is_named_from_what_its_checkpoints_record() -> None:
+    # torchvision's detection loader: workers, no generator=, a batch sampler of its own that no save can count. Its
+    # checkpoints record that the position counts the prefetched batches (with the first save's WARNING): the cause
+    # is the data position, with that WARNING's fixes, whatever else follows from it
+    train = [sys.executable, TRAIN, "{dir}", "--bug", "prefetch", "--save-every", "5", "--steps", "30"]  # mid-epoch
+    check = dist_resume.testing.check_resume(train, interrupts=1, timeout=60)
+    assert not check.exact and check.causes == (Cause.DATA_POSITION,), check.report()
+    first = check.first_difference
+    assert first is not None and first.written_by == 2 and "data position" in {p.part for p in first.parts}
+    text = check.diagnosis or ""
+    assert "the checkpoints record that it counts the batches a DataLoader's 2 worker(s) prefetched (2 each)" in text
+    assert "(the WARNING its first save logged: " in text and "BatchSampler" in text  # its fixes, for this loader
+    for unfounded in ("RNG streams differ", "generator=", "persistent_workers", "held in a variable"):
+        assert unfounded not in text, unfounded
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(420)

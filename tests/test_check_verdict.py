@@ -46,9 +46,12 @@ def _folders(
     return folders
 
 
-def _verdict(tmp_path: Path, folders: tuple[Path, Path], by_launch_1: tuple[int, ...]) -> ResumeCheck:
+def _verdict(
+    tmp_path: Path, folders: tuple[Path, Path], by_launch_1: tuple[int, ...], *, strict_extra: bool = False
+) -> ResumeCheck:
     ref, launches = _runs(tmp_path, by_launch_1)
-    return verdict(["python", "train.py", "{dir}"], ref, launches, folders, asked=1, signal="KILL")
+    argv = ["python", "train.py", "{dir}"]
+    return verdict(argv, ref, launches, folders, asked=1, signal="KILL", strict_extra=strict_extra)
 
 
 def test_a_run_whose_relaunch_wrote_nothing_checked_nothing(tmp_path: Path) -> None:

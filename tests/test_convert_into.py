@@ -3,6 +3,7 @@ its step, so that ``CheckpointManager(FOLDER).resume()`` continues that run ther
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable
@@ -218,3 +219,70 @@ def test_a_foreign_folder_or_a_file_as_folder_is_refused(tmp_path: Path) -> None
     with pytest.raises(UsageError, match="non-negative"):
         tools.convert_into_folder(tmp_path / "ckpt.pt", tmp_path / "run", step=-1)
     assert not os.path.exists(tmp_path / "run")
+
+
+def write_reference_ckpt(path: Path, epoch: int, model_key: str = "model", **more: Any) -> nn.Module:
+    """A checkpoint as torchvision's classification reference saves it after epoch ``epoch`` (its save call,
+    reproduced: torchvision is not installed next to CPU torch, FACTS 44); timm's CheckpointSaver keeps the model
+    under ``model_key="state_dict"`` and adds ``more`` (``version``, ``arch``, ``metric``)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    args = argparse.Namespace(lr=0.1, epochs=90, start_epoch=0, output_dir=str(path.parent))
+    checkpoint = {
+        model_key: model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+        "args": args,
+        **more,
+    }
+    torch.save(checkpoint, path)
+    return model
+
+
+def test_torchvisions_finished_epoch_continues_at_the_next_and_says_so(tmp_path: Path, run: Run) -> None:
+    # torchvision's --resume continues at checkpoint["epoch"] + 1: the converted run must not train epoch 4 again
+    write_reference_ckpt(tmp_path / "checkpoint.pth", epoch=4)
+    code, out, err = run("convert", tmp_path / "checkpoint.pth", "--into", tmp_path / "run")
+    assert code == 0, err
+    assert out.splitlines()[-1].endswith(
+        "continues at step 0 (from the epoch: no step recorded, so 0 (--steps-per-epoch K: the epochs before it x "
+        "K)), epoch 5 (from key 'epoch' 4 + 1: torchvision's epoch is the one it finished)"
+    )
+    code, out, err = run(
+        "convert", tmp_path / "checkpoint.pth", "--into", tmp_path / "steps", "--steps-per-epoch", "100", "--json"
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["step"], report["epoch"]) == (500, 5)
+    assert report["step_from"] == "the epoch: no step recorded, so 5 epochs x --steps-per-epoch 100"
+    assert report["epoch_from"] == "key 'epoch' 4 + 1: torchvision's epoch is the one it finished"
+    path = tmp_path / "steps" / "ckpt_00000500.pt"
+    assert torch.load(path, weights_only=True)["extra"]["args"]["start_epoch"] == 0  # args as a plain dict
+    with dr.CheckpointManager(tmp_path / "steps", model=nn.Linear(3, 2)) as mgr:
+        resumed = mgr.resume()
+    assert resumed is not None and (resumed.step, resumed.epoch) == (500, 5)
+    code, _, err = run("convert", tmp_path / "checkpoint.pth", tmp_path / "out.pt", "--steps-per-epoch", "100")
+    assert code == 2 and "--steps-per-epoch applies to --into FOLDER only" in err
+    with pytest.raises(UsageError, match="positive int"):
+        tools.convert_into_folder(tmp_path / "checkpoint.pth", tmp_path / "zero", steps_per_epoch=0)
+
+
+def test_timms_epoch_is_finished_from_version_2_and_steps_are_taken_where_recorded(tmp_path: Path) -> None:
+    timm: dict[str, Any] = {"model_key": "state_dict", "arch": "resnet50", "version": 2, "metric": 0.5}
+    write_reference_ckpt(tmp_path / "last.pth.tar", epoch=7, **timm)
+    result = tools.convert_into_folder(tmp_path / "last.pth.tar", tmp_path / "v2")
+    assert (result.step, result.epoch) == (0, 8)
+    assert result.epoch_from == "key 'epoch' 7 + 1: timm's epoch is the one it finished"
+    write_reference_ckpt(tmp_path / "old.pth.tar", epoch=7, **{**timm, "version": 1})  # timm before version 2
+    result = tools.convert_into_folder(tmp_path / "old.pth.tar", tmp_path / "v1")
+    assert (result.epoch, result.epoch_from) == (7, "key 'epoch'")
+    # a step the file records wins over --steps-per-epoch; a file without either is refused as before
+    write_reference_ckpt(tmp_path / "stepped.pth", epoch=2, step=1234)
+    result = tools.convert_into_folder(tmp_path / "stepped.pth", tmp_path / "s", steps_per_epoch=100)
+    assert (result.step, result.step_from, result.epoch) == (1234, "key 'step'", 3)
+    write_nanogpt_ckpt(tmp_path / "ckpt.pt", 40)
+    nano = tools.convert_into_folder(tmp_path / "ckpt.pt", tmp_path / "n")  # iter_num, no epoch
+    assert (nano.step, nano.epoch, nano.epoch_from) == (40, None, None)

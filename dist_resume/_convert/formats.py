@@ -7,10 +7,9 @@ writer and the folder readers need them in memory).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from .._core import torch_compat
 from .._core.errors import KeyMismatchError, UsageError
+from .._core.tree import plain_namespaces
 from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
@@ -67,26 +67,6 @@ class WriterReport:
     renamed_keys: int
     param_names: int
     bytes_written: int
-
-
-def plain_namespaces(obj: Any) -> Any:
-    """``obj`` with every ``argparse.Namespace`` replaced by a plain dict (``vars(ns)``); dicts and lists change
-    in place, so objects found elsewhere (the model state dict) keep their identity. Local."""
-    if isinstance(obj, argparse.Namespace):
-        return {k: plain_namespaces(v) for k, v in vars(obj).items()}
-    if isinstance(obj, MutableMapping):
-        for k, v in list(obj.items()):
-            new = plain_namespaces(v)
-            if new is not v:
-                obj[k] = new
-        return obj
-    if isinstance(obj, list):
-        obj[:] = [plain_namespaces(v) for v in obj]
-        return obj
-    if type(obj) is tuple:
-        items = tuple(plain_namespaces(v) for v in obj)
-        return obj if all(a is b for a, b in zip(items, obj)) else items
-    return obj
 
 
 def _rekeyed(model: Mapping[str, Any], to: KeyForm, source: str) -> tuple[dict[str, Any], int]:

@@ -7,16 +7,25 @@ loaded pickle can hold a cycle or nest thousands deep, which no state dict does.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
 import torch
 
 from .text import article
 
-__all__ = ["map_tensors", "iter_tensors", "named_tensors", "structure_problem", "MAX_NESTING", "set_path"]
+__all__ = [
+    "map_tensors",
+    "iter_tensors",
+    "named_tensors",
+    "structure_problem",
+    "MAX_NESTING",
+    "set_path",
+    "plain_namespaces",
+]
 
 
 def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor, *, share_unchanged: bool = False) -> Any:
@@ -136,3 +145,23 @@ def set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
     if isinstance(node, list):
         node.extend([None] * (path[-1] + 1 - len(node)))
     node[path[-1]] = value
+
+
+def plain_namespaces(obj: Any) -> Any:
+    """``obj`` with every ``argparse.Namespace`` replaced by a plain dict (``vars(ns)``); dicts and lists change
+    in place, so objects found elsewhere (the model state dict) keep their identity. Local."""
+    if isinstance(obj, argparse.Namespace):
+        return {k: plain_namespaces(v) for k, v in vars(obj).items()}
+    if isinstance(obj, MutableMapping):
+        for k, v in list(obj.items()):
+            new = plain_namespaces(v)
+            if new is not v:
+                obj[k] = new
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [plain_namespaces(v) for v in obj]
+        return obj
+    if type(obj) is tuple:
+        items = tuple(plain_namespaces(v) for v in obj)
+        return obj if all(a is b for a, b in zip(items, obj)) else items
+    return obj

@@ -34,6 +34,7 @@ from .._core.errors import UsageError
 from .._core.log import logger
 from .._core.torch_compat import default_store, group_timeout
 from .env import is_distributed
+from .restarts import warn_restart_risk_once
 
 __all__ = ["WARN_ENV", "TIMEOUT_ENV", "check_in", "timeout_seconds"]
 
@@ -110,6 +111,7 @@ def check_in(call: str, *, timeout: float | None = None) -> None:
     """
     if not is_distributed():
         return
+    warn_restart_risk_once()  # a script's own init_process_group under --max-restarts (FACTS 45): said at the first call
     group = dist.group.WORLD
     store = default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()

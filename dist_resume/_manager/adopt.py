@@ -20,17 +20,18 @@ import torch
 from .._core.errors import CheckpointError, UsageError
 from .._core.location import Location
 from .._core.text import preview
+from .._core.tree import plain_namespaces
 from .._core.types import PathLike
 from .._format.atomic import atomic_write, remove_path
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.listing import check_numbered, checkpoint_name, numbered_checkpoints
 from .._source.read import read_source
 from .._source.source import local_source
-from .._state.optim_keys import digit_id
 from .._state.prefix import canonical_key, prefix_style, strip_prefix
 from .._store.url import location
 from .lease import writer_lock
 from .lock import remove_new_folder
+from .resume_point import resume_point
 from .start import folder_state
 
 __all__ = ["FolderConvertResult", "convert_into_folder"]
@@ -39,15 +40,17 @@ __all__ = ["FolderConvertResult", "convert_into_folder"]
 @dataclass(frozen=True)
 class FolderConvertResult:
     """What :func:`convert_into_folder` wrote: ``path`` (``FOLDER/ckpt_<step>.pt``), the ``step`` and where it came
-    from (``step_from``: ``"--step"``, the source's key such as ``'iter_num'``, ``trainer_state.json``, ...), the
-    source's ``layout``, its model keys' prefix before (the file holds them without one), whether a checkpoint of
-    that step was replaced (``force``)."""
+    from (``step_from``: ``"--step"``, the source's key such as ``'iter_num'``, ``trainer_state.json``, the epochs
+    times ``--steps-per-epoch``, ...), the ``epoch`` the next run continues in and where it came from
+    (``epoch_from``; None without an epoch), the source's ``layout``, its model keys' prefix before (the file holds
+    them without one), whether a checkpoint of that step was replaced (``force``)."""
 
     src: Location
     path: Location
     step: int
     step_from: str
     epoch: int | None
+    epoch_from: str | None
     layout: Layout
     prefix_before: str
     model_keys: int
@@ -61,6 +64,7 @@ def convert_into_folder(
     folder: PathLike,
     *,
     step: int | None = None,
+    steps_per_epoch: int | None = None,
     force: bool = False,
     part_keys: Mapping[str, str] | None = None,
     check_crc: bool = False,
@@ -71,10 +75,14 @@ def convert_into_folder(
 
     ``src`` is anything ``resume`` reads: a torch file in any layout (nanoGPT's ``ckpt.pt``, a Lightning ``.ckpt``,
     this toolkit's files), an HF Trainer, Accelerate, DCP or sharded checkpoint folder, a ``.safetensors`` file.
-    ``step`` defaults to the source's own (``meta.step``, Lightning's and HF's ``global_step``, a top-level
-    ``iter_num``/``step``/``global_step``/...); a source without one raises :class:`UsageError` saying to pass it.
-    Every other part (optimizer, scheduler, scaler, EMA, RNG streams and data position of this toolkit's files,
-    the rest of the dict under ``extra``) is kept as it is.
+    The step and the epoch are where the source's own resume would continue: ``step``
+    defaults to the source's own (``meta.step``, Lightning's and HF's ``global_step``, a top-level
+    ``iter_num``/``step``/``global_step``/..., an Accelerate folder named ``step_N``); the epoch is the one the next
+    run continues in (``meta.epoch``, torchvision's and timm's finished ``epoch`` + 1, Lightning's fit loop, HF's
+    whole epochs, an Accelerate folder named ``epoch_N``: N + 1). A source with an epoch but no step continues at
+    step ``epoch x steps_per_epoch`` (0 without it); one with neither raises :class:`UsageError` saying to pass
+    ``step``. Every other part (optimizer, scheduler, scaler, EMA, RNG streams and data position of this toolkit's
+    files, the rest of the dict under ``extra``, an ``argparse.Namespace`` there as a plain dict) is kept.
 
     The folder takes the manager's write lock while it is written (a live job saving into it is named and refused)
     and is created when missing (removed again if the conversion fails). A folder holding a checkpoint of a later
@@ -94,9 +102,17 @@ def convert_into_folder(
     src_at, folder_at = location(src), location(folder)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int (it names the file), got {step!r}", "e.g. --step 300")
+    if steps_per_epoch is not None and (
+        isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
+    ):
+        raise UsageError(
+            f"steps_per_epoch must be a positive int (optimizer steps in one epoch), got {steps_per_epoch!r}",
+            "e.g. --steps-per-epoch 5005",
+        )
     parts = _read_parts(src_at, part_keys, check_crc)
-    chosen, step_from = _step_of(parts, step, src_at)
-    payload = _payload(parts, chosen)
+    point = resume_point(parts, src_at, step=step, steps_per_epoch=steps_per_epoch)
+    chosen = point.step
+    payload = _payload(parts, chosen, point.epoch)
     folder_state(folder_at)  # a file, a checkpoint itself, a missing parent: refused before anything is written
     lock = writer_lock(folder_at)
     created = isinstance(folder_at, Path) and not folder_at.exists()
@@ -116,8 +132,9 @@ def convert_into_folder(
         src=src_at,
         path=dest,
         step=chosen,
-        step_from=step_from,
-        epoch=payload[Key.META]["epoch"],
+        step_from=point.step_from,
+        epoch=point.epoch,
+        epoch_from=point.epoch_from,
         layout=parts.layout,
         prefix_before=prefix_style(parts.model.keys()),
         model_keys=len(payload[Key.MODEL]),
@@ -141,54 +158,22 @@ def _read_parts(src: Location, part_keys: Mapping[str, str] | None, check_crc: b
     return split_checkpoint(contents.obj, source=repr(str(src)), part_keys=part_keys)
 
 
-def _step_of(parts: CheckpointParts, step: int | None, src: Location) -> tuple[int, str]:
-    """The step the checkpoint is written at, and where it came from."""
-    if step is not None:
-        return step, "--step"
-    found = parts.step
-    where = f"key {parts.keys['step']!r}" if "step" in parts.keys else _STEP_FROM.get(parts.layout, "its metadata")
-    if found is None and parts.layout is Layout.SAFETENSORS:
-        text = parts.meta.get("safetensors_metadata", {}).get("step", "")
-        found = digit_id(text)
-    if found is None:
-        keys = sorted(str(k) for k in parts.keys.values())
-        raise UsageError(
-            f"{str(src)!r} ({parts.layout.value}) records no step (no meta.step, global_step, iter_num, step, ... "
-            f"{'; its parts came from ' + preview(keys, 6) if keys else ''}), and the checkpoint's file name in the "
-            "folder is its step",
-            "pass the step the run reached with --step N (convert_into_folder(..., step=N))",
-        )
-    if found < 0:
-        raise UsageError(
-            f"{str(src)!r} records step {found} (from {where}), and a checkpoint's step is not negative",
-            "pass the step the run reached with --step N",
-        )
-    return found, where
-
-
-_STEP_FROM: dict[Layout, str] = {
-    Layout.TOOLKIT: "meta 'step'",
-    Layout.SHARDED: "meta 'step'",
-    Layout.HF_TRAINER: "trainer_state.json 'global_step'",
-    Layout.SAFETENSORS: "__metadata__ 'step'",
-}
-
-
-def _payload(parts: CheckpointParts, step: int) -> dict[str, Any]:
+def _payload(parts: CheckpointParts, step: int, epoch: int | None) -> dict[str, Any]:
     """``parts`` as the dict a manager's save writes: the model under canonical keys, the optimizer's
-    ``param_names`` canonical, ``meta.step`` the step written; every other part as it is."""
+    ``param_names`` canonical, ``meta.step`` and ``meta.epoch`` where the next run continues, ``extra``'s
+    Namespaces as plain dicts (it then loads under plain ``weights_only=True``); every other part as it is."""
     style = prefix_style(parts.model.keys())
     model = strip_prefix(parts.model, style) if style not in ("none", "mixed") else dict(parts.model)
     meta = dict(parts.meta)
     if parts.layout is not Layout.TOOLKIT:
         meta.setdefault("source_layout", parts.layout.value)
-    meta.update(step=step, epoch=parts.epoch)
+    meta.update(step=step, epoch=epoch)
     obj: dict[str, Any] = {Key.FORMAT: FORMAT_NAME, Key.VERSION: FORMAT_VERSION, Key.MODEL: model, Key.META: meta}
     for key, value in (
         (Key.OPTIMIZER, _canonical_names(parts.optimizer)),
         (Key.SCHEDULER, parts.scheduler),
         (Key.SCALER, parts.scaler),
-        (Key.EXTRA, parts.extra),
+        (Key.EXTRA, plain_namespaces(parts.extra)),
         (Key.RNG, parts.rng),
         (Key.SAMPLER, parts.sampler),
         (Key.EMA, parts.ema),

@@ -35,6 +35,7 @@ from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .._store.url import location
+from .evidence import run_evidence
 from .sharded import save_full, save_sharded
 from .striped import save_striped, stripes
 
@@ -109,6 +110,7 @@ def build_payload(
             "model_class": type(unwrap_model(model)).__name__,
             "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
             "saved_at": time.time(),
+            **run_evidence(model, objects.data),  # what dist-resume check reads as evidence: see .evidence
         },
     }
     if ddp_buckets is not None:  # DDP's bucket layout, so that a resume's first step reduces in it

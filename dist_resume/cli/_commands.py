@@ -44,7 +44,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .._convert.convert import convert_checkpoint
 
-    if args.into is not None or args.step is not None:
+    if args.into is not None or args.step is not None or args.steps_per_epoch is not None:
         return _convert_into(args)
     if args.dst is None:
         raise UsageError(
@@ -102,10 +102,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _convert_into(args: argparse.Namespace) -> int:
     """``convert SRC --into FOLDER [--step N]``: SRC as FOLDER's checkpoint of its step."""
     from .._manager.adopt import convert_into_folder
+    from .._manager.resume_point import ResumePoint
 
     if args.into is None:
+        given = "--step" if args.step is not None else "--steps-per-epoch"
         raise UsageError(
-            "--step applies to --into FOLDER only", "e.g. dist-resume convert ckpt.pt --into run --step 300"
+            f"{given} applies to --into FOLDER only", "e.g. dist-resume convert ckpt.pt --into run --step 300"
         )
     if args.dst is not None:
         raise UsageError(
@@ -123,6 +125,7 @@ def _convert_into(args: argparse.Namespace) -> int:
         args.src,
         args.into,
         step=args.step,
+        steps_per_epoch=args.steps_per_epoch,
         force=args.force,
         part_keys=part_keys_arg(args.part) or None,
         check_crc=args.check_crc,
@@ -136,6 +139,7 @@ def _convert_into(args: argparse.Namespace) -> int:
                 "step": result.step,
                 "step_from": result.step_from,
                 "epoch": result.epoch,
+                "epoch_from": result.epoch_from,
                 "layout": result.layout.value,
                 "prefix_before": result.prefix_before,
                 "model_keys": result.model_keys,
@@ -145,11 +149,12 @@ def _convert_into(args: argparse.Namespace) -> int:
             }
         )
     elif not args.quiet:
+        point = ResumePoint(result.step, result.step_from, result.epoch, result.epoch_from)
         print(
             f"wrote {result.path} ({human_bytes(result.bytes_written)}, {result.seconds:.2f}s): {result.layout.value} "
-            f"as the checkpoint of step {result.step} (from {result.step_from}), model keys {result.prefix_before} "
-            f"-> none ({result.model_keys} keys){'; replaced the one there' if result.replaced else ''}\n"
-            f"CheckpointManager({str(result.path.parent)!r}, ...).resume() continues at step {result.step}"
+            f"as the checkpoint of step {result.step}, model keys {result.prefix_before} -> none "
+            f"({result.model_keys} keys){'; replaced the one there' if result.replaced else ''}\n"
+            f"CheckpointManager({str(result.path.parent)!r}, ...).resume() continues at {point.said()}"
         )
     return ExitCode.OK
 

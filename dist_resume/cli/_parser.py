@@ -108,7 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="with --into: the step to write the checkpoint at, instead of the one SRC records (needed when SRC "
-        "records none)",
+        "records neither a step nor an epoch)",
+    )
+    p.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        metavar="K",
+        help="with --into, for a SRC that records an epoch but no step (torchvision's and timm's checkpoint.pth): "
+        "the step is the epochs before the one the run continues in times K (without it: 0, the epoch set)",
     )
     p.add_argument(
         "--to",
@@ -192,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sim:LOCAL_RANK; dist_resume.testing.sim)",
     )
     p.add_argument("--keep", action="store_true", help="keep both checkpoint folders and the logs; print their paths")
+    p.add_argument(
+        "--strict-extra",
+        action="store_true",
+        help="count a difference in extra (the script's own entries, such as args written after a resume) as a "
+        "difference; by default the resume is exact when only extra differs, and the keys that differ are named",
+    )
     p.add_argument(
         "command_argv",  # not "command": that is the subcommand's name (report_error says it)
         nargs=argparse.REMAINDER,

@@ -93,6 +93,7 @@ def check_resume(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     keep: bool = False,
+    strict_extra: bool = False,
 ) -> ResumeCheck:
     """Does ``command`` resume exactly? ``dist-resume check`` as a call; returns a :class:`ResumeCheck`.
 
@@ -105,7 +106,9 @@ def check_resume(
     and every step both still hold, are compared part by part as ``resume`` reads them. ``device="sim"`` runs every
     Python process of the command on the test accelerator (:mod:`dist_resume.testing.sim`); ``env`` is added to
     this process's environment for the command, ``cwd`` is where it runs, ``keep`` keeps both folders
-    (``ResumeCheck.folders``) and the logs.
+    (``ResumeCheck.folders``) and the logs. Where only ``extra`` differs (the script's own entries, such as
+    ``args.start_epoch`` written after a resume) the resume is exact and ``ResumeCheck.extra_differs`` names the keys;
+    ``strict_extra=True`` counts them as a difference.
 
     Raises :class:`~dist_resume.errors.UsageError` for a command without ``{dir}``, and
     :class:`~dist_resume.errors.CheckCommandError` (with the command's last lines of stderr) when it fails by itself,
@@ -129,6 +132,7 @@ def check_resume(
         env=env,
         cwd=None if cwd is None else Path(cwd),
         keep=keep,
+        strict_extra=strict_extra,
     )
     return run_check(command, options)
 

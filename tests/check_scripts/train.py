@@ -17,6 +17,9 @@ check must find (repeatable):
                 its next batch): the saved data position counts it, and a resumed run never trains it
     eval-rank0  rank 0 evaluates right after each save on a random subset (torch.randint from its global stream),
                 between the save and the next step: a resumed run does not redo that evaluation
+    prefetch    the DataLoader as torchvision's detection reference builds it: 2 workers (not persistent), no
+                generator=, and a batch sampler of its own (its GroupedBatchSampler) whose batches the save cannot
+                count: the saved position counts the batches the workers prefetched, and a resumed run skips them
     fail        raises before training (a script that fails on its own)
 
 ``--torch-seed-only`` seeds torch alone (``torch.manual_seed(0)``, as the README's quick start and most scripts do)
@@ -44,7 +47,7 @@ p.add_argument(
     "--bug",
     action="append",
     default=[],
-    choices=["scheduler", "rng", "sampler", "generator", "held-batch", "eval-rank0", "fail"],
+    choices=["scheduler", "rng", "sampler", "generator", "held-batch", "eval-rank0", "prefetch", "fail"],
 )
 p.add_argument("--steps", type=int, default=32)
 p.add_argument("--save-every", type=int, default=4)
@@ -70,8 +73,31 @@ sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))  # r
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 2, (96,), generator=g))
 sampler = dr.ResumableDistributedSampler(data, seed=0)
-loader_generator = None if "generator" in args.bug else torch.Generator().manual_seed(0)
-loader = DataLoader(data, batch_size=8, sampler=sampler, generator=loader_generator)
+loader_generator = None if {"generator", "prefetch"} & set(args.bug) else torch.Generator().manual_seed(0)
+
+
+class GroupedBatches:
+    """Batches of 8 of the sampler's indices, as torchvision's GroupedBatchSampler makes them (here one group)."""
+
+    def __init__(self, sampler: dr.ResumableDistributedSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        batch = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == 8:
+                yield batch
+                batch = []
+
+    def __len__(self) -> int:
+        return len(self.sampler) // 8
+
+
+if "prefetch" in args.bug:
+    loader = DataLoader(data, batch_sampler=GroupedBatches(sampler), num_workers=2)
+else:
+    loader = DataLoader(data, batch_size=8, sampler=sampler, generator=loader_generator)
 
 position = {} if "sampler" in args.bug else {"sampler": sampler} if "generator" in args.bug else {"dataloader": loader}
 mgr = dr.CheckpointManager(

@@ -45,7 +45,8 @@ class CheckOptions:
     """How :func:`run_check` runs: ``interrupts`` stops (at least 1) at moments drawn with ``seed``, each a
     ``signal`` (:class:`StopSignal`); ``timeout`` seconds at most per launch (None: no limit); ``device`` "sim" runs
     every Python process of the command on the test accelerator; ``env`` is added to this process's environment;
-    ``cwd`` is where the command runs (default: here); ``keep`` keeps both folders and the logs."""
+    ``cwd`` is where the command runs (default: here); ``keep`` keeps both folders and the logs; ``strict_extra``
+    counts a difference in ``extra`` (the script's own entries) as a difference."""
 
     interrupts: int = 2
     seed: int = 0
@@ -55,6 +56,7 @@ class CheckOptions:
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
     keep: bool = False
+    strict_extra: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.interrupts, bool) or not isinstance(self.interrupts, int) or self.interrupts < 1:
@@ -261,7 +263,15 @@ def run_check(command: str | Sequence[str], options: CheckOptions) -> ResumeChec
         from ._verdict import verdict
 
         folders = (ref_dir, got_dir)
-        check = verdict(argv, ref, launches, folders, asked=options.interrupts, signal=options.signal.value)
+        check = verdict(
+            argv,
+            ref,
+            launches,
+            folders,
+            asked=options.interrupts,
+            signal=options.signal.value,
+            strict_extra=options.strict_extra,
+        )
         return dataclasses.replace(
             check,
             device=options.device,
@@ -286,6 +296,7 @@ def main_check(args: argparse.Namespace) -> int:
         signal=StopSignal.parse(args.signal),
         device=args.device,
         keep=args.keep,
+        strict_extra=args.strict_extra,
     )
     try:
         result = run_check(args.command_argv, options)

@@ -11,6 +11,7 @@ only torch leaves them to the OS's entropy, and the verdict tells that apart fro
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from ._watch import SUFFIXES, step_of
 
 __all__ = [
     "UNSEEDED_PART",
+    "EXTRA_PART",
     "UNSEEDED_STREAMS",
     "unseeded_said",
     "Pair",
@@ -37,14 +39,17 @@ __all__ = [
     "folder_checkpoints",
     "pairs_to_compare",
     "compare_pair",
+    "extra_differences",
 ]
 
 UNSEEDED_PART: Final = "rng (python, numpy)"
+EXTRA_PART: Final = "extra"  # the script's own entries: a difference only with strict_extra (the verdict names them)
 UNSEEDED_STREAMS: Final = {  # keys of each rank's RNG dict (rng_state_dict): the stream in words, how to seed it
     "python": ("Python's `random`", "random.seed(seed)"),
     "numpy": ("NumPy's global stream", "numpy.random.seed(seed)"),
 }
-_MORE_PARTS: Final = (("sampler", "data position"), ("extra", "extra"), ("ema", "ema"))
+_MORE_PARTS: Final = (("sampler", "data position"), ("extra", EXTRA_PART), ("ema", "ema"))
+_EXTRA_DEPTH: Final = 4  # levels of extra followed to name a key that differs
 
 
 def folder_checkpoints(folder: Path) -> list[tuple[int | None, Path]]:
@@ -100,7 +105,8 @@ class PairResult:
     """How one pair differs (``parts``, ``hyperparameters``) and what the diagnosis asks of it: which parts each
     checkpoint holds (``held``: part -> (reference has it, interrupted has it)), group 0's ``lr`` in each, and the
     world sizes they were saved at; ``rng`` and ``position``: each checkpoint's RNG streams and data position, as
-    saved; ``masked``: where a saved string named the run's folder (:mod:`._mask`)."""
+    saved; ``masked``: where a saved string named the run's folder (:mod:`._mask`); ``meta``: each one's ``meta``;
+    ``extra_keys``: the keys of ``extra`` that differ (:func:`extra_differences`)."""
 
     pair: Pair
     parts: tuple[PartDifference, ...]
@@ -112,6 +118,8 @@ class PairResult:
     rng: tuple[Any, Any] = (None, None)
     position: tuple[Any, Any] = (None, None)
     masked: tuple[str, ...] = ()
+    meta: tuple[Any, Any] = (None, None)  # each checkpoint's meta, as saved (the run's evidence: _save/evidence.py)
+    extra_keys: tuple[str, ...] = ()  # where extra differs (extra_differences)
 
     @property
     def equal(self) -> bool:
@@ -119,6 +127,31 @@ class PairResult:
 
     def differs(self, part: str) -> bool:
         return any(p.part == part for p in self.parts)
+
+
+def _entries(value: Any) -> Mapping[Any, Any] | None:
+    """What a saved value holds by key: a mapping's items, an ``argparse.Namespace``'s attributes (torchvision's and
+    timm's ``args``); None for anything else."""
+    if isinstance(value, Mapping):
+        return value
+    return vars(value) if isinstance(value, argparse.Namespace) else None
+
+
+def extra_differences(a: Any, b: Any, *, path: str = "", depth: int = _EXTRA_DEPTH) -> list[str]:
+    """Where two ``extra`` values differ, as key paths (``['args']['start_epoch']``; ``''`` for the whole value):
+    every key one holds and the other does not, and every key whose values differ, followed into nested dicts (and
+    Namespaces) ``depth`` levels deep. [] when equal. Local; never raises on what a checkpoint holds."""
+    x, y = _entries(a), _entries(b)
+    if x is None or y is None or depth == 0:
+        return [] if compare_values(a, b) is None else [path]
+    found = []
+    for key in [*x, *(k for k in y if k not in x)]:
+        here = f"{path}[{key!r}]"
+        if key not in x or key not in y:
+            found.append(here)
+        else:
+            found += extra_differences(x[key], y[key], path=here, depth=depth - 1)
+    return found
 
 
 def _group_lr(optimizer: Any) -> Any:
@@ -223,4 +256,6 @@ def compare_pair(pair: Pair, masks: Masks = ()) -> PairResult:
         (a.rng, b.rng),
         (a.sampler, b.sampler),
         tuple(dict.fromkeys((*in_a, *in_b))),
+        (a.meta, b.meta),
+        tuple(extra_differences(a.extra, b.extra)) if any(p.part == EXTRA_PART for p in parts) else (),
     )

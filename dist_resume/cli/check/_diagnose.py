@@ -3,8 +3,10 @@ with its evidence (the part and the step that show it) and its fix; where none f
 points to the first difference.
 
 The primary causes are read from what differs and what the checkpoints hold (those read at the first checkpoint
-written after a resume: :mod:`._diagnose_resume`); two weaker ones (no data position, no RNG streams in the
-checkpoints) are named only when no primary cause explains a model that differs after a resume.
+written after a resume: :mod:`._diagnose_resume`, and from what the checkpoints record about the run's set-up:
+:mod:`._diagnose_setup`); two weaker ones (no data position, no RNG streams in the checkpoints) are named only when
+no primary cause explains a model that differs after a resume. With ``--strict-extra``, ``extra`` alone differing
+is a cause of its own, named alone.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..._core.text import preview, shown
-from ._compare import UNSEEDED_PART, PairResult, unseeded_said
+from ._compare import EXTRA_PART, UNSEEDED_PART, PairResult, unseeded_said
 from ._diagnose_resume import data_position_after_resume, rng_after_resume
+from ._diagnose_setup import ddp_first_step, prefetched_position
 from ._evidence import Evidence, where
 from ._launch import stderr_tail
-from ._result import Cause
+from ._result import Cause, extra_said
 
 __all__ = ["diagnose"]
 
@@ -156,6 +159,25 @@ def _named(cause: Cause, rule: Callable[[Evidence], str | None]) -> Rule:
     return found
 
 
+def _extra_only(ev: Evidence) -> str | None:
+    """``--strict-extra``: ``extra`` is the only part that differs, at any step compared."""
+    parts = {p.part for r in ev.results for p in r.parts} - ({UNSEEDED_PART} if ev.unseeded else set())
+    if not ev.strict_extra or parts != {EXTRA_PART}:
+        return None
+    keys = tuple(dict.fromkeys(key for r in ev.results for key in r.extra_keys))
+    at = where(ev, ev.first) if ev.first is not None else "the steps compared"
+    return f"only extra differs (from {at} on): {extra_said(keys)}"
+
+
+def _after_resume(ev: Evidence) -> list[tuple[Cause, str]]:
+    """The causes read at the first checkpoint written after a resume; a data position recorded to count prefetched
+    batches, where it differs, alone: the streams and the model that differ follow from it."""
+    prefetched = prefetched_position(ev)
+    if prefetched is not None:
+        return [prefetched]
+    return [hit for rule in (rng_after_resume, data_position_after_resume, ddp_first_step) if (hit := rule(ev))]
+
+
 _PRIMARY: tuple[Rule, ...] = (
     _named(Cause.RELAUNCH_FAILED, _relaunch_failed),
     _named(Cause.NOT_DETERMINISTIC, _not_deterministic),
@@ -163,8 +185,6 @@ _PRIMARY: tuple[Rule, ...] = (
     _named(Cause.WORLD_SIZE_CHANGED, _world_size),
     _named(Cause.OPTIMIZER_NOT_SAVED, _optimizer),
     _named(Cause.SCHEDULER_NOT_SAVED, _scheduler),
-    rng_after_resume,
-    data_position_after_resume,
 )
 _FALLBACK: tuple[Rule, ...] = (
     _named(Cause.DATA_POSITION_NOT_SAVED, _no_data_position),
@@ -185,7 +205,10 @@ def _none_fits(ev: Evidence) -> str | None:
 def diagnose(ev: Evidence) -> tuple[tuple[Cause, ...], str | None]:
     """The known causes ``ev`` shows, and the diagnosis: each one's sentence with its evidence, a line each; where no
     known cause fits, a sentence that says so and points to the first difference (None when nothing differs)."""
-    found = [hit for rule in _PRIMARY if (hit := rule(ev))]
+    extra = _extra_only(ev)
+    if extra is not None:  # nothing else differs anywhere: no other cause has anything to show
+        return (Cause.EXTRA_DIFFERS,), extra
+    found = [hit for rule in _PRIMARY if (hit := rule(ev))] + _after_resume(ev)
     if not found:
         found = [hit for rule in _FALLBACK if (hit := rule(ev))]
     causes = tuple(dict.fromkeys(c for c, _ in found))

@@ -15,7 +15,7 @@ from ._launch import Launch
 if TYPE_CHECKING:
     from ._streams import RankStreams
 
-__all__ = ["Evidence", "collect_evidence", "where", "sample_index", "samples_per_step"]
+__all__ = ["Evidence", "collect_evidence", "where", "recorded", "sample_index", "samples_per_step"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Evidence:
     """The compared pairs (ascending, the newest last), the first that differs, the interrupted run's launches and
     which launch wrote each of its checkpoints (by name; 1 is the first launch). ``unseeded``: Python's and NumPy's
     streams differ at every pair (a command that does not seed them); ``first`` is then the first pair where something
-    else differs too. ``streams``: each rank's RNG streams at :attr:`after`, compared (() when not measured)."""
+    else differs too. ``streams``: each rank's RNG streams at :attr:`after`, compared (() when not measured).
+    ``strict_extra``: ``extra`` counts as a difference (else ``first`` is the first pair where more than it differs)."""
 
     results: Sequence[PairResult]
     first: PairResult | None
@@ -31,6 +32,7 @@ class Evidence:
     written_by: dict[str, int]
     unseeded: bool = False
     streams: tuple[RankStreams, ...] = ()
+    strict_extra: bool = False
 
     @property
     def after(self) -> PairResult | None:
@@ -49,17 +51,19 @@ def collect_evidence(
     written_by: dict[str, int],
     *,
     unseeded: bool = False,
+    strict_extra: bool = False,
 ) -> Evidence:
     """The :class:`Evidence`, with the RNG streams measured at its first checkpoint written after a resume (Python's
     stream only when the command seeds it). Local."""
-    ev = Evidence(results, first, launches, written_by, unseeded)
+    ev = Evidence(results, first, launches, written_by, unseeded, strict_extra=strict_extra)
     after = ev.after
     if after is None or not any(p.part.startswith("rng") for p in after.parts):
         return ev
     from ._streams import rank_streams  # torch: only where streams differ
 
     measured = ("torch",) if unseeded else ("torch", "python")
-    return Evidence(results, first, launches, written_by, unseeded, rank_streams(*after.rng, shifts=measured))
+    streams = rank_streams(*after.rng, shifts=measured)
+    return Evidence(results, first, launches, written_by, unseeded, streams, strict_extra)
 
 
 def where(ev: Evidence, result: PairResult) -> str:
@@ -69,6 +73,12 @@ def where(ev: Evidence, result: PairResult) -> str:
     said = {None: "", 1: ", written before the first interruption"}.get(launch, ", written after a resume")
     at = f"step {result.pair.step}" if result.pair.step is not None else "the newest checkpoint"
     return f"{at} ({name}{said})"
+
+
+def recorded(result: PairResult, key: str) -> tuple[Any, Any]:
+    """What each checkpoint of ``result`` records under ``key`` in its ``meta`` (None where it has no such entry)."""
+    a, b = (m.get(key) if isinstance(m, Mapping) else None for m in result.meta)
+    return a, b
 
 
 def _int(value: Any) -> int | None:

@@ -12,7 +12,15 @@ from ..._core.text import preview, shown
 from .._common import SCHEMA_PREFIX
 from ._launch import Launch
 
-__all__ = ["SCHEMA", "Cause", "PartDifference", "StepDifference", "HyperparameterDifference", "ResumeCheck"]
+__all__ = [
+    "SCHEMA",
+    "Cause",
+    "extra_said",
+    "PartDifference",
+    "StepDifference",
+    "HyperparameterDifference",
+    "ResumeCheck",
+]
 
 SCHEMA: Final = f"{SCHEMA_PREFIX}/check/1"
 _SHOWN: Final = 20  # hyperparameter differences in the report (--json lists all)
@@ -34,6 +42,8 @@ class Cause(enum.Enum):
     DATA_POSITION_NOT_SAVED = "data-position-not-saved"
     RNG_NOT_SAVED = "rng-not-saved"
     RNG_NOT_SEEDED = "rng-not-seeded"
+    DDP_FIRST_STEP_BUCKETS = "ddp-first-step-buckets"
+    EXTRA_DIFFERS = "extra-differs"
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,17 @@ class HyperparameterDifference:
         return f"{at} group {self.group} {self.name}: {shown(self.reference)} -> {shown(self.interrupted)}"
 
 
+def extra_said(keys: tuple[str, ...]) -> str:
+    """The keys of ``extra`` that differ, in words, with what they are and how to count them."""
+    named = preview((f"extra{key}" if key else "extra as a whole" for key in keys), 6, quote=False)
+    return (
+        f"{named} differ{'s' if len(keys) == 1 else ''}: the script's own entries, while everything the training "
+        "holds (model, optimizer, scheduler, scaler, RNG streams, data position, EMA) is equal at every step "
+        "compared; a script that writes its bookkeeping after a resume (args.start_epoch, a log of its launches) does "
+        "that. --strict-extra (check_resume(..., strict_extra=True)) counts them as a difference"
+    )
+
+
 def _launch_dict(launch: Launch) -> dict[str, Any]:
     return {
         "label": launch.label,
@@ -108,7 +129,10 @@ class ResumeCheck:
     named, as :class:`Cause` members). ``steps`` lists the steps compared (``(step, equal)``, ascending; the newest
     last), ``reference`` and ``launches`` the runs (wall times, when each was stopped), ``folders`` the two checkpoint
     folders when they were kept, ``notes`` what the check saw that does not change the verdict (Python's and NumPy's
-    streams left unseeded, saved strings that named the run's folder). ``report()`` is what the command prints.
+    streams left unseeded, saved strings that named the run's folder). ``extra_differs``: where the trained state is
+    exact but ``extra`` (the script's own bookkeeping, such as ``args.start_epoch`` written after a resume) differs,
+    its keys that differ (``['args']['start_epoch']``; ``strict_extra`` counts them as a difference instead).
+    ``report()`` is what the command prints.
     """
 
     command: tuple[str, ...]
@@ -128,6 +152,7 @@ class ResumeCheck:
     compare_seconds: float
     folders: tuple[Path, Path] | None = None
     notes: tuple[str, ...] = ()
+    extra_differs: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object (schema ``dist-resume/check/1``)."""
@@ -157,6 +182,7 @@ class ResumeCheck:
             "causes": [c.value for c in self.causes],
             "diagnosis": self.diagnosis,
             "notes": list(self.notes),
+            "extra_differs": list(self.extra_differs),
             "wall_seconds": {
                 "reference": self.reference.seconds,
                 "interrupted": round(sum(launch.seconds for launch in self.launches), 3),
@@ -177,7 +203,14 @@ class ResumeCheck:
             if self.exact
             else "different: the interrupted run does not end as the uninterrupted one"
         )
+        if self.exact and self.extra_differs:
+            head = (
+                f"exact: interrupted {self.interrupts} time(s), the trained state ended bitwise equal to the "
+                "uninterrupted run's; only extra differs"
+            )
         lines = [head, f"  command      {' '.join(self.command)}"]
+        if self.exact and self.extra_differs:
+            lines.append(f"  extra        {extra_said(self.extra_differs)}")
         stops = [
             f"launch {i} at {launch.stopped_at:.1f} s"
             for i, launch in enumerate(self.launches, 1)

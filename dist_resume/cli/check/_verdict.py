@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..._core.errors import CheckCommandError
-from ._compare import UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
+from ._compare import EXTRA_PART, UNSEEDED_PART, PairResult, compare_pair, pairs_to_compare, unseeded_said
 from ._diagnose import diagnose
 from ._evidence import collect_evidence
 from ._launch import Launch, stderr_tail
@@ -61,13 +61,15 @@ def verdict(
     *,
     asked: int,
     signal: str,
+    strict_extra: bool = False,
 ) -> ResumeCheck:
     """Compare the reference's folder with the interrupted run's and say whether the resume is exact. Local.
 
     ``launches`` are the interrupted run's, in order; exact needs at least one interruption, a last launch that
     succeeded, a compared checkpoint written after a resume, and every pair of checkpoints equal (but for unseeded
-    Python and NumPy streams, differing at every pair). Raises :class:`~dist_resume.errors.CheckCommandError` when
-    every compared checkpoint was written before the first interruption and all are equal.
+    Python and NumPy streams, differing at every pair, and, unless ``strict_extra``, ``extra``: the script's own
+    bookkeeping, whose keys that differ the result names). Raises :class:`~dist_resume.errors.CheckCommandError`
+    when every compared checkpoint was written before the first interruption and all are equal.
     """
     start = time.monotonic()
     written_by = {seen.name: number for number, run in enumerate(launches, 1) for seen in run.seen}
@@ -79,7 +81,9 @@ def verdict(
     ok = bool(results) and interrupts > 0 and not launches[-1].failed
     # an unseeded stream differs from the first checkpoint on; what else differs is what the diagnosis reads
     unseeded = bool(results) and all(r.differs(UNSEEDED_PART) for r in results)
-    other = next((r for r in results if any(p.part != UNSEEDED_PART for p in r.parts)), None) if unseeded else first
+    # extra is the script's bookkeeping (args.start_epoch written after a resume): named, not a difference unless strict
+    ignored = ({UNSEEDED_PART} if unseeded else set()) | (set() if strict_extra else {EXTRA_PART})
+    other = next((r for r in results if any(p.part not in ignored for p in r.parts)), None)
     resumed = any(written_by.get(r.pair.interrupted.name, 0) >= 2 for r in results)
     if ok and other is None and not resumed:
         raise _nothing_checked(launches, results)
@@ -87,7 +91,9 @@ def verdict(
     causes: tuple[Cause, ...] = ()
     diagnosis = None
     if not exact:
-        causes, diagnosis = diagnose(collect_evidence(results, other, launches, written_by, unseeded=unseeded))
+        evidence = collect_evidence(results, other, launches, written_by, unseeded=unseeded, strict_extra=strict_extra)
+        causes, diagnosis = diagnose(evidence)
+    extra_keys = tuple(dict.fromkeys(key for r in results for key in r.extra_keys)) if exact else ()
     masked = tuple(dict.fromkeys(key for r in results for key in r.masked))
     notes = ((_unseeded_note(results),) if exact and unseeded else ()) + ((masked_said(masked),) if masked else ())
     return ResumeCheck(
@@ -97,7 +103,7 @@ def verdict(
         interrupts_asked=asked,
         signal=signal,
         device=None,
-        steps=tuple((r.pair.step, r.equal or (exact and unseeded)) for r in results),
+        steps=tuple((r.pair.step, r.equal or (exact and all(p.part in ignored for p in r.parts))) for r in results),
         first_difference=None
         if first is None or exact
         else StepDifference(
@@ -115,4 +121,5 @@ def verdict(
         wall_seconds=0.0,
         compare_seconds=round(time.monotonic() - start, 3),
         notes=notes,
+        extra_differs=extra_keys,
     )
