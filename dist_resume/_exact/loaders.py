@@ -138,27 +138,27 @@ class LoaderPosition:
         self.loader = loader
         self.sampler = sampler
         self.hooks = hooks_of(loader)
+        #: the WARNING's text when the newest :meth:`state_dict` counts batches the workers prefetched, else None
+        self.ahead: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: the sampler's state dict, counted in what the loop got. Local."""
+        self.ahead = None
         loader, sampler = self.loader, self.sampler
         if not isinstance(sampler, ResumableDistributedSampler):
             return dict(sampler.state_dict())
         batching = _batching(loader)
-        if loader.num_workers > 0 and batching is None:
-            if sampler._pass:  # drawn from (or loaded) already: not the snapshot a resume takes of a fresh loader
-                warn_prefetch_once(loader)
-            return sampler.state_dict()
         if loader.num_workers == 0:
             return sampler.state_dict()  # the main process loads: the sampler gave out what the loop got
-        if self.hooks.pass_token == sampler._pass:  # the newest pass is one of the loader's counted iterators'
+        if batching is not None and self.hooks.pass_token == sampler._pass:  # the newest pass is counted
             sampler._warned_prefetch = True  # the loop's count is the position: nothing for the sampler to say
-            return _counted(sampler, self.hooks.batches, batching)  # type: ignore[arg-type]
+            return _counted(sampler, self.hooks.batches, batching)
         live = live_loader_iterator(loader)
-        if live is not None:  # persistent workers started before dist_resume saw the loader: its own count
+        if batching is not None and live is not None:  # persistent workers started before the loader was given
             sampler._warned_prefetch = True
-            return _counted(sampler, batches_yielded(live), batching)  # type: ignore[arg-type]
-        if sampler._prefetching is not None and sampler._yielded > 0:  # drawn by workers the hooks did not start
+            return _counted(sampler, batches_yielded(live), batching)
+        if sampler._yielded > 0 and (batching is None or sampler._prefetching is not None):  # workers drew ahead
+            self.ahead = prefetch_warning(loader)
             warn_prefetch_once(loader)
         return sampler.state_dict()
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from torch import nn
 
-from .._exact.loaders import LoaderPosition, prefetch_warning
+from .._exact.loaders import LoaderPosition
 from .._exact.sampler import PREFETCH_WARNING, ResumableDistributedSampler
 from .striped_plan import is_ddp
 
@@ -38,7 +38,7 @@ def _prefetched(data: Any) -> dict[str, Any] | None:
     """The ``data_position_prefetched`` entry for the data position ``data`` (what ``dataloader=`` became), or None
     where the position counts only the batches the loop took. The condition is the first save's WARNING's own."""
     if isinstance(data, LoaderPosition):
-        text = prefetch_warning(data.loader)
+        text = data.ahead  # set by the state_dict() this save took
         if text is None:
             return None
         return {
