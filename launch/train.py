@@ -373,6 +373,7 @@ def train(args: argparse.Namespace, info: dr.RankInfo, device: torch.device) -> 
                 break
     if saved_at != step:
         save()  # --epochs ended the run between checkpoints
+    ckpts.close()  # writes a save held at an epoch's last batch (docs/checkpoint-folders.md), releases the lock
     position = sampler.state_dict()  # where the loop continues, as the last checkpoint records it
     if args.stop_after is not None and step == args.stop_after < args.steps:
         log.info(

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader
 from .._core.errors import UsageError
 from .._core.log import log_rank0
 from .loaders import LoaderPosition, StatefulLoaderPosition
-from .sampler import check_sampler_state
+from .sampler import ResumableDistributedSampler, check_sampler_state
 from .stateful_loader import is_stateful_loader
 
-__all__ = ["stateful_data", "check_data_state", "data_sampler", "loop_epoch"]
+__all__ = ["stateful_data", "check_data_state", "data_sampler", "loop_epoch", "between_epochs"]
 
 
 def _stateful(obj: Any) -> bool:
@@ -65,6 +65,21 @@ def stateful_data(dataloader: Any, *, saving: bool) -> Any:
         f"dataloader= is {type(dataloader).__module__}.{type(dataloader).__qualname__}, not {what}",
         hint="pass the DataLoader whose sampler is a dist_resume.ResumableDistributedSampler, or that sampler",
     )
+
+
+def between_epochs(data: Any) -> bool:
+    """Whether the loop took its epoch's last batch from ``data`` (what :func:`stateful_data` returned for a loader)
+    and has not started the next epoch: the loader's next iterator is not created yet, so whatever the script does at
+    an epoch's end (a per-epoch scheduler step, an EMA reset, an evaluation) is still to come. Local."""
+    if not isinstance(data, (LoaderPosition, StatefulLoaderPosition)):
+        return False
+    sampler = data.sampler
+    if not isinstance(sampler, ResumableDistributedSampler) or sampler._pass == 0:
+        return False
+    state = data.state_dict()
+    if isinstance(data, LoaderPosition) and data.ahead is not None:  # a position ahead of the loop: no telling
+        return False
+    return state.get("consumed") == 0 and state.get("epoch") == sampler._pass_epoch + 1
 
 
 def data_sampler(data: Any) -> Any:

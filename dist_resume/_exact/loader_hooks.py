@@ -63,6 +63,7 @@ class LoaderHooks:
         self.batches = 0  #: batches the newest iterator handed to the loop in its pass
         self.pass_token: int | None = None  #: the sampler's pass the newest iterator draws (ours only)
         self._resuming: _Resuming | None = None
+        self._before_next: Callable[[], None] | None = None
         self._original: Callable[[], Any] = set_iterator_factory(loader, self._create)
         if not isinstance(loader.worker_init_fn, WorkerStreams):
             loader.worker_init_fn = WorkerStreams(loader.worker_init_fn)
@@ -70,6 +71,11 @@ class LoaderHooks:
     def newest(self) -> Any:
         """The newest iterator the loader created, while it lives."""
         return None if self._newest is None else self._newest()
+
+    def before_next_iterator(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` once, when the loader creates its next iterator, before it does (None: no call). The
+        save of an epoch's last batch is written then: the loop has done what it does at an epoch's end."""
+        self._before_next = callback
 
     def resume(self, *, epoch: int | None, first_only: bool, state: Mapping[str, Any] | None = None) -> None:
         """Make the iterators the loader creates in the resumed epoch draw nothing from the global RNG.
@@ -91,6 +97,9 @@ class LoaderHooks:
         self._newest, self.batches, self.pass_token = None, 0, None
 
     def _create(self) -> Any:
+        callback, self._before_next = self._before_next, None
+        if callback is not None:
+            callback()
         loader = self._loader()
         resuming = self._resuming
         if resuming is not None and self._resumed_epoch_over(resuming, loader):

@@ -27,6 +27,7 @@ from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
+from .epoch_end import EpochEnd, Held
 from .folder_save import SaveTarget, save_into, save_into_async
 from .lease import PrefixLease, writer_lock
 from .lock import FolderLock
@@ -140,6 +141,7 @@ class CheckpointManager:
         self._lock = writer_lock(self.folder)
         self._pending: AsyncSave | None = None
         self._memory = MemoryTier(self.folder)
+        self._epoch_end = EpochEnd()  # a save or snapshot right after an epoch's last batch waits for its end
         # the lock is released when the manager is garbage-collected, as on close()
         self._finalizer = weakref.finalize(self, _release, self._lock)
 
@@ -171,6 +173,7 @@ class CheckpointManager:
         for (it waits like :meth:`AsyncSave.wait`, and raises its error); otherwise local.
         Idempotent. A later ``save`` or ``resume`` takes the lock again.
         """
+        self._epoch_end.write_held(None, self._write_held)  # a save held at an epoch's end: the run ends here
         pending, self._pending = self._pending, None
         try:
             if (pending is not None and not pending.waited) or self._memory.used:
@@ -287,6 +290,8 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
+        if self._epoch_end.hold(Held("save", step, epoch, extra, objects), live.data, self._write_held):
+            return self._target().file(step)  # written when the loop starts the next epoch (epoch_end.py)
         target = self._target()
         if self._memory.used and self._memory.sharded:  # FSDP2: every rank's own shards, from memory when all hold step
             copied = self._memory.copy_sharded(target, live, step)
@@ -330,6 +335,8 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="snapshot")
         self._check_in(f"snapshot(step={step!r})")
+        if self._epoch_end.hold(Held("snapshot", step, epoch, extra, objects), live.data, self._write_held):
+            return
         self._memory.take(self._target(), live, step, epoch=epoch, extra=extra)
 
     def save_async(
@@ -342,8 +349,14 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="save_async")
         self._check_in(f"save_async(step={step!r})")
+        self._epoch_end.drop_older(step)
+        self._epoch_end.write_held(step, self._write_held)
         self._pending = save_into_async(self._target(), live, step, epoch=epoch, extra=extra)
         return self._pending
+
+    def _write_held(self, held: Held) -> None:
+        call = self.save if held.kind == "save" else self.snapshot
+        call(held.step, epoch=held.epoch, extra=held.extra, **held.objects)  # type: ignore[arg-type]
 
     def _check_in(self, call: str) -> None:
         check_in(f"CheckpointManager.{call}", timeout=self.collective_timeout)
