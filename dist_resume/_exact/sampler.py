@@ -53,12 +53,18 @@ class ResumableDistributedSampler(Sampler[int]):
     an older iterator stops once a newer one starts. The position counts what the newest iterator
     has yielded, exact for a ``DataLoader`` with ``num_workers=0``. With workers, a plain
     ``DataLoader`` draws batches ahead of the training loop: pass the ``DataLoader`` itself as
-    ``dataloader=`` (with ``persistent_workers=True`` the position counts the batches the loop got),
-    use torchdata's ``StatefulDataLoader``, or save
+    ``dataloader=`` (its iterators then count the batches the loop got), use torchdata's
+    ``StatefulDataLoader``, or save
     ``sampler=sampler.state_dict(consumed=<samples this rank trained on in this pass>)``, which counts
     in the newest pass even once the workers drew its last index and the sampler moved on. The
     sampler notices when a multi-worker ``DataLoader`` draws from it and warns once, at the first
     ``state_dict()`` without ``consumed``, that the position counts prefetched samples.
+
+    Each index comes tagged with the seed of its sample's random streams (an ``int`` subclass, from
+    ``seed``, the epoch and the index): the workers of a ``DataLoader`` given as ``dataloader=`` seed
+    their global streams with it before loading the sample, so augmentation drawn there is made again
+    after a resume (docs/exact-resume.md). ``sample_streams=False`` yields plain ints and leaves the
+    workers' streams as torch seeds them.
 
     Example::
 

@@ -287,6 +287,11 @@ class CheckpointManager:
         :class:`~dist_resume.errors.CheckpointWriteError`). Local in a single process. The registered objects
         are saved, each keyword given replacing one for this call; every rank's RNG streams are saved too.
         Rotation problems are logged, never raised: the new checkpoint is already safe.
+
+        Right after the registered loader's last batch of an epoch, the save is held and written when the loop moves
+        on (before the loader's next iterator, at the next save or snapshot of ``step``, or at :meth:`close`), so that
+        it holds what the loop does at an epoch's end (a per-epoch scheduler step, an EMA reset, an evaluation); the
+        path returned is the one it gets. See docs/exact-resume.md#a-save-at-an-epochs-last-batch.
         """
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
