@@ -25,6 +25,7 @@ from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
 from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
+from .._save.saveable import check_saveable
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
 from .folder_save import SaveTarget, save_into, save_into_async
@@ -329,6 +330,7 @@ class CheckpointManager:
         puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
         """
         live = self._live(objects, saving=True, where="snapshot")
+        check_saveable(live, step=step, epoch=epoch, extra=extra, where="CheckpointManager.snapshot()")
         self._check_in(f"snapshot(step={step!r})")
         self._memory.take(self._target(), live, step, epoch=epoch, extra=extra)
 

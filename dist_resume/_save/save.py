@@ -34,6 +34,7 @@ from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .._store.url import location
+from .saveable import check_saveable
 from .sharded import save_full, save_sharded
 from .striped import save_striped, stripes
 
@@ -256,6 +257,7 @@ def save_checkpoint(
     """
     started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    check_saveable(objects, step=step, epoch=epoch, extra=extra, where="save_checkpoint")
     check_in(f"dist_resume.save_checkpoint(step={step!r})")  # a call made on some ranks only is named, not hung
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     where = location(path)  # the entry: decided here, passed down as it is
