@@ -91,15 +91,18 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     Local. ``verify=True`` checks the zip structure and the CRC-32 of every record (reads the
     whole file once); ``verify=False`` the structure only. Either way the file must carry
     dist_resume metadata (the format marker, a format version this dist_resume reads, a ``meta`` dict
-    of the types save_checkpoint writes with an integer or absent ``step``) and a model state (a mapping
-    keyed by strings, its tensors dense), read by a refusing unpickler that loads no tensor data; what its
-    entries hold is checked against the model by a resume, not here. Raises
+    whose entries are of the types and within the ranges save_checkpoint writes: a ``step`` and ``epoch``
+    from 0 to 2**63-1 or absent) and a model state (a mapping keyed by strings), every tensor in it dense
+    (not sparse, nested, quantized or expanded), read by a refusing unpickler that loads no tensor data;
+    what its entries hold is checked against the model by a resume, not here. This is the verdict a
+    folder's readers share (the manager's choice, ``latest_checkpoint``, ``dist-resume list``). Raises
     :class:`CheckpointCorruptError`, :class:`NotACheckpointError` or
     :class:`UnsafeCheckpointError`, each naming the file.
 
     A sharded checkpoint folder (what an FSDP2 model saves, ``ckpt_<step>.dcp/``) must hold its
     ``manifest.json`` and every file it lists with the listed size (``verify=True``: and CRC-32), and a
-    ``train_state.pt`` whose metadata agrees with it; its ``files`` are the manifest's.
+    ``train_state.pt`` whose metadata is checked as a file's is and agrees with it; its ``files`` are the
+    manifest's.
 
     A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
     instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
