@@ -309,7 +309,8 @@ def probe_goods(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
         saved = _probe_objects(kind, 1)
         older = Path(dr.save_checkpoint(root / f"{kind}-{checkpoint_name(6)}", **saved, step=6))
         good = Path(dr.save_checkpoint(root / f"{kind}-good.pt", **saved, step=7))
-        dr.tools.convert_checkpoint(good, good.with_suffix(".dcp"), format="sharded")
+        if any(p.sharded and p.optimizer == kind for p in PROBES.values()):
+            dr.tools.convert_checkpoint(good, good.with_suffix(".dcp"), format="sharded")
         out[kind] = (older, good)
     return out
 
@@ -518,7 +519,7 @@ def test_a_probe_class_gets_one_verdict_from_every_entry_point(
 ) -> None:
     probe = PROBES[case]
     placed = _place_probe(case, probe_goods, tmp_path)
-    for i, entry in enumerate(("load_checkpoint", "verify_archive", "convert pt", "cli verify", "cli list")):
+    for i, entry in enumerate(("load_checkpoint", "verify_archive", "cli verify")):
         (tmp_path / str(i)).mkdir()  # the matrix's invariants: success or a typed error, no traceback
         try:
             _run(entry, placed, tmp_path / str(i))
