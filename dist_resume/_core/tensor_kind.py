@@ -42,7 +42,8 @@ def tensor_kind(tensor: torch.Tensor, *, stand_ins: bool = True) -> str | None:
         return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
     if tensor.is_quantized:
         return "a quantized tensor"
-    if overlapping(tensor.shape, tensor.stride()):  # a meta stand-in keeps the saved strides: refused as well
+    # (a contiguous tensor never overlaps: the common case costs one call; a meta stand-in keeps the saved strides)
+    if not tensor.is_contiguous() and overlapping(tensor.shape, tensor.stride()):
         return "an expanded tensor, its elements sharing memory"
     if tensor.is_meta and not stand_ins:
         return "a meta tensor, without data"
