@@ -15,6 +15,10 @@ checkpoint (``scripts/_fuzz_corpus.py``'s corpus) in place of the file it replac
 - ``manifest``, ``sharded_metadata``, ``train_state``: the ``manifest.json``, DCP ``.metadata`` or ``train_state.pt``
   of a run's newest sharded checkpoint (``ckpt_2.dcp/``): the three readers by path, ``resume`` of it, and
   ``latest_checkpoint`` of the run folder (which must name ``ckpt_2.dcp`` or the older ``ckpt_1.dcp``);
+- ``pt_values``: the same file, its bytes not mutated but its values: the input reads as up to four edits, three
+  bytes each (a place in the loaded object, then what goes there: a tensor of another kind, sparse, nested,
+  quantized, meta or expanded, a number past its range, or nothing), applied and saved again with ``torch.save``
+  (``_fuzz_structural.py``'s generators, which the Hypothesis strategies share); the same readers as ``pt``;
 - ``dcp_metadata``: the ``.metadata`` of a ``dcp.save`` folder; ``trainer_state``, ``hf_index``: an HF Trainer
   checkpoint's ``trainer_state.json`` and ``model.safetensors.index.json``; ``safetensors``: a ``.safetensors`` file:
   ``load_checkpoint``, ``inspect_checkpoint`` and ``resume`` of each.
@@ -67,6 +71,7 @@ def _instrumented_import() -> None:
 
 KINDS = (
     "pt",
+    "pt_values",
     "manifest",
     "sharded_metadata",
     "train_state",
@@ -78,6 +83,7 @@ KINDS = (
 # kind -> (corpus item, the file an input replaces, relative to the item; "" for a file item)
 MEMBERS = {
     "pt": ("own", ""),
+    "pt_values": ("own", ""),
     "manifest": ("sharded_run", "ckpt_2.dcp/manifest.json"),
     "sharded_metadata": ("sharded_run", "ckpt_2.dcp/.metadata"),
     "train_state": ("sharded_run", "ckpt_2.dcp/train_state.pt"),
@@ -88,6 +94,7 @@ MEMBERS = {
 }
 RESTORED = {  # what resume is given for each kind's source: what it holds
     "pt": ("model", "optimizer", "scheduler", "scaler", "ema"),
+    "pt_values": ("model", "optimizer", "scheduler", "scaler", "ema"),
     "sharded": ("model", "optimizer", "scheduler", "scaler", "ema"),
     "dcp_metadata": ("model", "optimizer"),
     "trainer_state": ("model", "scheduler"),
@@ -116,6 +123,38 @@ class Target:
                 shutil.copy(source, home / source.name)
                 self.places[kind] = (home / source.name, home / source.name)
         self.seeds = {kind: self.places[kind][1].read_bytes() for kind in only}
+        if "pt_values" in only:  # its input is edits, none in the seed: the sound file
+            import torch
+            from _fuzz_structural import places
+
+            self.seeds["pt_values"] = b""
+            self.loaded = torch.load(self.places["pt_values"][1], weights_only=True)
+            self.value_places = places(self.loaded)
+
+    def valued(self, data: bytes) -> bytes:
+        """The ``pt_values`` file an input stands for: its edits (three bytes each: a place, then a value) applied to
+        the sound file's object, saved again with torch.save."""
+        import copy
+        import io
+
+        import torch
+        from _fuzz_structural import ODD_VALUES, TENSOR_KINDS, edited, places
+
+        obj, where = self.loaded, self.value_places
+        for i in range(0, min(len(data), 12) - 2, 3):
+            if obj is not self.loaded:  # an edit may have removed or replaced a place: the places now
+                where = places(obj)
+            place = where[int.from_bytes(data[i : i + 2], "big") % len(where)]
+            choice = data[i + 2] % (len(TENSOR_KINDS) + len(ODD_VALUES) + 1)
+            if choice < len(TENSOR_KINDS):
+                obj = edited(obj, place, "kind", TENSOR_KINDS[choice], None)
+            elif choice < len(TENSOR_KINDS) + len(ODD_VALUES):
+                obj = edited(obj, place, "set", copy.deepcopy(ODD_VALUES[choice - len(TENSOR_KINDS)]), None)
+            elif place:
+                obj = edited(obj, place, "drop", None, None)
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
 
     def run(self, data: bytes) -> None:
         """One input: the kind its first byte names, the rest the file's bytes. Raises what a reader let out."""
@@ -126,14 +165,14 @@ class Target:
         kind = self.kinds[data[0] % len(self.kinds)]
         read, replaced = self.places[kind]
         fresh = replaced.with_name(replaced.name + ".next")
-        fresh.write_bytes(data[1:])
+        fresh.write_bytes(self.valued(data[1:]) if kind == "pt_values" else data[1:])
         os.replace(fresh, replaced)  # a new inode: nothing this process cached about the last input applies
         readers: list[Callable[[], Any]] = [
             lambda: dr.load_checkpoint(read, map_location="cpu"),
             lambda: dr.tools.inspect_checkpoint(read),
             lambda: self.resume(kind, read),
         ]
-        if kind == "pt" or MEMBERS[kind][0] == "sharded_run":
+        if kind.startswith("pt") or MEMBERS[kind][0] == "sharded_run":
             readers.append(lambda: dr.tools.verify_archive(read))
         if MEMBERS[kind][0] == "sharded_run":
             readers.append(lambda: self.latest(read))

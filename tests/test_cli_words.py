@@ -259,3 +259,24 @@ def test_verify_names_optimizer_parameters_as_the_named_side_does(tmp_path: Path
     code, out, _ = run("verify", a, tmp_path / "b.pt")
     assert code == ExitCode.DIFFERENT
     assert "optimizer head.weight exp_avg" in out and "param 2" not in out
+
+
+def test_verify_compares_expanded_tensors_by_what_they_store_never_each_element() -> None:
+    """An expanded model entry (one stored value for every element): compared through its stored values, so ten
+    billion elements cost nothing (materialised, they would need 40 GB); the kinds and the values still tell A
+    from B."""
+    from dist_resume.cli._compare import compare_values
+
+    huge = 10**10
+    assert compare_values(torch.zeros(1).expand(huge), torch.zeros(1).expand(huge)) is None
+    assert (
+        compare_values(torch.zeros(1).expand(huge), torch.ones(1).expand(huge)) == "values differ (max |a-b| = 1.0e+00)"
+    )
+    assert compare_values(torch.zeros(1).expand(3), torch.zeros(3)) == (
+        "A an expanded tensor, its elements sharing memory, B a dense tensor"
+    )
+    rows = torch.arange(3.0).reshape(3, 1).expand(3, 4)
+    assert compare_values(rows, torch.arange(3.0).reshape(1, 3).expand(4, 3).t()) is None  # the same, laid out apart
+    assert compare_values(rows, torch.arange(4.0).reshape(1, 4).expand(3, 4)) == (
+        "A and B are expanded differently: values not compared"
+    )

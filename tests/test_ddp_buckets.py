@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import dist_resume
-from dist_resume._dist.ddp_buckets import parse_layout, replay_layout, saved_layout
-from dist_resume.errors import CheckpointCorruptError, CheckpointError
+from dist_resume._dist.ddp_buckets import replay_layout, saved_layout
+from dist_resume._layout.meta import bucket_layout, meta_problem, toolkit_meta
+from dist_resume.errors import CheckpointError, NotACheckpointError
 
 
 def test_a_layout_is_each_parameter_index_once_bucket_by_bucket():
-    assert parse_layout([[3, 2], [1, 0]], "ckpt") == ((3, 2), (1, 0))
-    assert parse_layout(None, "ckpt") is None
+    assert bucket_layout({"ddp_buckets": [[3, 2], [1, 0]]}) == ((3, 2), (1, 0))
+    assert bucket_layout({}) is None and meta_problem("ddp_buckets", None) is None
 
 
 @pytest.mark.parametrize(
@@ -36,8 +37,9 @@ def test_a_layout_is_each_parameter_index_once_bucket_by_bucket():
     ],
 )
 def test_a_damaged_layout_is_refused_by_the_boundary(value):
-    with pytest.raises(CheckpointCorruptError, match="ddp_buckets"):
-        parse_layout(value, "checkpoint 'x.pt'")
+    assert meta_problem("ddp_buckets", value) is not None
+    with pytest.raises(NotACheckpointError, match="ddp_buckets"):
+        toolkit_meta({"format": "dist_resume", "meta": {"ddp_buckets": value}}, "checkpoint 'x.pt'")
 
 
 def test_a_checkpoint_with_a_damaged_layout_is_refused_before_anything_changes(tmp_path):

@@ -15,6 +15,15 @@ the newest checkpoint of a folder beside an older valid one (a foreign folder: t
   in the weight's name), and a folder's resume restored the older checkpoint exactly when it did not take the case;
   ``latest_checkpoint`` names the case or the older checkpoint;
 - where the corpus records the case's error (``FILE_CASES``), ``resume`` raises exactly that class.
+
+The probe's classes (issue 45: ``PROBES``, each a sound checkpoint with one edit, re-saved by torch; two in a sharded
+folder) keep the same invariants through the readers, and each gets **one verdict** from every entry point that
+judges a checkpoint: whether
+``inspect_checkpoint`` refuses it is whether ``latest_checkpoint`` passes over it, ``dist-resume list`` (both of its
+paths, with and without ``--verify``) calls it damaged and "resume would pick" the older one, ``dist-resume inspect``
+refuses it, and ``CheckpointManager.resume`` falls back to the older checkpoint (its values exactly); a checkpoint
+the verdict takes but that the first ``optimizer.step()`` would reject (a hyperparameter missing, a negative
+``step``) is refused by ``resume`` and by the manager alike, with the same error naming the field.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import json
 import shutil
 import sys
 import traceback
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +44,11 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._source.listing import checkpoint_name
+from dist_resume._source.listing import checkpoint_name, sharded_checkpoint_name
+from dist_resume._store.url import location
 from dist_resume.cli import main as cli_main
+from dist_resume.cli._list import list_folder
+from dist_resume.errors import KeyMismatchError
 from tests.test_corpus import FILE_CASES, MARKER
 from tests.test_corpus import _trained as corpus_trained
 
@@ -62,6 +75,93 @@ def _fuzz_entries() -> dict[str, dict[str, Any]]:
 
 FUZZ = _fuzz_entries()
 BAD_INPUT = {case[0]: case for case in FILE_CASES}
+
+
+# ------------------------------------------------------------------------------------------------ the probe's classes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One of the probe's classes: a sound checkpoint of ``optimizer`` ("sgd" or "adamw") edited by ``edit``."""
+
+    optimizer: str
+    edit: Callable[[dict[str, Any]], None]
+    verdict: type[Exception] | None  # what inspect_checkpoint raises (None: it takes the checkpoint)
+    by_path: type[Exception]  # what resume(path) raises; where the verdict takes it, the manager raises it too
+    sharded: bool = False  # the edit is of train_state.pt in a sharded checkpoint folder
+
+
+def _meta(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda obj: obj["meta"].__setitem__(key, value)
+
+
+def _at(*path: Any, make: Callable[[Any], Any]) -> Callable[[dict[str, Any]], None]:
+    """An edit replacing the value at ``path`` by ``make(value)``."""
+
+    def edit(obj: dict[str, Any]) -> None:
+        holder = obj
+        for key in path[:-1]:
+            holder = holder[key]
+        holder[path[-1]] = make(holder[path[-1]])
+
+    return edit
+
+
+def _without(key: str) -> Callable[[dict[str, Any]], None]:
+    return lambda obj: obj["optimizer"]["param_groups"][0].pop(key)
+
+
+def _nested(t: Any) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.as_tensor(t, dtype=torch.float32).reshape(-1), torch.ones(2)])
+
+
+def _expanded(t: Any) -> torch.Tensor:
+    return torch.as_tensor(t).reshape(-1)[:1].expand(*torch.as_tensor(t).shape)
+
+
+NOT_A_CKPT, OPTIM = dr.errors.NotACheckpointError, dr.errors.OptimizerStateMismatchError
+PROBES: dict[str, Probe] = {
+    # numbers out of their range, and an entry of another type (docs/errors.md: an int past int64 is an error)
+    "meta step 10**30": Probe("sgd", _meta("step", 10**30), NOT_A_CKPT, NOT_A_CKPT),
+    "meta epoch -10**30": Probe("sgd", _meta("epoch", -(10**30)), NOT_A_CKPT, NOT_A_CKPT),
+    "meta epoch 2**70": Probe("sgd", _meta("epoch", 2**70), NOT_A_CKPT, NOT_A_CKPT),
+    "meta world_size 2**70": Probe("sgd", _meta("world_size", 2**70), NOT_A_CKPT, NOT_A_CKPT),
+    "meta saved_at 2**70": Probe("sgd", _meta("saved_at", 2**70), NOT_A_CKPT, NOT_A_CKPT),
+    "meta epoch a str": Probe("sgd", _meta("epoch", "1"), NOT_A_CKPT, NOT_A_CKPT),
+    # tensors of other kinds anywhere, refused by kind before an element is read
+    "nested optimizer state": Probe(
+        "sgd", _at("optimizer", "state", 0, "momentum_buffer", make=_nested), NOT_A_CKPT, NOT_A_CKPT
+    ),
+    "nested group lr": Probe("sgd", _at("optimizer", "param_groups", 0, "lr", make=_nested), NOT_A_CKPT, NOT_A_CKPT),
+    "nested scheduler": Probe("sgd", _at("scheduler", "base_lrs", 0, make=_nested), NOT_A_CKPT, NOT_A_CKPT),
+    "nested scaler": Probe("sgd", _at("scaler", "scale", make=_nested), NOT_A_CKPT, NOT_A_CKPT),
+    "sparse rng": Probe("sgd", _at("rng", 0, "torch", make=lambda t: t.to_sparse()), NOT_A_CKPT, NOT_A_CKPT),
+    "sparse model": Probe(
+        "sgd", _at("model", "fc1.weight", make=lambda t: t.to_sparse()), NOT_A_CKPT, KeyMismatchError
+    ),
+    "expanded python rng 10**6": Probe(
+        "sgd",
+        _at("rng", 0, "python", make=lambda py: [py[0], torch.zeros(1, dtype=torch.int64).expand(10**6), py[2]]),
+        NOT_A_CKPT,
+        NOT_A_CKPT,
+    ),
+    "expanded optimizer state": Probe(
+        "adamw", _at("optimizer", "state", 0, "exp_avg", make=_expanded), NOT_A_CKPT, NOT_A_CKPT
+    ),
+    "expanded model": Probe("sgd", _at("model", "fc1.weight", make=_expanded), NOT_A_CKPT, KeyMismatchError),
+    # what the verdict takes but the first optimizer.step() would reject: refused at resume, the field named
+    "sgd group without lr": Probe("sgd", _without("lr"), None, OPTIM),
+    "sgd group without momentum": Probe("sgd", _without("momentum"), None, OPTIM),
+    "adamw group without betas": Probe("adamw", _without("betas"), None, OPTIM),
+    "adamw step -5": Probe(
+        "adamw", _at("optimizer", "state", 0, "step", make=lambda t: torch.tensor(-5.0)), None, OPTIM
+    ),
+    # a sharded checkpoint falls back exactly as a file does
+    "sharded meta step a tensor": Probe(
+        "sgd", _meta("step", torch.tensor([7, 7])), NOT_A_CKPT, NOT_A_CKPT, sharded=True
+    ),
+    "sharded meta epoch 2**70": Probe("sgd", _meta("epoch", 2**70), NOT_A_CKPT, NOT_A_CKPT, sharded=True),
+}
 CASES = [f"fuzz:{name}" for name in sorted(FUZZ)] + [f"corpus:{name}" for name in BAD_INPUT]
 
 ENTRIES = (
@@ -184,6 +284,74 @@ def _place_bad_input(name: str, goods: tuple[Path, Path], tmp_path: Path) -> Pla
     shutil.copy(target, folder / checkpoint_name(7))  # the case was made from a file of step 7
     options = dr.ResumeOptions(**kwargs)
     return Placed(target, folder, good, older, _bad_input_live, _bad_input_live, _bad_input_saved, options, expected)
+
+
+def _probe_objects(kind: str, seed: int) -> dict[str, Any]:
+    """The objects a probe checkpoint is saved from (seed 1) or resumed into (seed 2): every state differs."""
+    model, opt = corpus_trained(seed, opt_cls=torch.optim.SGD if kind == "sgd" else torch.optim.AdamW)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    sched.step()
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": torch.amp.GradScaler("cpu", init_scale=seed),
+    }
+
+
+@pytest.fixture(scope="session")
+def probe_goods(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per optimizer kind, the folder's older checkpoint (step 6) and the sound step-7 one each probe edits (with,
+    beside it, the same as a sharded checkpoint folder: ``<good>.dcp``)."""
+    root = tmp_path_factory.mktemp("entry_matrix_probes")
+    out = {}
+    for kind in ("sgd", "adamw"):
+        saved = _probe_objects(kind, 1)
+        older = Path(dr.save_checkpoint(root / f"{kind}-{checkpoint_name(6)}", **saved, step=6))
+        good = Path(dr.save_checkpoint(root / f"{kind}-good.pt", **saved, step=7))
+        if any(p.sharded and p.optimizer == kind for p in PROBES.values()):
+            dr.tools.convert_checkpoint(good, good.with_suffix(".dcp"), format="sharded")
+        out[kind] = (older, good)
+    return out
+
+
+def _sharded_with(good: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """``good``'s sharded checkpoint folder copied to ``dst``, its ``train_state.pt`` edited and the manifest made to
+    agree again (each file's size and CRC-32): damage only the meaning of a value shows."""
+    shutil.copytree(good.with_suffix(".dcp"), dst)
+    train_state = dst / "train_state.pt"
+    obj = torch.load(train_state, weights_only=True)
+    edit(obj)
+    torch.save(obj, train_state)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == train_state.name:
+            entry["size"], entry["crc32"] = train_state.stat().st_size, f"{zlib.crc32(train_state.read_bytes()):08x}"
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def _place_probe(name: str, goods: dict[str, tuple[Path, Path]], tmp_path: Path) -> Placed:
+    probe = PROBES[name]
+    older, good = goods[probe.optimizer]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    kept = Path(shutil.copy(older, folder / checkpoint_name(6)))
+    if probe.sharded:
+        target = _sharded_with(good, folder / sharded_checkpoint_name(7), probe.edit)
+    else:
+        obj = torch.load(good, weights_only=True)
+        probe.edit(obj)
+        target = folder / checkpoint_name(7)
+        torch.save(obj, target)
+
+    def live() -> dict[str, Any]:
+        return _probe_objects(probe.optimizer, 2)
+
+    def saved() -> dict[str, Any]:
+        return _probe_objects(probe.optimizer, 1)
+
+    return Placed(target, folder, good, kept, live, live, saved, dr.ResumeOptions(), probe.by_path)
 
 
 # ------------------------------------------------------------------------------------------------ the invariants
@@ -333,6 +501,60 @@ def test_hostile_case_through_every_entry_point(case: str, request: pytest.Fixtu
         work.mkdir()
         failures.append(_outcome(entry, case, request, work))
     assert not any(failures), "\n".join(f for f in failures if f)
+
+
+def _listed(folder: Path) -> list[tuple[bool, bool, str, str | None]]:
+    """``(fast, verify, status of the newest row, pick)`` from ``dist-resume list``'s torch-free and torch paths."""
+    out = []
+    for fast in (True, False):
+        for verify in (False, True):
+            report = list_folder(location(folder), verify=verify, fast=fast)
+            out.append((fast, verify, report["checkpoints"][-1]["status"], report["pick"]))
+    return out
+
+
+@pytest.mark.parametrize("case", list(PROBES))
+def test_a_probe_class_gets_one_verdict_from_every_entry_point(
+    case: str, probe_goods: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    probe = PROBES[case]
+    placed = _place_probe(case, probe_goods, tmp_path)
+    for i, entry in enumerate(("load_checkpoint", "verify_archive", "cli verify")):
+        (tmp_path / str(i)).mkdir()  # the matrix's invariants: success or a typed error, no traceback
+        try:
+            _run(entry, placed, tmp_path / str(i))
+        except dr.DistResumeError:
+            pass
+    newest, older = placed.target.name, checkpoint_name(6)
+    refused = probe.verdict is not None
+    try:  # the verdict
+        dr.tools.inspect_checkpoint(placed.target)
+        verdict: type[Exception] | None = None
+    except dr.DistResumeError as err:
+        verdict = type(err)
+    assert verdict is probe.verdict, verdict
+    found = dr.tools.latest_checkpoint(placed.folder)
+    assert found is not None and found.name == (older if refused else newest)
+    status, pick = ("damaged", older) if refused else ("valid", newest)
+    assert _listed(placed.folder) == [(f, v, status, pick) for f in (True, False) for v in (False, True)]
+    assert cli_main(["inspect", str(placed.target)]) == (2 if refused else 0)
+    capsys.readouterr()
+    # a refused checkpoint: the manager falls back to the older one, its values exactly; a taken one that the first
+    # optimizer.step() would reject: the manager refuses it as resume() does, the field named, nothing changed
+    objs = placed.live()
+    with pytest.raises(probe.by_path) as by_path:
+        _resume_guarded(objs, lambda: dr.resume(placed.target, **objs))
+    objs = placed.folder_live()
+    with dr.CheckpointManager(placed.folder) as mgr:
+        if refused:
+            result = _resume_guarded(objs, lambda: mgr.resume(**objs))
+            assert result is not None and result.step == 6
+            _state_equal(objs, placed.saved())
+        else:
+            with pytest.raises(probe.by_path) as by_manager:
+                _resume_guarded(objs, lambda: mgr.resume(**objs))
+            assert str(by_manager.value) == str(by_path.value)
+            assert any(field in str(by_path.value) for field in ("'lr'", "'momentum'", "'betas'", "'step'"))
 
 
 def test_the_matrix_reaches_every_kept_reproducer_and_bad_input() -> None:

@@ -260,3 +260,68 @@ def test_lbfgs_state_belongs_under_the_first_parameter(saved: dict[str, Path], t
         model = _model("LBFGS")
         with pytest.raises(dr.errors.OptimizerStateMismatchError, match=match):
             dr.resume(tmp_path / "l.pt", model=model, optimizer=CASES["LBFGS"][0](model))
+
+
+@pytest.mark.parametrize(
+    ("build", "dropped", "required"),
+    [
+        (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "lr", "dampening lr momentum weight_decay"),
+        (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "momentum", None),
+        (lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), "betas", "betas eps lr weight_decay"),
+        (lambda m: torch.optim.LBFGS(m.parameters(), history_size=2), "history_size", None),
+    ],
+)
+def test_a_group_without_a_hyperparameter_step_reads_is_refused_naming_it(
+    build: Callable[[nn.Module], torch.optim.Optimizer], dropped: str, required: str | None, tmp_path: Path
+) -> None:
+    """The keys are the live optimizer's ``defaults`` less what torch's load fills in: a group without one resumed
+    and the first ``step()`` raised ``KeyError`` (issue 45); ``optimizer_hparams="current"`` keeps the live ones."""
+    from dist_resume._checkpoint.hparams import required_hyperparameters
+
+    model = _model("Adam")
+    opt = build(model)
+    _train(model, opt)
+    if required is not None:
+        assert sorted(required_hyperparameters(opt)) == required.split()
+    saved = dr.save_checkpoint(tmp_path / "good.pt", model=model, optimizer=opt)
+    ckpt = torch.load(saved, weights_only=True)
+    del ckpt["optimizer"]["param_groups"][0][dropped]
+    torch.save(ckpt, tmp_path / "bad.pt")
+    model = _model("Adam")
+    opt = build(model)
+    _train(model, opt, steps=1)
+    before = _snapshot(model, opt)
+    with pytest.raises(dr.errors.OptimizerStateMismatchError, match=f"group 0 lacks '{dropped}'") as err:
+        dr.resume(tmp_path / "bad.pt", model=model, optimizer=opt)
+    assert "optimizer_hparams='current'" in str(err.value)
+    assert all(map(_same, before, _snapshot(model, opt)))
+    dr.resume(tmp_path / "bad.pt", model=model, optimizer=opt, options=dr.ResumeOptions(optimizer_hparams="current"))
+    _train(model, opt, steps=1)
+
+
+def test_a_hyperparameter_torchs_load_fills_in_is_not_required() -> None:
+    """What an older torch did not write (SGD's ``nesterov``, Adam's ``decoupled_weight_decay``), torch's
+    ``__setstate__`` sets on load: such a file resumes. A class whose own ``__setstate__`` replaces torch's has its
+    code left alone (every key of its ``defaults`` is required), and a wrapper put on torch's later is not run."""
+    from dist_resume._checkpoint.hparams import check_hyperparameters, required_hyperparameters
+
+    model = _model("Adam")
+    sgd, adam = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())
+    assert {"nesterov", "maximize", "foreach"}.isdisjoint(required_hyperparameters(sgd))
+    assert "decoupled_weight_decay" not in required_hyperparameters(adam)
+    group = {k: v for k, v in adam.param_groups[0].items() if k != "decoupled_weight_decay"}
+    check_hyperparameters([group], adam, "old.pt")
+
+    class Own(torch.optim.SGD):
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            raise AssertionError("a file's check ran the class's own code")
+
+    assert "nesterov" in required_hyperparameters(Own(model.parameters(), lr=0.1))
+    calls = []
+    original = torch.optim.SGD.__setstate__
+    try:
+        torch.optim.SGD.__setstate__ = lambda self, state: calls.append(1)  # type: ignore[method-assign]
+        assert required_hyperparameters(sgd) == frozenset({"lr", "momentum", "dampening", "weight_decay"})
+    finally:
+        torch.optim.SGD.__setstate__ = original  # type: ignore[method-assign]
+    assert not calls

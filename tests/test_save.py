@@ -212,3 +212,74 @@ def test_unpicklable_state_is_a_write_error_and_leaves_nothing(tmp_path):
         dr.save_checkpoint(tmp_path / "ckpt.pt", model=WithLambda(2, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
     assert (tmp_path / "ckpt.pt").read_bytes() == b"previous"
+
+
+# what torch.save writes as readily as a dense tensor, but no resume can take (issue 45): refused at every save entry
+ODD_BUFFERS = {
+    "sparse": lambda: torch.eye(3).to_sparse(),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+    "meta": lambda: torch.ones(3, device="meta"),
+    "expanded": lambda: torch.zeros(1).expand(3),
+}
+
+
+def _save_entries():
+    """Each save entry, as a call ``(folder, model, **kwargs)``: save_checkpoint(_async) and the manager's save,
+    save_async and snapshot (whose close() writes the snapshot into the folder)."""
+
+    def manager(method):
+        def call(folder, model, **kwargs):
+            with dr.CheckpointManager(folder, model=model) as mgr:
+                result = getattr(mgr, method)(1, **kwargs)
+                return result.wait() if method == "save_async" else result
+
+        return call
+
+    return {
+        "save_checkpoint": lambda folder, model, **kw: dr.save_checkpoint(folder / "c.pt", model=model, step=1, **kw),
+        "save_checkpoint_async": lambda folder, model, **kw: dr.save_checkpoint_async(
+            folder / "c.pt", model=model, step=1, **kw
+        ).wait(),
+        "CheckpointManager.save": manager("save"),
+        "CheckpointManager.save_async": manager("save_async"),
+        "CheckpointManager.snapshot": manager("snapshot"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(ODD_BUFFERS))
+def test_a_state_no_resume_could_take_is_refused_at_every_save_entry_before_anything_is_written(
+    tmp_path, monkeypatch, kind
+):
+    from dist_resume._memory import place
+
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
+    for name, save in _save_entries().items():
+        folder = tmp_path / name
+        folder.mkdir()
+        model = TinyNet()
+        model.register_buffer("odd", ODD_BUFFERS[kind]())
+        with pytest.raises(dr.errors.UsageError, match=r"not dense \(1: \['model'\]\['odd'\]") as info:
+            save(folder, model)
+        assert f"{name.split('.')[-1]}" in str(info.value) and "nothing was written" in str(info.value), name
+        with pytest.raises(dr.errors.UsageError, match=r"\['extra'\]\['mask'\]"):  # extra is saved too
+            save(folder, TinyNet(), extra={"mask": ODD_BUFFERS[kind]()})
+        assert not list(folder.rglob("*.pt")), name
+        model.odd = torch.ones(3)  # the same state, dense: saved
+        save(folder, model)
+        assert list(folder.rglob("*.pt")), name
+
+
+@pytest.mark.parametrize("step", [-1, 2**63, 2**70])
+def test_a_step_or_epoch_no_reader_takes_is_refused_at_save(tmp_path, step):
+    with pytest.raises(dr.errors.UsageError, match="step must be a non-negative int up to 2\\*\\*63-1"):
+        dr.save_checkpoint(tmp_path / "c.pt", model=TinyNet(), step=step)
+    with pytest.raises(dr.errors.UsageError, match="epoch must be a non-negative int up to 2\\*\\*63-1"):
+        dr.save_checkpoint(tmp_path / "c.pt", model=TinyNet(), epoch=step)
+    with (
+        pytest.raises(ValueError, match="step must be a non-negative int"),
+        dr.CheckpointManager(tmp_path / "run") as mgr,
+    ):
+        mgr.save(step, model=TinyNet())
+    assert _files(tmp_path) == []  # not even the manager's folder

@@ -158,6 +158,9 @@ def _adam() -> tuple[torch.optim.Optimizer, dict[str, Any]]:
         (lambda e: e.update(step=math.nan), "'step' is nan, where a finite number belongs"),
         (lambda e: e.update(step=torch.tensor(math.inf)), "a tensor holding inf, where a finite number belongs"),
         (lambda e: e.update(step=torch.ones(2)), "a tensor of shape (2,), where one number belongs"),
+        # AdamW's first step() took the square root of 1 - beta2 ** (step + 1): a negative step failed there
+        (lambda e: e.update(step=torch.tensor(-5.0)), "'step' is a tensor holding -5.0, where a count from 0 belongs"),
+        (lambda e: e.update(step=-1), "'step' is -1, where a count from 0 belongs"),
     ],
 )
 def test_an_optimizer_entry_with_odd_keys_or_counters_is_refused_naming_them(edit: Any, said: str) -> None:

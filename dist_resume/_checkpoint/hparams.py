@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
 
 import torch
 
-from .._core.text import shown
-from .._state.optim_keys import GROUP_BOOKKEEPING
+from .._core.errors import OptimizerStateMismatchError
+from .._core.text import preview, shown
+from .._state.optim_keys import GROUP_BOOKKEEPING, NOT_HYPERPARAMETERS
 from .._state.validate import is_number
 from .options import OptimizerHparams
 
 __all__ = [
     "hparam_changes",
     "hyperparameter_problem",
+    "required_hyperparameters",
+    "check_hyperparameters",
     "lr_differs",
     "choose_hparams",
     "optimizer_applied",
@@ -47,6 +50,71 @@ def hyperparameter_problem(
         if k in saved and not _same_kind(v, saved[k])
     ]
     return f"has hyperparameters of another kind than this optimizer's ({', '.join(odd[:3])})" if odd else None
+
+
+# torch's optimizers' own __setstate__, as torch defines them: what their load_state_dict runs on the loaded groups. Taken
+# once, at import: the dry run below runs torch's code, never a wrapper put on a class later (a profiler's, a test's)
+_TORCH_SETSTATE: Final = {
+    cls: vars(cls)["__setstate__"]
+    for cls in vars(torch.optim).values()
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and "__setstate__" in vars(cls)
+}
+
+
+def _torch_setstate(cls: type) -> Callable[[Any, dict[str, Any]], None] | None:
+    """The ``__setstate__`` torch wrote that ``cls``'s load runs, or None when a class of the user's overrides it."""
+    for base in cls.__mro__:
+        if base in _TORCH_SETSTATE:
+            return _TORCH_SETSTATE[base]  # type: ignore[no-any-return]
+        if "__setstate__" in vars(base) and not base.__module__.startswith("torch.optim"):
+            return None
+    return None
+
+
+def required_hyperparameters(optimizer: torch.optim.Optimizer) -> frozenset[str]:
+    """The group hyperparameters ``optimizer``'s ``step`` reads that its ``load_state_dict`` does not fill in. Local.
+
+    Derived from the live optimizer, not from a table: its ``defaults`` (every key ``add_param_group`` gives each
+    group, hence what its class's ``step`` reads) less what torch's ``__setstate__`` of its class sets on a loaded
+    group that lacks it (torch's classes add their later options so: SGD's ``nesterov``, ``maximize``,
+    ``foreach``; Adam's ``decoupled_weight_decay``, so that older files load). That ``__setstate__`` runs on a
+    throwaway object holding one empty group; a class whose own ``__setstate__`` replaces torch's fills nothing here
+    (its own code is not run to check a file).
+
+    Example::
+
+        >>> sorted(required_hyperparameters(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)))
+        ['dampening', 'lr', 'momentum', 'weight_decay']
+    """
+    group: dict[str, Any] = {"params": []}
+    setstate = _torch_setstate(type(optimizer))
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update({k: v for k, v in vars(optimizer).items() if k not in ("state", "param_groups")})
+    shadow.defaults = dict(optimizer.defaults)
+    try:
+        if setstate is not None:
+            setstate(shadow, {"state": {}, "param_groups": [group]})
+    except Exception:  # torch's code on a throwaway: what it set before it raised still counts
+        pass
+    return frozenset(k for k in optimizer.defaults if isinstance(k, str) and k not in group) - NOT_HYPERPARAMETERS
+
+
+def check_hyperparameters(groups: Iterable[Mapping[str, Any]], optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Raise :class:`OptimizerStateMismatchError` naming the group and the key when one of ``groups`` (what the
+    optimizer's groups will be after the load) lacks a hyperparameter its ``step`` reads
+    (:func:`required_hyperparameters`): the load would take it, and the first ``step()`` raise ``KeyError``. Local."""
+    required = required_hyperparameters(optimizer)
+    lacking = [
+        f"group {i} lacks {preview(sorted(missing))}" for i, g in enumerate(groups) if (missing := required - set(g))
+    ]
+    if lacking:
+        raise OptimizerStateMismatchError(
+            f"{source}: the optimizer state {preview(lacking, 3, sep='; ', quote=False)}, which "
+            f"{type(optimizer).__name__}.step() reads and its load does not fill in, so the first optimizer.step() "
+            "would fail; the checkpoint is damaged or was edited, or was saved by another version of this optimizer "
+            "class. Nothing was restored: resume with optimizer_hparams='current' to keep this optimizer's "
+            "hyperparameters, from another checkpoint, or without the optimizer (allow_missing=('optimizer',))"
+        )
 
 
 def _same_kind(live: Any, saved: Any) -> bool:

@@ -25,7 +25,14 @@ from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
 from .apply import Agree, Transfer, apply_plan, copy_pairs
 from .ema import adapt_ema_state
-from .hparams import choose_hparams, hyperparameter_problem, lr_differs, optimizer_applied, strip_name_prefix
+from .hparams import (
+    check_hyperparameters,
+    choose_hparams,
+    hyperparameter_problem,
+    lr_differs,
+    optimizer_applied,
+    strip_name_prefix,
+)
 from .model_fit import plan_model
 from .objects import LiveObjects
 from .options import OptimizerHparams, ResumeOptions
@@ -150,6 +157,7 @@ def plan_restore(
             optimizer_state, applied["optimizer"] = choose_hparams(
                 optimizer_state, optimizer, hparams, notices, scheduled
             )
+            check_hyperparameters(optimizer_state["param_groups"], optimizer, source)
             check_optimizer_state(optimizer_state, optimizer, param_names(model), source=source)
     has_scheduler = scheduler is not None and present(parts.scheduler, "scheduler")
     if has_scheduler:
@@ -231,6 +239,9 @@ _SCHEDULER_OVERRIDES: Final = (
 )
 
 
+_SMALL_STATES: Final = ("scheduler", "scaler", "sampler", "rng")  # restored as they are, not through the model's keys
+
+
 def check_has_data(plan: RestorePlan) -> None:
     """Raise :class:`StateMismatchError` naming the tensors :meth:`RestorePlan.apply` would copy from that have no data.
 
@@ -238,12 +249,9 @@ def check_has_data(plan: RestorePlan) -> None:
     not the other ranks' stand-ins, nor a read by ranges): a meta tensor there is the file's own, saved from a model on
     the meta device or edited in, and copying from it would fail half-way through the commit.
     """
-    empty = [
-        path
-        for part, state in (("model", plan.model_state), ("optimizer", plan.optimizer_state), ("ema", plan.ema_state))
-        for path, tensor in named_tensors(state, part)
-        if tensor.is_meta
-    ]
+    states = {"model": plan.model_state, "optimizer": plan.optimizer_state, "ema": plan.ema_state}
+    states |= {part: getattr(plan.parts, part) for part in _SMALL_STATES if part in plan.restore}
+    empty = [path for part, state in states.items() for path, tensor in named_tensors(state, part) if tensor.is_meta]
     if empty:
         raise StateMismatchError(
             f"{plan.source} holds meta tensors, without data, where it restores values "

@@ -17,11 +17,12 @@ from .._core.log import log_rank0, shown_path
 from .._core.types import PathLike
 from .._dist.agree import agree_across_ranks
 from .._dist.checkin import check_in
-from .._dist.ddp_buckets import DDP_BUCKETS, parse_layout, replay_layout
+from .._dist.ddp_buckets import replay_layout
 from .._dist.env import is_distributed
 from .._exact.data import stateful_data
 from .._layout.kinds import CONVENTIONAL
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
+from .._layout.meta import bucket_layout
 from .._source.consensus import resolve_source
 from .._source.read import SourceContents, read_source
 from .._source.source import Source, SourceKind
@@ -206,7 +207,7 @@ def _restore_once(source: Source, objects: LiveObjects, options: ResumeOptions, 
     if "optimizer" in restored and objects.optimizer is not None:
         check_first_step(objects.model, objects.optimizer)  # a model.to() after this: named at the first step
     if "model" in restored:  # DDP's first step reduces in the saved run's buckets (collective for a DDP model)
-        replay_layout(objects.model, parse_layout(parts.meta.get(DDP_BUCKETS), f"checkpoint {str(contents.path)!r}"))
+        replay_layout(objects.model, bucket_layout(parts.meta))
     if began is not None:
         log_rank0(logging.INFO, "%s", _resumed_line(contents.path, parts, restored, time.perf_counter() - began))
     return ResumeResult(

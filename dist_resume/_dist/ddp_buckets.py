@@ -3,7 +3,8 @@
 A new ``DistributedDataParallel`` reduces its first iteration in one bucket and rebuilds its buckets at the next
 forward (FACTS 42): an uninterrupted run's step ``k + 1`` is on the rebuilt buckets, a run resumed at ``k`` reduces
 that step in one bucket, and past 2 ranks a ring all-reduce then adds each element in another order. A save records
-the layout the DDP reduces in (``meta["ddp_buckets"]``: each bucket's parameter indices); a resume gives the live
+the layout the DDP reduces in (``meta["ddp_buckets"]``: each bucket's parameter indices, checked where every
+``meta`` entry is, :func:`dist_resume._layout.meta.toolkit_meta`); a resume gives the live
 DDP, before its first forward, a reducer with that layout (:func:`dist_resume._core.torch_ddp.install_layout`). Its
 first step then reduces every element in the same order as the uninterrupted run's, and at the next forward it
 rebuilds from its own gradient-ready order, which is the uninterrupted run's (FACTS 47).
@@ -15,14 +16,12 @@ would make the ranks' bucket all-reduces differ in size.
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from .._core.errors import CheckpointCorruptError
 from .._core.log import log_rank0
-from .._core.text import described
 from .._core.torch_ddp import (
     BucketLayout,
     bucket_layout_of,
@@ -34,10 +33,7 @@ from .._core.torch_ddp import (
 )
 from .comm import all_gather_objects
 
-__all__ = ["DDP_BUCKETS", "saved_layout", "parse_layout", "replay_layout"]
-
-DDP_BUCKETS: Final = "ddp_buckets"
-"""The ``meta`` entry that holds the layout: a list of buckets, each a list of parameter indices."""
+__all__ = ["saved_layout", "replay_layout"]
 
 
 def saved_layout(model: nn.Module) -> list[list[int]] | None:
@@ -46,33 +42,6 @@ def saved_layout(model: nn.Module) -> list[list[int]] | None:
     ddp = find_ddp(model)
     layout = None if ddp is None else bucket_layout_of(ddp)
     return None if layout is None else [list(bucket) for bucket in layout]
-
-
-def parse_layout(value: Any, source: str) -> BucketLayout | None:
-    """``meta["ddp_buckets"]`` as read from a checkpoint: None, or a layout (a non-empty list of non-empty lists of
-    distinct non-negative ints, each below their count); anything else raises :class:`CheckpointCorruptError`."""
-    if value is None:
-        return None
-    problem = _problem(value)
-    if problem is not None:
-        raise CheckpointCorruptError(
-            f"{source}: its meta entry {DDP_BUCKETS!r} is {described(value, 60)}: {problem} (the file is damaged or "
-            "was edited); resume from another checkpoint"
-        )
-    return tuple(tuple(bucket) for bucket in value)
-
-
-def _problem(value: Any) -> str | None:
-    if type(value) is not list or not value:
-        return "not a non-empty list of buckets"
-    if any(type(bucket) is not list or not bucket for bucket in value):
-        return "a bucket is not a non-empty list of parameter indices"
-    indices = [i for bucket in value for i in bucket]
-    if any(type(i) is not int for i in indices):
-        return "a parameter index is not an int"
-    if sorted(indices) != list(range(len(indices))):
-        return f"its {len(indices)} indices are not each parameter's index once"
-    return None
 
 
 def replay_layout(model: nn.Module, layout: BucketLayout | None) -> bool:

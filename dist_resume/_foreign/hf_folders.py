@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from .._core.bounds import MAX_INT64, count_problem
 from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 from .._core.text import preview
 from .._core.untrusted import untrusted
@@ -30,7 +31,6 @@ _INDEX_SUFFIX: Final = ".index.json"
 _HF_STATE: Final = "trainer_state.json"
 _NEVER_OPENED: Final = re.compile(r"^rng_state.*\.pth$|^training_args\.bin$|^random_states_\d+\.pkl$|^.*\.pkl$")
 _HF_STEP_DIR: Final = re.compile(r"^checkpoint-(\d+)$")
-_MAX_COUNT: Final = (1 << 63) - 1  # a step or an epoch: what an int64 holds (JSON's integers are unbounded)
 
 
 def _names(folder: Path) -> set[str]:
@@ -148,14 +148,14 @@ def _progress(state: Any) -> tuple[int | None, int | None, float | None]:
     # bounded before float(): JSON's ints are unbounded, and float() of one past 1e308 raises OverflowError
     if (whole := _count(raw_epoch)) is not None:
         epoch, epoch_float = whole, float(whole)
-    elif type(raw_epoch) is float and 0 <= raw_epoch <= _MAX_COUNT:  # NaN compares False
+    elif type(raw_epoch) is float and 0 <= raw_epoch <= MAX_INT64:  # NaN compares False
         epoch, epoch_float = math.floor(raw_epoch), raw_epoch
     return step, epoch, epoch_float
 
 
 def _count(value: Any) -> int | None:
-    """``value`` when it is an int from 0 to 2**63-1, else None."""
-    return value if type(value) is int and 0 <= value <= _MAX_COUNT else None
+    """``value`` when it is an int from 0 to 2**63-1 (JSON's integers are unbounded), else None."""
+    return value if count_problem(value) is None else None
 
 
 def read_hf(folder: Path, opts: dict[str, Any]) -> CheckpointParts:

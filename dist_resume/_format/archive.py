@@ -23,8 +23,7 @@ from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.location import Location, looked_up
 from .._core.security import warn_if_unsafe_torch
-from .._core.tensor_kind import odd_tensors
-from .._core.text import preview
+from .._core.tensor_kind import refuse_odd_tensors
 from .records import Record
 from .small_records import read_checked_records
 from .sniff import check_walkable, unsafe_error
@@ -151,11 +150,5 @@ def read_archive(path: Location) -> ArchiveContents:
             "load it with torch.load and re-save it instead"
         ) from err
     check_walkable(contents.obj, f"checkpoint {_name(p)}")
-    odd = odd_tensors(contents.obj)
-    if odd:  # a sparse tensor unpickles (its indices and values are meta), but has no one storage to name or copy
-        raise NotACheckpointError(
-            f"checkpoint {_name(p)} holds tensors that are not dense ({preview(odd, quote=False, count=True)}), which "
-            "no state_dict() of a dense model writes and dist_resume does not read without loading them; load it "
-            "with torch.load, make them dense (.to_dense()) or drop them, and re-save it"
-        )
+    refuse_odd_tensors(contents.obj, f"checkpoint {_name(p)}")
     return contents

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .._core.bounds import MAX_INT64
 from .._core.text import described
 
 __all__ = ["ZSTD", "StorageProblem", "Stored", "stored_entry", "storage_problem"]
 
 ZSTD: Final = "stream.zstd"  # the one stream transform torch 2.13 reads (its ExtensionRegistry's ZStandard)
 _MAX_TRANSFORMS: Final = 4
-_MAX_INT: Final = (1 << 63) - 1  # an offset or a length: what an int64 holds (a pickle's ints are unbounded)
 
 Dims = tuple[int, ...]
 Key = tuple[str, Dims | None]  # a tensor chunk's (fqn, offsets), an object's (fqn, None)
@@ -71,7 +71,7 @@ def stored_entry(index: Any, info: Any, dims: Any) -> tuple[Key, Stored]:
     if (
         _kind(info) != "_StorageInfo"
         or type(name) is not str
-        or not (type(offset) is int and type(length) is int and 0 <= offset <= _MAX_INT and 0 <= length <= _MAX_INT)
+        or not (type(offset) is int and type(length) is int and 0 <= offset <= MAX_INT64 and 0 <= length <= MAX_INT64)
         or not (transforms is None or isinstance(transforms, (list, tuple)))
     ):
         raise StorageProblem(f"the storage entry of {fqn!r} is {described(info)}")

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .._core.bounds import MAX_INT64
 from .._core.text import described
 from .dcp_cover import cover_problem
 from .dcp_peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
@@ -39,7 +40,6 @@ __all__ = [
 MAX_PATH_INDEX: Final = 1 << 20  # a list position in a planner path (optimizer param ids, groups)
 _MAX_DEPTH: Final = 64  # planner paths: a state dict nests a handful of levels
 _MAX_DIMS: Final = 64
-MAX_INT: Final = (1 << 63) - 1  # a size, offset or length: what an int64 holds (a pickle's ints are unbounded)
 _SLACK: Final = 1 << 20  # a compressed entry may hold more elements than its bytes: bounded by the folder's bytes
 
 Dims = tuple[int, ...]
@@ -96,7 +96,7 @@ def _dims(value: Any, what: str) -> Dims:
     if (
         not isinstance(value, tuple)
         or len(value) > _MAX_DIMS
-        or not all(type(n) is int and 0 <= n <= MAX_INT for n in value)
+        or not all(type(n) is int and 0 <= n <= MAX_INT64 for n in value)
     ):
         raise BadMetadata(f"{what} is {described(value)}, not a tuple of sizes")
     return tuple(value)

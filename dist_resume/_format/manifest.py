@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from .._core.bounds import count_problem, time_problem
 from .._core.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 from .._core.location import Location
 from .._core.text import described
@@ -50,10 +51,8 @@ DCP_METADATA: Final = ".metadata"
 SHARD_FILE: Final = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
 _CHUNK: Final = 4 << 20
 _MAX_MANIFEST: Final = 64 << 20  # a manifest lists files: megabytes at most even for thousands of ranks
-_MAX_INT: Final = (1 << 63) - 1  # steps, sizes, ranks: what an int64 holds
 _MAX_TEXT: Final = 4096  # a save id, a version, a mesh dimension's name
 _MAX_ITEMS: Final = 1 << 20  # files in one folder, dimensions of a mesh, entries of the DCP state
-_MAX_TIME: Final = 1e11  # saved_at: seconds since 1970, good until the year 5138
 REQUIRED: Final = (".metadata", "train_state.pt")  # every sharded folder holds these (and its shards)
 
 
@@ -191,9 +190,9 @@ def _items(value: Any) -> list[Any]:
 
 
 def _int(value: Any) -> int:
-    if type(value) is not int or not 0 <= value <= _MAX_INT:
-        raise ValueError(f"{described(value, 60)} is not an int from 0 to 2**63-1")
-    return value
+    if (problem := count_problem(value)) is not None:
+        raise ValueError(problem)
+    return int(value)
 
 
 def _opt_int(value: Any) -> int | None:
@@ -201,9 +200,8 @@ def _opt_int(value: Any) -> int | None:
 
 
 def _time(value: Any) -> float:
-    # the bound first, compared exactly: float() (and math.isfinite) of an int past 1e308 raises OverflowError
-    if type(value) not in (int, float) or not abs(value) <= _MAX_TIME:  # NaN compares False: refused too
-        raise ValueError(f"saved_at {described(value, 60)} is not a time in seconds")
+    if (problem := time_problem(value)) is not None:
+        raise ValueError(f"saved_at {problem}")
     return float(value)
 
 

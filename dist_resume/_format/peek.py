@@ -7,7 +7,7 @@ torch costs seconds. :func:`peek_archive` reads ``data.pkl`` (its CRC-32 checked
 ``collections.OrderedDict``): tensors become :class:`TensorStub` (storage key, dtype, shape, strides), nothing
 else is built. Every opcode is checked against the few ``torch.save`` emits before anything is unpickled.
 
-It answers only what it is sure of: anything else (another global, opcode, storage type or tensor kind, a
+It answers only what it is sure of: anything else (another global, opcode, storage type or tensor kind (an expanded view among them), a
 persistent id or arguments not as torch writes them, a tensor outside its storage, nesting past 32 levels, a
 container holding itself) raises :class:`PeekUnsure`, and the caller asks torch's own reader instead, which
 either reads it or says precisely what is wrong. So a fast answer is always the answer torch's path gives.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._core.location import Location
+from .._core.strides import overlapping
 from .records import Record
 from .small_records import read_checked_records
 
@@ -149,6 +150,8 @@ def _rebuild_tensor_v2(*args: Any) -> _Token:
     tensor = TensorStub(storage, offset, shape, stride, requires_grad)
     if tensor.numel and offset + sum((n - 1) * s for n, s in zip(shape, stride)) >= storage.numel:
         raise PeekUnsure("a tensor reaching past the end of its storage")
+    if overlapping(shape, stride):  # the torch path refuses it by kind (_core/tensor_kind.py)
+        raise PeekUnsure("a tensor whose elements share memory (an expanded view)")
     return _Token(tensor)
 
 

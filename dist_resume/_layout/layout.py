@@ -8,12 +8,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from .._core.errors import NotACheckpointError
-from .._core.text import article, described, preview
+from .._core.tensor_kind import refuse_odd_tensors
+from .._core.text import article, preview
 from .._core.untrusted import untrusted
-from .._core.version import __version__
-from .._dist.ddp_buckets import DDP_BUCKETS, parse_layout
 from .detect import detect_parts, overrides
 from .kinds import as_int, is_state_dict
+from .meta import FORMAT_NAME, FORMAT_VERSION, Key, is_toolkit, toolkit_meta
 
 __all__ = [
     "FORMAT_NAME",
@@ -25,28 +25,6 @@ __all__ = [
     "is_state_dict",
     "describe_keys",
 ]
-
-FORMAT_NAME: Final = "dist_resume"
-# The layout save_checkpoint writes (its top-level keys and what each holds), 1 since 0.1. A reader refuses a newer
-# one, as torch.load refuses a newer zip format: a change an older reader would read wrong raises it; a file without
-# it is read as 1.
-FORMAT_VERSION: Final = 1
-
-
-class Key:
-    """Top-level keys of a dist_resume checkpoint, defined once."""
-
-    FORMAT: Final = "format"
-    VERSION: Final = "format_version"
-    MODEL: Final = "model"
-    OPTIMIZER: Final = "optimizer"
-    SCHEDULER: Final = "scheduler"
-    SCALER: Final = "scaler"
-    META: Final = "meta"
-    EXTRA: Final = "extra"
-    RNG: Final = "rng"
-    SAMPLER: Final = "sampler"
-    EMA: Final = "ema"
 
 
 class Layout(enum.Enum):
@@ -102,26 +80,12 @@ def describe_keys(keys: Mapping[str, str]) -> str:
     return ", ".join(f"{part} <- {key!r}" for part, key in keys.items())
 
 
-def _is_toolkit(obj: Mapping[str, Any]) -> bool:
-    marker = obj.get(Key.FORMAT)
-    return type(marker) is str and marker == FORMAT_NAME  # (not `==` alone: a damaged file's tensor compares as one)
-
-
 def _is_lightning(obj: Mapping[str, Any]) -> bool:
     return is_state_dict(obj.get("state_dict")) and any(k in obj for k in _LIGHTNING_MARKS)
 
 
 def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] | None) -> CheckpointParts:
-    _check_version(obj.get(Key.VERSION, FORMAT_VERSION), source)
-    meta = obj.get(Key.META)
-    meta = {} if meta is None else meta  # (not `or {}`: the truth value of what a damaged file holds may raise)
-    if not isinstance(meta, Mapping):
-        raise NotACheckpointError(
-            f"{source} is marked as a dist_resume checkpoint but its {Key.META!r} entry is "
-            f"{type(meta).__name__}, not a mapping (the file is damaged or was edited)"
-        )
-    meta = dict(meta)
-    _check_meta(meta, source)
+    meta = toolkit_meta(obj, source)
     model = obj.get(Key.MODEL)
     if not isinstance(model, Mapping):
         raise NotACheckpointError(f"{source} is marked as a dist_resume checkpoint but has no model state")
@@ -151,42 +115,6 @@ def _toolkit(obj: Mapping[str, Any], source: str, part_keys: Mapping[str, str] |
     return replace(parts, **overrides(obj, part_keys, source), keys={**parts.keys, **part_keys})
 
 
-# what save_checkpoint writes under "meta" and the readers read: each entry's type (None allowed for every one)
-_META_TYPES: Final = {
-    **dict.fromkeys(("step", "epoch", "world_size"), (int,)),
-    **dict.fromkeys(("torch_version", "dist_resume_version", "model_class", "optimizer_class"), (str,)),
-    "saved_at": (int, float),
-}
-
-
-def _check_version(version: Any, source: str) -> None:
-    """Refuse a format version this dist_resume does not read: newer than :data:`FORMAT_VERSION`, or not one at all."""
-    if type(version) is not int or version < 1:
-        raise NotACheckpointError(
-            f"{source} is marked as a dist_resume checkpoint but its {Key.VERSION!r} is {described(version, 40)}, not "
-            "a format version (the file is damaged or was edited); resume from another checkpoint"
-        )
-    if version > FORMAT_VERSION:
-        raise NotACheckpointError(
-            f"{source} is a dist_resume checkpoint of format version {version}, written by a newer dist_resume; "
-            f"this one ({__version__}) reads format version {FORMAT_VERSION}, and would read a newer one wrong: "
-            "upgrade dist_resume to read it"
-        )
-
-
-def _check_meta(meta: Mapping[str, Any], source: str) -> None:
-    """Refuse a ``meta`` entry of another type than save_checkpoint writes (the readers would trip on it later)."""
-    for key, types in _META_TYPES.items():
-        value = meta.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            raise NotACheckpointError(
-                f"{source} is marked as a dist_resume checkpoint but its {Key.META!r} entry {key!r} is "
-                f"{article(type(value).__name__)}, not {article(types[0].__name__)} (the file is damaged or was "
-                "edited); resume from another checkpoint"
-            )
-    parse_layout(meta.get(DDP_BUCKETS), source)  # DDP's bucket layout, replayed at the first step after a resume
-
-
 def split_checkpoint(
     obj: Any,
     source: str = "checkpoint",
@@ -206,7 +134,12 @@ def split_checkpoint(
     data (meta).
 
     Raises :class:`NotACheckpointError` naming the keys when no model is found, when two entries
-    could each be the same part, or when a key in ``part_keys`` is absent.
+    could each be the same part, or when a key in ``part_keys`` is absent; for this toolkit's files also when
+    its metadata is not what ``save_checkpoint`` writes (:func:`~dist_resume._layout.meta.toolkit_meta`); and
+    when a tensor of a part read (``wanted``; in this toolkit's file without ``wanted``: of any entry) but the model
+    is not dense (sparse, nested, quantized, expanded: :func:`~dist_resume._core.tensor_kind.refuse_odd_tensors`),
+    judged from its kind before anything touches its elements. The model's tensors must be of the live model's own
+    kinds: the model's check says so.
 
     Example::
 
@@ -215,7 +148,19 @@ def split_checkpoint(
         ('detected', 3, "model <- 'MODEL_STATE', epoch <- 'EPOCHS_RUN'")
     """
     with untrusted(source, "its layout"):  # the boundary: whatever the checks below did not foresee
-        return _split(obj, source, model_keys, part_keys, wanted)
+        parts = _split(obj, source, model_keys, part_keys, wanted)
+        refuse_odd_tensors(_kinds_checked(obj, parts, wanted), source)
+        return parts
+
+
+def _kinds_checked(obj: Any, parts: CheckpointParts, wanted: Collection[str] | None) -> dict[str, Any]:
+    """What of ``obj`` must hold dense tensors only, by kind, before anything reads an element: each part read (all
+    of them without ``wanted``) but the model, whose tensors must be of the live model's own kinds (a model check's);
+    and in this toolkit's file, which ``save_checkpoint`` writes dense throughout, every other entry too."""
+    if parts.layout is Layout.TOOLKIT and wanted is None:
+        return {key: value for key, value in obj.items() if key != Key.MODEL}
+    names = ("optimizer", "scheduler", "scaler", "rng", "sampler", "ema")
+    return {name: getattr(parts, name) for name in names if wanted is None or name in wanted}
 
 
 def _split(
@@ -225,7 +170,7 @@ def _split(
     part_keys: Mapping[str, str] | None,
     wanted: Collection[str] | None,
 ) -> CheckpointParts:
-    if isinstance(obj, Mapping) and _is_toolkit(obj):
+    if is_toolkit(obj):
         return _toolkit(obj, source, part_keys)
     if is_state_dict(obj) and not part_keys:
         return CheckpointParts(Layout.BARE, obj)

@@ -64,9 +64,12 @@ class EpochEnd:
         self._busy = False  # in hold() or writing: an iterator made meanwhile is the manager's own
         self._said = False
 
-    def hold(self, call: Held, data: Any, write: Callable[[Held], None]) -> bool:
+    def hold(
+        self, call: Held, data: Any, write: Callable[[Held], None], check: Callable[[], None] | None = None
+    ) -> bool:
         """Whether ``call`` is held (collective under torch.distributed when ``data`` is a loader's position, else
-        local): the loop is between epochs on every rank. Held calls of another step are dropped first."""
+        local): the loop is between epochs on every rank. Held calls of another step are dropped first; ``check()``
+        runs before a call is held (what the write would refuse is refused now)."""
         if self._busy:
             return False
         self.drop_older(call.step)
@@ -78,6 +81,8 @@ class EpochEnd:
             self._held.pop(call.kind, None)  # this call replaces it
             self.write_held(call.step, write)  # set_epoch() moved on without a new iterator: write the other now
             return False
+        if check is not None:
+            check()
         self._held[call.kind] = call
         self._arm(data, write)
         if not self._said:

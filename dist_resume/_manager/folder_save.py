@@ -19,6 +19,7 @@ from .._core.location import Location
 from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave, wait_pending, write_in_background
 from .._save.save import prepare_payload, write_checkpoint
+from .._save.saveable import check_count, check_saveable
 from .._save.sharded import writes_folder
 from .._source.listing import checkpoint_name, sharded_checkpoint_name
 from .lease import PrefixLease
@@ -56,17 +57,19 @@ class SaveTarget:
 
 
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if type(step) is not int:
         raise ValueError(f"step must be a non-negative int (it names the file), got {step!r}")
+    check_count("step", step, " (it names the file)")
     return step
 
 
 def _begin(
-    target: SaveTarget, live: LiveObjects, step: int, epoch: int | None, extra: Any
+    target: SaveTarget, live: LiveObjects, step: int, epoch: int | None, extra: Any, where: str
 ) -> tuple[Location, Callable[[], dict[str, Any]], int | None, float]:
     """The steps both saves share: the path, the previous save waited for, the writer prepared, the payload; and
     when this save began (after the wait: the log line's time is this save's own)."""
     path = target.path(live, step)
+    check_saveable(live, step=step, epoch=epoch, extra=extra, where=f"CheckpointManager.{where}()")
     wait_pending()  # the previous save's temporary file must not be mistaken for a stale one
     started = time.perf_counter()
     run_on_rank0(target.prepare)
@@ -77,7 +80,7 @@ def _begin(
 def save_into(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> Location:
     """Save ``live`` as the checkpoint of ``step`` into the target's folder, then rotate; return its path.
     Collective under torch.distributed (see :meth:`CheckpointManager.save`)."""
-    path, build, epoch, started = _begin(target, live, step, epoch, extra)
+    path, build, epoch, started = _begin(target, live, step, epoch, extra, "save")
     write_checkpoint(
         path, build, step=step, epoch=epoch, model=live.model, full_state=target.full_state, started=started
     )
@@ -88,7 +91,7 @@ def save_into(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | 
 def save_into_async(target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> AsyncSave:
     """Like :func:`save_into`, the write and the rotation in a background thread once the state is snapshotted.
     Collective under torch.distributed (see :meth:`CheckpointManager.save_async`)."""
-    path, build, epoch, started = _begin(target, live, step, epoch, extra)
+    path, build, epoch, started = _begin(target, live, step, epoch, extra, "save_async")
     return write_in_background(
         path,
         build,

@@ -25,6 +25,7 @@ from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
 from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
+from .._save.saveable import check_saveable
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
 from .epoch_end import EpochEnd, Held
@@ -295,7 +296,9 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
-        if self._epoch_end.hold(Held("save", step, epoch, extra, objects), live.data, self._write_held):
+        held = Held("save", step, epoch, extra, objects)
+        refuse = lambda: check_saveable(live, step=step, epoch=epoch, extra=extra, where="CheckpointManager.save()")  # noqa: E731
+        if self._epoch_end.hold(held, live.data, self._write_held, check=refuse):  # refused now, not when written
             return self._target().file(step)  # written when the loop starts the next epoch (epoch_end.py)
         target = self._target()
         if self._memory.used and self._memory.sharded:  # FSDP2: every rank's own shards, from memory when all hold step
@@ -339,6 +342,7 @@ class CheckpointManager:
         puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
         """
         live = self._live(objects, saving=True, where="snapshot")
+        check_saveable(live, step=step, epoch=epoch, extra=extra, where="CheckpointManager.snapshot()")
         self._check_in(f"snapshot(step={step!r})")
         if self._epoch_end.hold(Held("snapshot", step, epoch, extra, objects), live.data, self._write_held):
             return

@@ -31,6 +31,7 @@ from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
 from .._store.url import location
 from .save import prepare_payload, tell
+from .saveable import check_saveable
 from .sharded import ShardedSave, begin_sharded, finish_sharded, save_full
 from .striped import begin_striped, stripes
 
@@ -185,10 +186,11 @@ def save_checkpoint_async(
         >>> handle.wait()
         PosixPath('ckpt.pt')
     """
+    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    check_saveable(objects, step=step, epoch=epoch, extra=extra, where="save_checkpoint_async")
     check_in(f"dist_resume.save_checkpoint_async(step={step!r})")  # a call on some ranks only is named, not hung
     wait_pending()
     started = time.perf_counter()
-    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     where = location(path)  # the entry: decided here, passed down as it is
     return write_in_background(

@@ -25,13 +25,14 @@ from torch import nn
 
 from .._exact.loaders import LoaderPosition
 from .._exact.sampler import PREFETCH_WARNING, ResumableDistributedSampler
+from .._layout.meta import DDP_BUCKETS
 from .striped_plan import is_ddp
 
 __all__ = ["DDP_KEY", "PREFETCHED_KEY", "BUCKETS_KEY", "run_evidence"]
 
 DDP_KEY: Final = "ddp"
 PREFETCHED_KEY: Final = "data_position_prefetched"
-BUCKETS_KEY: Final = "ddp_buckets"
+BUCKETS_KEY: Final = DDP_BUCKETS
 
 
 def _prefetched(data: Any) -> dict[str, Any] | None:

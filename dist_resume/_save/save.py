@@ -24,18 +24,20 @@ from .._core.types import PathLike
 from .._core.version import __version__
 from .._dist.checkin import check_in
 from .._dist.comm import collective_step, run_on_rank0
-from .._dist.ddp_buckets import DDP_BUCKETS, saved_layout
+from .._dist.ddp_buckets import saved_layout
 from .._dist.env import is_distributed
 from .._exact.data import loop_epoch, stateful_data
 from .._exact.rank_states import gather_rank_states, merge_rank_states
 from .._exact.rng import param_device
 from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
+from .._layout.meta import DDP_BUCKETS
 from .._state.optim import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .._store.url import location
 from .evidence import run_evidence
+from .saveable import check_saveable
 from .sharded import save_full, save_sharded
 from .striped import save_striped, stripes
 
@@ -271,6 +273,7 @@ def save_checkpoint(
     """
     started = time.perf_counter()
     objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
+    check_saveable(objects, step=step, epoch=epoch, extra=extra, where="save_checkpoint")
     check_in(f"dist_resume.save_checkpoint(step={step!r})")  # a call made on some ranks only is named, not hung
     build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
     where = location(path)  # the entry: decided here, passed down as it is

@@ -17,6 +17,7 @@ from typing import Final
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location, local_path, looked_up
 from .._core.types import PathLike
+from .._core.untrusted import untrusted
 from .._foreign.folders import foreign_kind, trainer_progress
 from .._foreign.safetensors_read import SAFETENSORS_SUFFIX, is_safetensors, read_safetensors_header
 from .._foreign.sharded import checked_layout
@@ -28,7 +29,8 @@ from .._format.sharded_files import FileProblem, declared_keys, manifest_problem
 from .._format.sharded_layout import lost_keys_problem
 from .._format.sniff import FileKind, file_kind
 from .._format.zip_verify import ArchiveFinding, FindingKind, integrity_failure, verify_zip
-from .._layout.layout import FORMAT_NAME, Key, Layout, split_checkpoint
+from .._layout.layout import Layout, split_checkpoint
+from .._layout.meta import Key, is_toolkit, toolkit_meta
 from .._store.url import location
 
 __all__ = [
@@ -89,15 +91,18 @@ def inspect_checkpoint(path: PathLike, *, verify: bool = True) -> CheckpointInfo
     Local. ``verify=True`` checks the zip structure and the CRC-32 of every record (reads the
     whole file once); ``verify=False`` the structure only. Either way the file must carry
     dist_resume metadata (the format marker, a format version this dist_resume reads, a ``meta`` dict
-    of the types save_checkpoint writes with an integer or absent ``step``) and a model state (a mapping
-    keyed by strings, its tensors dense), read by a refusing unpickler that loads no tensor data; what its
-    entries hold is checked against the model by a resume, not here. Raises
+    whose entries are of the types and within the ranges save_checkpoint writes: a ``step`` and ``epoch``
+    from 0 to 2**63-1 or absent) and a model state (a mapping keyed by strings), every tensor in it dense
+    (not sparse, nested, quantized or expanded), read by a refusing unpickler that loads no tensor data;
+    what its entries hold is checked against the model by a resume, not here. This is the verdict a
+    folder's readers share (the manager's choice, ``latest_checkpoint``, ``dist-resume list``). Raises
     :class:`CheckpointCorruptError`, :class:`NotACheckpointError` or
     :class:`UnsafeCheckpointError`, each naming the file.
 
     A sharded checkpoint folder (what an FSDP2 model saves, ``ckpt_<step>.dcp/``) must hold its
     ``manifest.json`` and every file it lists with the listed size (``verify=True``: and CRC-32), and a
-    ``train_state.pt`` whose metadata agrees with it; its ``files`` are the manifest's.
+    ``train_state.pt`` whose metadata is checked as a file's is and agrees with it; its ``files`` are the
+    manifest's.
 
     A foreign source (an HF Trainer, Accelerate or DCP folder, a ``.safetensors`` file) is described
     instead: its ``layout``, its ``files`` with their sizes, the step where the source records one (HF
@@ -124,17 +129,14 @@ def _inspect(p: Location, verify: bool) -> CheckpointInfo:
     read_records(p)  # a damaged structure raises here, with the plain reason
     if verify:
         verify_zip(p)
-    obj = read_archive(p).obj
-    meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
-    if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
+    obj = read_archive(p).obj  # refuses tensors that are not dense, anywhere (read_archive)
+    if not is_toolkit(obj) or not isinstance(obj.get(Key.META), Mapping):
         raise NotACheckpointError(
             f"{str(p)!r} is a torch file without dist_resume metadata (not written by save_checkpoint or "
             "CheckpointManager), so it is not taken as a complete checkpoint; pass the file itself to resume()"
         )
-    step = meta.get("step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise NotACheckpointError(f"{str(p)!r} has invalid dist_resume metadata: step is {step!r}, not an int")
-    split_checkpoint(obj, f"checkpoint {str(p)!r}")  # its parts typed (format version, meta, a model state dict)
+    # its parts typed (format version, meta entries of their types and ranges: toolkit_meta, a model state dict)
+    step = split_checkpoint(obj, f"checkpoint {str(p)!r}").step
     return CheckpointInfo(p, step, p.stat().st_size, archive_digest(p))
 
 
@@ -157,16 +159,18 @@ def _inspect_sharded(p: Location, verify: bool) -> CheckpointInfo:
     if problems:
         raise integrity_failure(repr(str(p)), _findings(problems), _DAMAGED)
     obj = read_archive(p / TRAIN_STATE).obj  # its small records' CRCs checked; no tensor data read
-    meta = obj.get(Key.META) if isinstance(obj, Mapping) else None
-    if not isinstance(obj, Mapping) or obj.get(Key.FORMAT) != FORMAT_NAME or not isinstance(meta, Mapping):
+    where = f"sharded checkpoint {str(p)!r}: its {TRAIN_STATE}"
+    if not is_toolkit(obj) or not isinstance(obj.get(Key.META), Mapping):
         raise NotACheckpointError(f"{str(p / TRAIN_STATE)!r} carries no dist_resume metadata")
+    with untrusted(where, "its metadata"):
+        meta = toolkit_meta(obj, where)  # what split_checkpoint checks of a file: format version, meta entries
     lost = lost_keys_problem(checked_layout(obj, repr(str(p / TRAIN_STATE))), declared_keys(p, manifest))
     if lost is not None:
         raise CheckpointCorruptError(
             f"sharded checkpoint {str(p)!r}: its {TRAIN_STATE} and .metadata disagree: {lost}; .metadata lost them: "
             "the folder is damaged, resume from an earlier checkpoint"
         )
-    if meta.get("step") != manifest.step:
+    if meta.get("step") != manifest.step:  # (an int or None: toolkit_meta checked it)
         raise NotACheckpointError(
             f"sharded checkpoint {str(p)!r}: its manifest says step {manifest.step}, its train state step "
             f"{meta.get('step')!r}; the folder was assembled from two saves: resume from another checkpoint"

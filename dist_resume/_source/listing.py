@@ -115,7 +115,12 @@ def exists(path: Location) -> bool:
 def check_numbered(path: Location, step: int, verify: bool) -> CheckpointInfo:
     """``path``'s :class:`CheckpointInfo` if it is a complete checkpoint of ``step`` (its name's), else raise
     :class:`CheckpointError` (``verify``: every record's CRC-32 too). A checkpoint this process checked as deeply
-    before, unchanged since (:mod:`.checked`), is not read again."""
+    before, unchanged since (:mod:`.checked`), is not read again.
+
+    The one verdict on whether a folder's checkpoint is complete and usable (:func:`inspect_checkpoint`, and the step
+    in its name): the manager's choice and its fallback, :func:`latest_checkpoint`, rotation and ``dist-resume list``
+    all ask it, so none of them takes a checkpoint another passes over. A snapshot's reader can ask it too (``step``:
+    the step its record names)."""
     known = recall(path, verify)
     if known is not None and known.step == step:
         return known

@@ -114,22 +114,30 @@ def _kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "floating" if dtype.is_floating_point else str(dtype).split(".")[-1]
 
 
-def _number_problem(value: Any, floating: bool) -> str | None:
-    """Why ``value`` is not a one-element real finite number (a Python number or a one-element tensor), or None.
+def _number_problem(value: Any, floating: bool, counter: bool = False) -> str | None:
+    """Why ``value`` is not a one-element real finite number (a Python number or a one-element tensor), or None;
+    a ``counter`` (``step``, LBFGS's ``n_iter``) not negative either.
     torch's load turns a Python ``step`` into a float tensor: an int past 1e308 would raise there, half-way through
-    the optimizer's load, and a NaN or infinite counter would turn every later update into NaN."""
+    the optimizer's load, a NaN or infinite counter would turn every later update into NaN, and a negative ``step``
+    fails the first ``step()`` (AdamW's bias correction takes the square root of ``1 - beta2 ** step``)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return f"a tensor of shape {tuple(value.shape)}, where one number belongs"
         if value.dtype.is_complex or value.dtype == torch.bool or (floating and not value.dtype.is_floating_point):
             return f"a {value.dtype} tensor, where a real{' floating' if floating else ''} number belongs"
-        if not value.is_meta and not bool(torch.isfinite(value).all()):  # a stand-in's value is checked where it is
+        if value.is_meta:  # a stand-in's value is checked where it is
+            return None
+        if not bool(torch.isfinite(value).all()):
             return f"a tensor holding {value.item()}, where a finite number belongs"
+        if counter and bool((value < 0).any()):
+            return f"a tensor holding {value.item()}, where a count from 0 belongs"
         return None
     if not is_number(value):  # not a number, or an int past int64
         return f"{type(value).__name__} {described(value, 40)}, where a number belongs"
     if isinstance(value, float) and not math.isfinite(value):
         return f"{value}, where a finite number belongs"
+    if counter and value < 0:
+        return f"{value}, where a count from 0 belongs"
     return None
 
 
@@ -160,7 +168,7 @@ def _entry_problems(entry: Mapping[Any, Any], param: torch.Tensor, group: _Group
         problems.append(" and ".join(what))
     for key, value in sorted(((k, v) for k, v in entry.items() if type(k) is str), key=lambda kv: kv[0]):
         if key in scalars:
-            problem = _number_problem(value, floating=key != "step")
+            problem = _number_problem(value, floating=key != "step", counter=key == "step")
         elif key in per_element or key in spec.optional:
             allowed_none = kind == "SGD" and value is None  # torch's SGD starts such a buffer afresh
             problem = None if allowed_none else _tensor_problem(value, param)
@@ -173,7 +181,9 @@ def _entry_problems(entry: Mapping[Any, Any], param: torch.Tensor, group: _Group
 
 def _lbfgs_problems(entry: Mapping[Any, Any], numel: int, param: torch.Tensor) -> list[str]:
     problems = [f"lacks {k!r}" for k in _LBFGS_COUNTERS if k not in entry]
-    problems += [f"{k!r} is {p}" for k in _LBFGS_COUNTERS if k in entry if (p := _number_problem(entry[k], False))]
+    problems += [
+        f"{k!r} is {p}" for k in _LBFGS_COUNTERS if k in entry if (p := _number_problem(entry[k], False, counter=True))
+    ]
     if not problems and entry["n_iter"] > 0:
         problems += [f"lacks {k!r} (kept once an iteration ran)" for k in _LBFGS_AFTER_ITERATION if k not in entry]
     unknown = sorted(described(k) for k in entry if k not in _LBFGS_KNOWN)
@@ -211,7 +221,8 @@ def check_optimizer_state(
 
     For torch's built-in classes every non-empty entry must hold exactly the keys the class writes
     (per its options), each per-element tensor the parameter's shape and dtype kind, and each
-    counter (``step``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``) one real number; LBFGS's flat
+    number (``step``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``) one real finite number, ``step`` not negative;
+    LBFGS's flat
     state must sit under its first parameter, with vectors as long as all parameters together.
     Other classes: every entry must be a dict.
 

@@ -11,6 +11,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from .._core.bounds import MAX_INT64
 from .._core.errors import KeyMismatchError, StateMismatchError
 from .._core.text import article, described, preview
 
@@ -136,18 +137,13 @@ def _fill(dtype: torch.dtype, value: Any) -> None:
         torch.empty((), dtype=dtype).fill_(value)
 
 
-MAX_INT: Final = (
-    1 << 63
-) - 1  # an int torch takes as a number (a pickle's ints are unbounded; float() of one overflows)
-
-
 def is_number(value: Any) -> bool:
     """A plain number (an int within int64), or a one-element real tensor (a GradScaler's scale, a capturable
     optimizer's lr)."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and not value.is_complex()
     if type(value) is int:
-        return -MAX_INT <= value <= MAX_INT
+        return -MAX_INT64 <= value <= MAX_INT64  # what torch takes as a number (float() of more overflows)
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -193,6 +189,10 @@ def rng_state_problem(state: Any) -> str | None:
         found = f"keys {sorted(map(str, state))}" if isinstance(state, Mapping) else article(type(state).__name__)
         return f"{found}, not a mapping with 'python' and 'torch' streams"
     py, cpu = state["python"], state["torch"]
+    if not (isinstance(py, (list, tuple)) and len(py) == 3 and isinstance(py[1], (list, tuple))):
+        return f"the python stream is {article(type(py).__name__)}, not random.getstate()'s (version, ints, gauss)"
+    if len(py[1]) != len(random.getstate()[1]):  # before tuple() walks it: its length is what the file stored
+        return f"the python stream holds {len(py[1])} ints, not the {len(random.getstate()[1])} of random.getstate()"
     problem = _tried("the python stream", lambda: random.Random().setstate((py[0], tuple(py[1]), py[2])))
     if problem is None and not isinstance(cpu, torch.Tensor):
         problem = f"the torch stream is {article(type(cpu).__name__)}, not a tensor"

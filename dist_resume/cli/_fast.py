@@ -26,6 +26,8 @@ from .._format.records import read_records
 from .._format.sharded_files import declared_keys, manifest_problems
 from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem, lost_keys_problem
 from .._format.zip_verify import verify_zip
+from .._layout.meta import FORMAT_NAME, Key, is_toolkit, toolkit_meta
+from .._layout.meta import FORMAT_VERSION as _VERSION
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -38,27 +40,22 @@ __all__ = [
     "shards_of",
 ]
 
-# the names of dist_resume._source.listing and dist_resume._layout.layout (which import torch); the test of this
-# module checks that they are the same values
+# the name of dist_resume._source.listing (which imports torch); the test of this module checks that it is the same
 CHECKPOINT_NAME: Final = re.compile(r"^ckpt_(\d+)\.(pt|dcp)$")
-FORMAT_NAME: Final = "dist_resume"
-FORMAT_KEY: Final = "format"
-META_KEY: Final = "meta"
-FORMAT_VERSION: Final = ("format_version", 1)  # Key.VERSION and FORMAT_VERSION (a file without it: version 1)
+FORMAT_KEY: Final = Key.FORMAT
+META_KEY: Final = Key.META
+FORMAT_VERSION: Final = (Key.VERSION, _VERSION)  # (a file without it: version 1)
 PLAIN: Final = (type(None), bool, int, float, str)  # the values a stub reads as they are
 
 
 def _meta(obj: Any, step: int) -> Mapping[str, Any]:
-    """The metadata of a sound checkpoint of ``step``, or :class:`PeekUnsure`."""
-    meta = obj.get(META_KEY) if isinstance(obj, Mapping) else None
-    if not isinstance(obj, Mapping) or obj.get(FORMAT_KEY) != FORMAT_NAME or not isinstance(meta, Mapping):
+    """The metadata of a sound checkpoint of ``step``, or :class:`PeekUnsure`; checked by the torch path's own
+    :func:`~dist_resume._layout.meta.toolkit_meta` (torch-free), which refuses what it refuses."""
+    if not is_toolkit(obj) or not isinstance(obj.get(META_KEY), Mapping):
         raise PeekUnsure("no dist_resume metadata")
-    if obj.get(*FORMAT_VERSION) != FORMAT_VERSION[1] or type(obj.get(*FORMAT_VERSION)) is not int:
-        raise PeekUnsure("another format version")  # the torch path says which, and what to do
+    meta = toolkit_meta(obj, "checkpoint")  # a version or entry the torch path refuses: NotACheckpointError, unsure
     if type(meta.get("step")) is not int or meta["step"] != step:
         raise PeekUnsure(f"step {meta.get('step')!r} in a checkpoint named for step {step}")
-    if not all(isinstance(meta.get(k), PLAIN) for k in ("epoch", "world_size")):
-        raise PeekUnsure("an epoch or world size that is not a plain value")
     return meta
 
 

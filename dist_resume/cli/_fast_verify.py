@@ -17,6 +17,7 @@ from typing import Any, Final
 from .._core.errors import CheckpointError
 from .._core.location import Location, RemotePath, local_path
 from .._format.peek import Peeked, PeekUnsure, TensorStub, peek_archive
+from .._layout.meta import toolkit_meta
 from ._common import SCHEMA_PREFIX
 from ._fast import FORMAT_KEY, FORMAT_NAME, FORMAT_VERSION, META_KEY, PLAIN
 
@@ -103,6 +104,10 @@ def _toolkit(path: Location) -> Peeked:
         raise PeekUnsure(f"{p.name} is of another format version")  # the torch path says which, and what to do
     if not all(_plain_key(k) for k in obj["model"]) or not isinstance(obj.get(META_KEY) or {}, dict):
         raise PeekUnsure(f"{p.name}: model keys with wrapper prefixes")
+    try:
+        toolkit_meta(obj, p.name)
+    except CheckpointError as err:  # metadata the torch path refuses: its words, not ours
+        raise PeekUnsure(f"{p.name}: {err}") from err
     return peeked
 
 

@@ -19,6 +19,7 @@ from .._core.types import PathLike
 from .._core.untrusted import untrusted
 from .._format.archive import ArchiveContents, read_archive
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
+from .._layout.meta import is_toolkit
 from .._sim import sim_tags_note
 from .._source.source import local_source
 from .._state.prefix import canonical_key, prefix_style
@@ -207,6 +208,8 @@ def _describe_archive(path: Location, contents: ArchiveContents, part_keys: Mapp
     except NotACheckpointError as err:
         if part_keys:  # the user named the keys: a key that is not there is their error, not a warning
             raise UsageError(str(err), hint="run `dist-resume inspect` without --part to see the file's keys") from err
+        if is_toolkit(contents.obj):  # a dist_resume file the verdict refuses (list, latest(), the manager): alike
+            raise
         report["warnings"].append(str(err))
         return report
     _fill_parts(report, parts, contents.storage_of)

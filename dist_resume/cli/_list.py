@@ -42,11 +42,12 @@ def _age(path: Location, now: float) -> tuple[int, float]:
 
 def _checkpoint(path: Location, verify: bool, now: float) -> dict[str, Any] | None:
     """One ``ckpt_<step>.pt``: its size, age and metadata, ``valid`` or ``damaged`` with the reason; None when it is
-    gone by the time it is read (a writer's rotation deleted it after the listing: not damage)."""
+    gone by the time it is read (a writer's rotation deleted it after the listing: not damage). The verdict is the
+    manager's own (:func:`~dist_resume._source.listing.check_numbered`), so a row is valid exactly when a resume of
+    the folder would take it."""
     from .._format.archive import read_archive
     from .._layout.layout import Key
-    from .._source.integrity import inspect_checkpoint
-    from .._source.listing import exists
+    from .._source.listing import check_numbered, exists
 
     match = CHECKPOINT_NAME.match(path.name)
     step = int(match.group(1)) if match else None
@@ -57,9 +58,9 @@ def _checkpoint(path: Location, verify: bool, now: float) -> dict[str, Any] | No
     entry: dict[str, Any] = {"name": path.name, "step": step, "epoch": None, "world_size": None}
     entry |= {"bytes": size, "age_seconds": round(age, 1), "status": "valid", "reason": None, "shards": None}
     try:
-        info = inspect_checkpoint(path, verify=verify)
-        if info.step != step:
-            raise CheckpointError(f"named for step {step} but its metadata says step {info.step} (renamed by hand?)")
+        if step is None:  # (never: the listing matched the name)
+            raise CheckpointError(f"{path.name} is not named ckpt_<step>")
+        info = check_numbered(path, step, verify)
         meta = read_archive(path / TRAIN_STATE if path.is_dir() else path).obj[Key.META]  # a sharded folder's
         entry["epoch"], entry["world_size"], entry["bytes"] = meta.get("epoch"), meta.get("world_size"), info.size
         entry["shards"] = shards_of(path) if path.is_dir() else None
