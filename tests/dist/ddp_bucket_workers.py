@@ -35,10 +35,18 @@ def averaging_hook(state, bucket):  # type: ignore[no-untyped-def]
     return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def _device() -> torch.device:
+    """This rank's device: ``cuda:<rank>`` under NCCL (the multi-GPU job), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _make(options: dict[str, Any], seed: int) -> tuple[DDP, torch.optim.Optimizer]:
     options = dict(options)
     hook = options.pop("hook", False)
-    ddp = DDP(_net(seed), **options)
+    device = _device()
+    ddp = DDP(_net(seed).to(device), device_ids=[device.index] if device.type == "cuda" else None, **options)
     if hook:
         ddp.register_comm_hook(None, averaging_hook)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -46,7 +54,7 @@ def _make(options: dict[str, Any], seed: int) -> tuple[DDP, torch.optim.Optimize
 
 def _train(ddp: DDP, opt: torch.optim.Optimizer, start: int, stop: int, rank: int) -> None:
     for step in range(start, stop):
-        x, y = _batch(rank, step)
+        x, y = (t.to(_device()) for t in _batch(rank, step))
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad()
         loss.backward()

@@ -9,6 +9,7 @@ with the layout's replay switched off.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import ddp_bucket_workers as W
 from tests.dist.harness import run_ranks
@@ -50,6 +51,22 @@ def test_the_layout_is_recorded_once_rebuilt_and_never_for_find_unused_parameter
     )
     assert len(rows[2]["layout"]) > 1  # bucket_cap_mb=0.01: several buckets
     assert rows[5]["layout"] is None  # find_unused_parameters: the initial buckets are kept, nothing to replay
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_on_gpus_with_nccl_the_resume_is_bitwise_too(tmp_path):
+    """The multi-GPU job: every GPU a rank, NCCL (its ring and tree algorithms follow the bucket too)."""
+    world = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world < 2:
+        pytest.skip("needs at least two CUDA GPUs")
+    cases = [case for case in CASES if not case[2]]
+    results = run_ranks(
+        W.resumed_against_uninterrupted, world, tmp_path=tmp_path, args=(str(tmp_path), cases), backend="nccl",
+        deadline=300,
+    )  # fmt: skip
+    for rank, per_rank in enumerate(results):
+        assert [row["differ"] for row in per_rank] == [0] * len(cases), f"rank {rank}"
 
 
 def test_a_ddp_that_ran_before_the_resume_is_named_at_warning(results):
