@@ -314,6 +314,19 @@ def test_a_ddp_resume_without_a_recorded_bucket_layout_is_named_past_two_ranks(t
         assert check.causes == () and (check.diagnosis or "").startswith("no known cause fits"), (name, check.diagnosis)
 
 
+def test_a_ddp_resume_that_could_not_replay_its_layout_is_named_with_the_reason(tmp_path: Path) -> None:
+    reason = "rank 0: the DDP model ran a forward pass before the resume; resume before training"
+    ref, got = _ddp({"ddp": True, "ddp_buckets": [[3, 2], [1, 0]]})
+    for step in got:
+        if step >= 4:  # the relaunch's checkpoints say why its resume could not replay the layout
+            got[step] = {**got[step], "meta": {**got[step]["meta"], "ddp_buckets_not_replayed": reason}}
+    check = _check(tmp_path, ref, got)
+    assert check.causes == (Cause.DDP_FIRST_STEP_BUCKETS,), check.diagnosis
+    assert "its resume could not give DDP the saved bucket layout (rank 0: the DDP model ran a forward pass" in (
+        check.diagnosis or ""
+    )
+
+
 def test_a_prefetch_record_is_read_only_in_its_own_form() -> None:
     # a file may hold anything under the key: only positive ints count, and a long WARNING is quoted cut
     from dist_resume.cli.check._diagnose_setup import _prefetched

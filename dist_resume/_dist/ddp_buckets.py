@@ -33,7 +33,9 @@ from .._core.torch_ddp import (
 )
 from .comm import all_gather_objects
 
-__all__ = ["saved_layout", "replay_layout"]
+__all__ = ["saved_layout", "replay_layout", "not_replayed"]
+
+_NOT_REPLAYED = "_dist_resume_layout_not_replayed"  # on a DDP whose resume could not replay the saved layout: why
 
 
 def saved_layout(model: nn.Module) -> list[list[int]] | None:
@@ -61,6 +63,7 @@ def replay_layout(model: nn.Module, layout: BucketLayout | None) -> bool:
     if not reasons and any(saved != layout for saved, _ in decisions):
         reasons = ["the ranks read different layouts"]
     if reasons:
+        setattr(ddp, _NOT_REPLAYED, "; ".join(reasons))  # what its next saves record, for dist-resume check
         world = dist.get_world_size(ddp.process_group)
         log_rank0(
             logging.WARNING if world > 2 else logging.INFO,
@@ -73,6 +76,14 @@ def replay_layout(model: nn.Module, layout: BucketLayout | None) -> bool:
         return False
     install_layout(ddp, layout)
     return True
+
+
+def not_replayed(model: nn.Module) -> str | None:
+    """Why the resume of ``model``'s DDP could not replay the saved bucket layout, or None (replayed, nothing to replay,
+    or no DDP). Local."""
+    ddp = find_ddp(model)
+    reason = None if ddp is None else getattr(ddp, _NOT_REPLAYED, None)
+    return reason if isinstance(reason, str) else None
 
 
 def _local_reason(ddp: Any, layout: BucketLayout) -> str | None:

@@ -11,6 +11,10 @@ forms as evidence, never their absence alone):
   what the loop took (``num_workers=0``, a loader whose iterator the save counts, torchdata's ``StatefulDataLoader``,
   ``sampler.state_dict(consumed=...)``) records nothing.
 
+- ``"ddp_buckets_not_replayed": reason``: the resume of this run's DDP could not give it the saved bucket layout
+  (:func:`~dist_resume._dist.ddp_buckets.replay_layout`: a forward pass before the resume, a built-in comm hook, ...),
+  so its first step after that resume reduced in one bucket.
+
 ``"ddp_buckets"`` (:data:`BUCKETS_KEY`) is not written here: the DDP bucket layout a resume replays for its first step
 is stored under it by the save of a DDP model whose layout can be replayed; a DDP checkpoint without it is the
 check's evidence that a resumed run's first step reduced in other buckets than the uninterrupted run's.
@@ -23,16 +27,18 @@ from typing import Any, Final
 
 from torch import nn
 
+from .._dist.ddp_buckets import not_replayed
 from .._exact.loaders import LoaderPosition
 from .._exact.sampler import PREFETCH_WARNING, ResumableDistributedSampler
 from .._layout.meta import DDP_BUCKETS
 from .striped_plan import is_ddp
 
-__all__ = ["DDP_KEY", "PREFETCHED_KEY", "BUCKETS_KEY", "run_evidence"]
+__all__ = ["DDP_KEY", "PREFETCHED_KEY", "BUCKETS_KEY", "NOT_REPLAYED_KEY", "run_evidence"]
 
 DDP_KEY: Final = "ddp"
 PREFETCHED_KEY: Final = "data_position_prefetched"
 BUCKETS_KEY: Final = DDP_BUCKETS
+NOT_REPLAYED_KEY: Final = "ddp_buckets_not_replayed"
 
 
 def _prefetched(data: Any) -> dict[str, Any] | None:
@@ -61,6 +67,9 @@ def run_evidence(model: nn.Module, data: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if is_ddp(model):
         found[DDP_KEY] = True
+        reason = not_replayed(model)
+        if reason is not None:
+            found[NOT_REPLAYED_KEY] = reason[:1000]
     prefetched = None if data is None or isinstance(data, Mapping) else _prefetched(data)
     if prefetched is not None:
         found[PREFETCHED_KEY] = prefetched

@@ -104,8 +104,14 @@ def resumed_against_uninterrupted(rank: int, world_size: int, folder: str, cases
         dist_resume.save_checkpoint(again, model=ddp, optimizer=opt, step=at)
         _train(ddp, opt, at, at + 4, rank)
         layout = torch.load(path, weights_only=True)["meta"].get("ddp_buckets")
-        carried = torch.load(again, weights_only=True)["meta"].get("ddp_buckets")
+        meta = torch.load(again, weights_only=True)["meta"]
         out.append(
-            {"differ": _differ(uninterrupted, _state(ddp, opt)), "layout": layout, "carried": carried, "warned": warned}
+            {
+                "differ": _differ(uninterrupted, _state(ddp, opt)),
+                "layout": layout,
+                "carried": meta.get("ddp_buckets"),
+                "not_replayed": meta.get("ddp_buckets_not_replayed"),  # dist-resume check's evidence
+                "warned": warned,
+            }
         )
     return out

@@ -71,4 +71,6 @@ def test_on_gpus_with_nccl_the_resume_is_bitwise_too(tmp_path):
 
 def test_a_ddp_that_ran_before_the_resume_is_named_at_warning(results):
     assert any("ran a forward pass before the resume" in m for m in results[0][-1]["warned"])
+    assert "ran a forward pass before the resume" in results[0][-1]["not_replayed"]  # saved: the check's evidence
+    assert all(per_rank[case]["not_replayed"] is None for per_rank in results for case in range(len(CASES) - 1))
     assert all(per_rank[-1]["warned"] == [] for per_rank in results[1:])  # rank 0 says it

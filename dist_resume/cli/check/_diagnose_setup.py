@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ..._core.text import preview
-from ..._save.evidence import BUCKETS_KEY, DDP_KEY, PREFETCHED_KEY
+from ..._save.evidence import BUCKETS_KEY, DDP_KEY, NOT_REPLAYED_KEY, PREFETCHED_KEY
 from ._evidence import Evidence, recorded, sample_index, where
 from ._result import Cause
 
@@ -80,9 +80,20 @@ def ddp_first_step(ev: Evidence) -> Found | None:
     world = after.world_size[1]
     if recorded(after, DDP_KEY)[1] is not True or type(world) is not int or world <= 2:
         return None
-    if any(layout is not None for r in ev.results[: index + 1] for layout in recorded(r, BUCKETS_KEY)):
+    refused = next((why for why in recorded(after, NOT_REPLAYED_KEY) if isinstance(why, str)), None)
+    if refused is None and any(
+        layout is not None for r in ev.results[: index + 1] for layout in recorded(r, BUCKETS_KEY)
+    ):
         return None
     parts = preview((str(p) for p in after.parts if p.part in ("model", "optimizer")), 2, quote=False)
+    if refused is not None:
+        return Cause.DDP_FIRST_STEP_BUCKETS, (
+            f"the training state differs at {where(ev, after)} ({parts}), the first checkpoint after the resume, while "
+            f"the RNG streams and the data position are equal: the run is DDP at {world} ranks, and its resume could "
+            f"not give DDP the saved bucket layout ({refused[:300]}), so its first step summed each gradient element "
+            "in another order than the uninterrupted run's same step; past 2 ranks the sums differ in their last bits "
+            "(docs/exact-resume.md#ddp-buckets)"
+        )
     return Cause.DDP_FIRST_STEP_BUCKETS, (
         f"the training state differs at {where(ev, after)} ({parts}), the first checkpoint after the resume, while "
         f"the RNG streams and the data position are equal: the run is DDP at {world} ranks, and its checkpoints "
