@@ -55,6 +55,16 @@ ENTRY: Final = re.compile(
 _locks: dict[Path, threading.Lock] = {}
 _locks_lock = threading.Lock()
 
+
+def _forget_in_child() -> None:
+    """In a forked child: no lock a parent's thread (a commit) held at the fork is held here."""
+    global _locks_lock
+    _locks_lock = threading.Lock()
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
 _CREATE_NEW: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 

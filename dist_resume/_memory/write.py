@@ -46,6 +46,16 @@ _claimed: set[tuple[Path, str]] = set()  # (directory, part) with a write begun 
 _claimed_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the parent's writes under way are not the child's."""
+    global _claimed_lock
+    _claimed_lock = threading.Lock()
+    _claimed.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class _SlotFile:
     """The file ``dump`` writes: every byte written (a short write is retried), the ``OSError`` a write raised
     remembered, since ``torch.save`` replaces it with an opaque ``RuntimeError``, and the CRC-32 of the bytes as they

@@ -27,7 +27,7 @@ from ..._state.sharded import is_sharded
 from ..folder_save import SaveTarget
 from .choose import MemoryChoice
 from .commit import Commits
-from .exit import unwatch, watch
+from .exit import owner, unwatch, watch
 from .folder_copy import FolderCopies
 from .shards import begin_own, exit_group, held_everywhere, persist_newest, persist_own
 from .split import copy_share, meet, node_group, receive, splits
@@ -50,6 +50,13 @@ class MemoryTier:
         self.sharded = False  # FSDP2: every rank writes its own shards (.shards), no node writer
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
         self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
+        self.pid = owner()  # only this process acts on the snapshots: a fork (a DataLoader's worker) never does
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a child forked from the process that made the tier (which then copies, commits and
+        frees nothing, and touches neither the folder nor the slots)."""
+        return owner() != self.pid
 
     # --- snapshot ---
 
@@ -173,7 +180,7 @@ class MemoryTier:
     def close(self, target: SaveTarget) -> None:
         """Collective: copy the newest snapshot into the folder (striped across rank 0's node's ranks as a save's copy,
         or rank 0 alone; FSDP2: every rank its shards), then free every node's shared memory."""
-        if not self.used:
+        if not self.used or self.forked:
             return
         if self.sharded:
             self._close_sharded(target)
@@ -223,8 +230,8 @@ class MemoryTier:
         under way, rank 0 copies its newest snapshot into the folder; the snapshots stay, for the restart that may
         follow. FSDP2: every rank its commit, then, unless this rank ends ``alone`` (an exception in a ``with``
         block), every rank together writes the newest snapshot on the exit group (:func:`~.shards.persist_newest`;
-        a rank gone: nothing, within :data:`~.shards.EXIT_WAIT_S`)."""
-        if not self.used:
+        a rank gone: nothing, within :data:`~.shards.EXIT_WAIT_S`). Nothing in a forked child."""
+        if not self.used or self.forked:
             return
         if rank_info().local_rank == 0 or self.sharded:
             self._join_commit(raising=False)
