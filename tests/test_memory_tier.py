@@ -201,7 +201,9 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
                 first = mgr._memory.newest
                 assert first is not None and first.slot == "a"
                 inode = first.path.stat().st_ino
-        saved = mgr.save(3)  # the snapshot of step 3 is copied once its commit ends: the same bytes
+        saved = mgr.save(
+            3, extra=extra
+        )  # nothing changed since snapshot(3): copied once its commit ends, the same bytes
         mgr._memory._join_copy()
         newest = mgr._memory.newest
         assert newest is not None and (newest.step, newest.slot) == (3, "a")
@@ -263,7 +265,8 @@ def test_a_payload_the_copy_cannot_take_is_saved_by_torch_save() -> None:
     assert laid_out({"w": torch.nn.Parameter(torch.ones(2))}) is None  # a subclass
     assert laid_out({"s": torch.ones(2).to_sparse()}) is None
     assert laid_out({"m": torch.empty(2, device="meta")}) is None
-    assert laid_out({"in_a_set": {torch.ones(1)}}) is None  # a container the copy's walker does not enter
+    in_a_set = laid_out({"in_a_set": {torch.ones(1)}})  # the pickle finds a tensor in any container torch.save enters
+    assert in_a_set is not None and len(in_a_set.tensors) == 1
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
@@ -280,6 +283,8 @@ def test_the_laid_out_file_is_the_one_write_streamed_writes(tmp_path: Path) -> N
         "n": 3,
     }
     plan = plan_records(payload)
+    laid = laid_out(payload)  # the snapshot's one-pass plan pickles the same data.pkl
+    assert laid is not None and laid.pickled == plan.head[0][1] and laid.tensors == plan.tensors
     layout = zip_file_layout(plan_layout(plan.specs()), plan.small())
     data = bytearray(layout.size)
     for offset, fixed in layout.fixed:

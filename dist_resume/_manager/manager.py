@@ -23,7 +23,6 @@ from .._core.location import Location
 from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
-from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
 from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
@@ -288,16 +287,10 @@ class CheckpointManager:
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
         target = self._target()
-        if self._memory.used and self._memory.sharded:  # FSDP2: every rank's own shards, from memory when all hold step
-            copied = self._memory.copy_sharded(target, live, step)
+        if self._memory.used:  # the snapshot of step, when it still holds the live state: copied in the background
+            copied = self._memory.save_from_snapshot(target, live, step, epoch=epoch, extra=extra)
             if copied is not None:
                 return copied
-        elif self._memory.used:
-            copy = run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots")
-            if copy is not None:  # rank 0 (with its node's ranks, striped) copies the snapshot in the background
-                path = target.file(step)
-                self._memory.copy_in_background(target, path, copy)
-                return path
         return save_into(target, live, step, epoch=epoch, extra=extra)
 
     def snapshot(
@@ -314,8 +307,9 @@ class CheckpointManager:
         rank commits nothing and raises the same error on every rank. For a state over 32 MiB the CRC-32s and the
         commit record follow in a background thread after the call returns; until then the previous snapshot is the
         newest (the next ``snapshot``, ``save``, ``close`` and the exit handlers wait for it). Nothing reaches the
-        folder: ``save(step)`` of the same step
-        copies the snapshot there in a background thread (no second copy from the device), ``close()`` copies the
+        folder: ``save(step)`` of the same step copies the snapshot there in a background thread (no second copy from
+        the device) when nothing it holds changed since (version counters, the small states compared whole: else the
+        live state is saved, and the snapshot retired), ``close()`` copies the
         newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
         copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot
         newer than the folder's newest checkpoint can restore every rank (``ResumeResult.source == "memory"``).
@@ -342,6 +336,7 @@ class CheckpointManager:
         """
         live = self._live(objects, saving=True, where="save_async")
         self._check_in(f"save_async(step={step!r})")
+        self._memory.superseded(step)  # a snapshot of step no longer stands for it
         self._pending = save_into_async(self._target(), live, step, epoch=epoch, extra=extra)
         return self._pending
 

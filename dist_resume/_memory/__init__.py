@@ -18,6 +18,7 @@ from .persist import (
     persist_snapshot,
     release_mappings,
     remove_snapshots,
+    retire_snapshot,
 )
 from .place import SHM_DIR_ENV, folder_key, shm_root, store_dir
 from .read import newest_snapshot, snapshots
@@ -41,6 +42,7 @@ __all__ = [
     "newest_snapshot",
     "snapshots",
     "mark_persisted",
+    "retire_snapshot",
     "persist_snapshot",
     "open_snapshot",
     "copy_bytes",

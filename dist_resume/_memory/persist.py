@@ -18,7 +18,15 @@ from .place import open_owned, owned_store, store_dir
 from .read import CHUNK, slot_snapshots
 from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
 
-__all__ = ["persist_snapshot", "open_snapshot", "copy_bytes", "check_copied", "mark_persisted", "remove_snapshots"]
+__all__ = [
+    "persist_snapshot",
+    "open_snapshot",
+    "copy_bytes",
+    "check_copied",
+    "mark_persisted",
+    "retire_snapshot",
+    "remove_snapshots",
+]
 
 logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._core.log imports torch)
 
@@ -108,14 +116,32 @@ def mark_persisted(snapshot: Snapshot) -> Snapshot | None:
 
     Returns the updated snapshot, or None when its slot holds another snapshot by now (a newer write replaced it):
     a record is never marked for a file it does not describe."""
-    store = snapshot.path.parent
-    with record_lock(store):
-        current = [s for s in slot_snapshots(store, snapshot.folder, snapshot.part) if s.slot == snapshot.slot]
-        if not current or current[0] != dataclasses.replace(snapshot, persisted=current[0].persisted):
+    with record_lock(snapshot.path.parent):
+        current = _current(snapshot)
+        if current is None:
             return None
-        marked = dataclasses.replace(current[0], persisted=True)
+        marked = dataclasses.replace(current, persisted=True)
         write_record(marked)
     return marked
+
+
+def _current(snapshot: Snapshot) -> Snapshot | None:
+    """The snapshot ``snapshot``'s slot holds now, when it is still that one (its persisted flag aside); the caller
+    holds the store's record lock."""
+    found = [s for s in slot_snapshots(snapshot.path.parent, snapshot.folder, snapshot.part) if s.slot == snapshot.slot]
+    if not found or found[0] != dataclasses.replace(snapshot, persisted=found[0].persisted):
+        return None
+    return found[0]
+
+
+def retire_snapshot(snapshot: Snapshot) -> bool:
+    """Remove ``snapshot``'s commit record (its slot's data file stays, for the next write): it no longer counts, and
+    the part's other slot holds the newest. Local. False when its slot holds another snapshot by now."""
+    with record_lock(snapshot.path.parent):
+        if _current(snapshot) is None:
+            return False
+        (snapshot.path.parent / record_name(snapshot.part, snapshot.slot)).unlink(missing_ok=True)
+    return True
 
 
 def _kept(keep: Iterable[Snapshot]) -> set[str]:

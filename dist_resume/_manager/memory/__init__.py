@@ -7,7 +7,8 @@ rank's RNG streams and data position into the node's shared memory
 loses no rank's state; under DDP the node's other ranks copy their shares of the replicated state (the same on every
 rank) into the same file (:mod:`.split`). ``resume()`` asks :func:`choose_snapshot` (:mod:`.choose`) whether a snapshot newer than the folder's newest
 checkpoint can restore every rank; the folder gets a snapshot's bytes, not a second copy from the device, at
-``save(step)`` of the same step (in a background thread), at ``close()``, and when the process ends otherwise (an
+``save(step)`` of the same step when the live state is shown unchanged since (:mod:`.evidence`, :mod:`.reuse`; in a
+background thread), at ``close()``, and when the process ends otherwise (an
 exception, or the SIGTERM with which a preemption or torchrun's restart of the node's workers begins), which keeps the
 snapshots for the restart that may follow (:mod:`.exit`).
 

@@ -1,38 +1,46 @@
 """A snapshot's payload laid out as the torch file it becomes, and its tensors copied into their places.
 
 The payload is planned as the file :func:`~dist_resume._format.stream_write.write_streamed` writes (every tensor one
-contiguous CPU record in walk order, :func:`~dist_resume._format.tensor_records.plan_records`), its records placed by
-:func:`~dist_resume._format.zip_layout.plan_layout` and turned into a
+contiguous CPU record in pickle order, the archive :func:`~dist_resume._format.tensor_records.plan_records` plans), its
+records placed by :func:`~dist_resume._format.zip_layout.plan_layout` and turned into a
 :class:`~dist_resume._memory.FileLayout` (the headers, ``data.pkl`` and the zip's tail written as they are, each
-tensor's record a region). :func:`copy_records` is the snapshot's one pass over the data: each tensor copied with
-``copy_`` into a view of the slot's mapping at its record, whichever local rank copies it; from the accelerator
-through page-locked memory where it has some (the mapping registered, or pinned staging buffers: :mod:`.pinned`).
+tensor's record a region). The plan is one pass: the payload itself is pickled, each tensor reduced on its first
+encounter to its record's stand-in (the reduction :func:`~dist_resume._format.pickle_write.dump_pickle` gives a meta
+tensor of its shape and dtype), which is how its records are found and numbered; the stand-ins are kept from one
+snapshot to the next (a snapshot of the same structure makes none), and the tensors' paths are walked only when the
+node's other ranks copy a share (:mod:`.split`). :func:`copy_records` is the snapshot's one pass over the data: each
+tensor copied with ``copy_`` into a view of the slot's mapping at its record, whichever local rank copies it; from the
+accelerator through page-locked memory where it has some (the mapping registered, or pinned staging buffers:
+:mod:`.pinned`).
 """
 
 from __future__ import annotations
 
+import io
+import math
 import mmap
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..._core.tree import iter_tensors
+from ..._core import torch_compat
 from ..._format.striped_archive import STRIPE_THRESHOLD, TreePath, tensor_paths
-from ..._format.tensor_records import plan_records
+from ..._format.tensor_records import TensorRecords, foot_records, head_records
 from ..._format.zip_layout import plan_layout
 from ..._memory import FileLayout, zip_file_layout
 from .pinned import copying_into
 
-__all__ = ["CopyRecord", "LaidOut", "laid_out", "copyable", "copy_records"]
+__all__ = ["CopyRecord", "LaidOut", "Pickled", "pickled", "laid_out", "copyable", "record_view", "copy_records"]
 
 
 @dataclass(frozen=True, slots=True)
 class CopyRecord:
     """A tensor's record in a snapshot's file: where its ``nbytes`` go (``offset``), and its first path in the payload
-    (``()`` where the walk of :func:`~dist_resume._format.striped_archive.tensor_paths` does not reach it, or it is
-    reached more than once); ``large`` ones may be copied by another local rank."""
+    (``()`` where the walk of :func:`~dist_resume._format.striped_archive.tensor_paths` does not reach it, it is
+    reached more than once, or no path was asked for); ``large`` ones may be copied by another local rank."""
 
     index: int
     path: TreePath
@@ -44,12 +52,22 @@ class CopyRecord:
 
 
 @dataclass(frozen=True)
+class Pickled:
+    """A payload pickled as its snapshot's ``data.pkl`` (``data``), and its tensors in record order."""
+
+    data: bytes
+    tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
 class LaidOut:
-    """The file's layout, each tensor's record (by its index) and the tensors themselves, in the same order."""
+    """The file's layout, each tensor's record (by its index), the tensors themselves in the same order, and the
+    ``data.pkl`` written into it."""
 
     layout: FileLayout
     records: tuple[CopyRecord, ...]
     tensors: tuple[torch.Tensor, ...]
+    pickled: bytes
 
 
 def copyable(tensor: torch.Tensor) -> bool:
@@ -63,30 +81,116 @@ def copyable(tensor: torch.Tensor) -> bool:
     )
 
 
-def laid_out(payload: dict[str, Any]) -> LaidOut | None:
-    """``payload`` laid out as its torch file (see the module's docstring); None when a tensor cannot be copied raw (a
-    subclass, a sparse or meta tensor, one inside a container the walker does not enter). Local."""
-    plan = plan_records(payload)
-    found = {id(t) for t in plan.tensors}
-    if not all(map(copyable, plan.tensors)) or any(id(t) not in found for t in iter_tensors(payload)):
+class _NotCopyable(Exception):
+    """Raised inside the pickling of a payload with a tensor the copy cannot take."""
+
+
+class _StorageRef:
+    """Pickled as the persistent id of record ``data/<key>``."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+_reductions: list[tuple[tuple[int, ...], torch.dtype, tuple[Any, Any]]] = []
+"""The stand-in reduction of record ``i`` (its shape and dtype, the reduction), kept across snapshots."""
+
+
+def _reduction(i: int, tensor: torch.Tensor) -> tuple[Any, Any]:
+    """The reduction of record ``i``'s stand-in for ``tensor``: made once per (position, shape, dtype)."""
+    shape = tuple(tensor.shape)
+    if i < len(_reductions):
+        known = _reductions[i]
+        if known[0] == shape and known[1] is tensor.dtype:
+            return known[2]
+    cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
+    numel = math.prod(shape) * tensor.dtype.itemsize // storage_dtype.itemsize
+    meta = torch.empty(shape, dtype=tensor.dtype, device="meta")
+    reduction = torch_compat.tensor_reduction(meta, _StorageRef(("storage", cls, str(i), "cpu", numel)), storage_dtype)
+    entry = (shape, tensor.dtype, reduction)
+    if i < len(_reductions):
+        _reductions[i] = entry
+    elif i == len(_reductions):
+        _reductions.append(entry)
+    return reduction
+
+
+class _PayloadPickler(pickle.Pickler):
+    """Pickles a payload as ``torch.save`` pickles the archive of :func:`plan_records`: each tensor, at its first
+    encounter, numbered and reduced to its record's stand-in (a tensor met again is the pickle's memo)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)  # torch.save's default protocol
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _StorageRef else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if not copyable(obj):
+            raise _NotCopyable
+        self.tensors.append(obj)
+        return _reduction(len(self.tensors) - 1, obj)
+
+
+def pickled(payload: Any) -> Pickled | None:
+    """``payload`` pickled as its snapshot's ``data.pkl`` (see the module's docstring), or None when a tensor cannot be
+    copied raw (a subclass, a sparse or meta tensor). Local; reads no tensor byte.
+
+    Example::
+
+        >>> [tuple(t.shape) for t in pickled({"w": torch.ones(2, 3), "step": 7}).tensors]
+        [(2, 3)]
+    """
+    buffer = io.BytesIO()
+    pickler = _PayloadPickler(buffer)
+    try:
+        pickler.dump(payload)
+    except _NotCopyable:
         return None
-    zip_layout = plan_layout(plan.specs())
-    paths: dict[int, TreePath | None] = {}
-    for path, tensor in tensor_paths(payload):  # a tensor reached twice has no one path
-        paths[id(tensor)] = path if id(tensor) not in paths else None
-    records = tuple(
+    return Pickled(buffer.getvalue(), tuple(pickler.tensors))
+
+
+def laid_out(payload: dict[str, Any], *, paths: bool = False) -> LaidOut | None:
+    """``payload`` laid out as its torch file (see the module's docstring); None when a tensor cannot be copied raw (a
+    subclass, a sparse or meta tensor). ``paths``: each record's path in the payload (for the node's other ranks,
+    which find their share's tensors by it), and which records are large enough to share. Local."""
+    plan = pickled(payload)
+    if plan is None:
+        return None
+    sizes = tuple(math.prod(t.shape) * t.dtype.itemsize for t in plan.tensors)
+    records = TensorRecords(plan.tensors, sizes, tuple(head_records(plan.data)), tuple(foot_records()))
+    zip_layout = plan_layout(records.specs())
+    found: dict[int, TreePath | None] = {}
+    if paths:
+        for path, tensor in tensor_paths(payload):  # a tensor reached twice has no one path
+            found[id(tensor)] = path if id(tensor) not in found else None
+    copies = tuple(
         CopyRecord(
             i,
-            paths.get(id(tensor)) or (),
+            found.get(id(tensor)) or (),
             nbytes,
-            nbytes >= STRIPE_THRESHOLD and bool(paths.get(id(tensor))),
-            zip_layout.records[plan.first_tensor + i].data_offset,
+            nbytes >= STRIPE_THRESHOLD and bool(found.get(id(tensor))),
+            zip_layout.records[records.first_tensor + i].data_offset,
             tensor.dtype,
             tuple(tensor.shape),
         )
-        for i, (tensor, nbytes) in enumerate(zip(plan.tensors, plan.sizes))
+        for i, (tensor, nbytes) in enumerate(zip(plan.tensors, sizes))
     )
-    return LaidOut(zip_file_layout(zip_layout, plan.small()), records, plan.tensors)
+    return LaidOut(zip_file_layout(zip_layout, records.small()), copies, plan.tensors, plan.data)
+
+
+def record_view(mm: mmap.mmap, record: CopyRecord) -> torch.Tensor:
+    """The bytes of ``record`` in the slot's mapping ``mm``, as a tensor of its dtype and shape (sharing the mapping:
+    drop it before the mapping is closed). Local."""
+    if not record.nbytes:
+        return torch.empty(record.shape, dtype=record.dtype)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
+    return raw.view(record.dtype).view(record.shape)
 
 
 def copy_records(mm: mmap.mmap, copies: Iterable[tuple[CopyRecord, torch.Tensor]]) -> int:

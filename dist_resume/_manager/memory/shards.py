@@ -32,17 +32,18 @@ from ..._dist.groups import gloo_group
 from ..._foreign.own_shards import own_shards, with_saved_shards
 from ..._foreign.sharded import split_payload
 from ..._format.load import load_torch_file
-from ..._memory import PendingSnapshot, Snapshot, mark_persisted, snapshots
+from ..._memory import Snapshot, mark_persisted, snapshots
 from ..._save.async_save import finish_sharded_in_background, wait_pending
 from ..._save.save import build_payload
 from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
-from .write import begin_write
+from .write import Written, begin_write
 
 __all__ = [
     "EXIT_WAIT_S",
     "own_part",
+    "own_object",
     "begin_own",
     "held_everywhere",
     "persist_own",
@@ -62,18 +63,24 @@ def own_part(rank: int) -> str:
     return f"shards-{rank:05d}"
 
 
-def begin_own(folder: Location, build: Any, step: int, epoch: int | None) -> tuple[PendingSnapshot, int]:
-    """Write this rank's own shards of the payload ``build()`` returns into its part's free slot; the pending snapshot
-    and the tensor bytes copied. Local (the caller agrees before committing)."""
-    dcp_state, train_state = split_payload(build())
-    obj = own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
-    return begin_write(folder, lambda: obj, step, epoch, None, None, part=own_part(dist.get_rank()))
+def own_object(payload: dict[str, Any]) -> dict[str, Any]:
+    """What this rank's snapshot file holds of ``payload``: its own shards and the train state. Local."""
+    dcp_state, train_state = split_payload(payload)
+    return own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def held_everywhere(newest: Snapshot | None, step: int) -> bool:
-    """Whether every rank's newest snapshot is of ``step`` (committed). Collective (one all-gather): call it on every
-    rank, whatever it holds."""
-    mine = newest is not None and newest.step == step
+def begin_own(folder: Location, build: Any, step: int, epoch: int | None, live: LiveObjects) -> Written:
+    """Write this rank's own shards of the payload ``build()`` returns into its part's free slot (see
+    :class:`~.write.Written`). Local (the caller agrees before committing)."""
+    obj = own_object(build())
+    part = own_part(dist.get_rank())
+    return begin_write(folder, lambda: obj, step, epoch, None, None, live=live, part=part)
+
+
+def held_everywhere(mine: bool) -> bool:
+    """Whether every rank holds a snapshot ``save(step)`` can copy (``mine``: this rank's newest is of ``step``,
+    committed, and the live state has not changed since). Collective (one all-gather): call it on every rank, whatever
+    it holds."""
     with collective_step("asking every rank whether it holds the snapshot", CheckpointWriteError):
         held: list[bool] = all_gather_objects(mine)
     return all(held)

@@ -7,13 +7,12 @@ import time
 from typing import Any
 
 from ..._checkpoint.objects import LiveObjects
-from ..._core.errors import CheckpointWriteError, DistResumeError, UsageError
+from ..._core.errors import CheckpointWriteError, UsageError
 from ..._core.location import Location
 from ..._core.log import logger, shown_path, shown_size
 from ..._core.rank import global_rank
-from ..._dist.agree import first_failure
-from ..._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
-from ..._dist.env import is_distributed, rank_info
+from ..._dist.comm import run_on_rank0
+from ..._dist.env import rank_info
 from ..._memory import (
     PendingSnapshot,
     Snapshot,
@@ -27,10 +26,13 @@ from ..._state.sharded import is_sharded
 from ..folder_save import SaveTarget
 from .choose import MemoryChoice
 from .commit import Commits
+from .evidence import Evidence
 from .exit import owner, unwatch, watch
 from .folder_copy import FolderCopies
-from .shards import begin_own, exit_group, held_everywhere, persist_newest, persist_own
-from .split import copy_share, meet, node_group, receive, splits
+from .outcome import agree, agree_then_commit, meet_then_commit
+from .reuse import retire_step, still_live
+from .shards import begin_own, exit_group, held_everywhere, own_object, persist_newest, persist_own
+from .split import copy_share, node_group, receive, splits
 from .striped_copy import CopyTask
 from .write import begin_write
 
@@ -50,6 +52,7 @@ class MemoryTier:
         self.sharded = False  # FSDP2: every rank writes its own shards (.shards), no node writer
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
         self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
+        self.evidence: Evidence | None = None  # what the newest snapshot this process wrote holds (.evidence)
         self.pid = owner()  # only this process acts on the snapshots: a fork (a DataLoader's worker) never does
 
     @property
@@ -91,12 +94,17 @@ class MemoryTier:
 
         error: BaseException | None = None
         pending: PendingSnapshot | None = None
+        evidence: Evidence | None = None
         self.copied = 0
+        self.evidence = None
         try:
-            if sharded:  # every rank its own shards (.shards): no node writer
-                pending, self.copied = begin_own(self.folder, payload, step, saved_epoch)
-            elif rank_info().local_rank == 0:
-                pending, self.copied = begin_write(self.folder, payload, step, saved_epoch, live.model, group)
+            if sharded or rank_info().local_rank == 0:  # FSDP2: every rank its own shards (.shards), no node writer
+                written = (
+                    begin_own(self.folder, payload, step, saved_epoch, live)
+                    if sharded
+                    else begin_write(self.folder, payload, step, saved_epoch, live.model, group, live=live)
+                )
+                pending, self.copied, evidence = written
             elif group is not None:
                 plan = receive(group)
                 if plan is not None:
@@ -104,10 +112,12 @@ class MemoryTier:
         except Exception as err:
             error = err
         if sharded:
-            self._agree_then_commit(error, pending)
+            agree_then_commit(self.commits, error, pending)
             self.exit_group = exit_group()  # collective the first time: now, in the foreground
         else:
-            self._meet_then_commit(error, pending, group)
+            meet_then_commit(self.commits, error, pending, group)
+        if pending is not None:
+            self.evidence = evidence  # committed (or being committed): what it holds, for save(step)
         self.used = True
         self.sharded = sharded
         self.live = live if sharded else None
@@ -118,35 +128,6 @@ class MemoryTier:
             time.perf_counter() - started,
             shown_size(self.copied),
         )
-
-    def _agree_then_commit(self, error: BaseException | None, pending: PendingSnapshot | None) -> None:
-        """FSDP2: every rank learns every rank's outcome, then commits its own part; nothing when any rank failed."""
-        try:
-            _agree(error)
-        except BaseException:
-            if pending is not None:
-                pending.abort()
-            raise
-        if pending is not None:
-            self.commits.later(pending)
-
-    def _meet_then_commit(self, error: BaseException | None, pending: PendingSnapshot | None, group: Any) -> None:
-        """The node's writer commits once the node's ranks met with no failure; every rank agrees on the outcome."""
-        try:
-            if group is not None and meet(error, group) and pending is not None:
-                pending.abort()  # another local rank failed its share: its error is agreed on below
-            elif pending is not None and error is None:
-                self.commits.later(pending)
-            pending = None
-        except Exception as err:
-            error = error or err
-        finally:
-            if pending is not None:
-                pending.abort()
-        if is_distributed():
-            _agree(error)
-        elif error is not None:
-            raise error
 
     # --- the commit and the copy into the folder (.commit, .folder_copy) ---
 
@@ -162,10 +143,36 @@ class MemoryTier:
     def _join_commit(self, *, raising: bool) -> None:
         self.commits.join(raising=raising)
 
-    def copies_step(self, step: int) -> CopyTask | None:
-        """On rank 0: the copy ``save(step)`` makes of this process's snapshot of ``step`` instead of saving again
-        (:meth:`FolderCopies.task`), or None. Local."""
-        return self.copies.task(step)
+    def save_from_snapshot(
+        self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any
+    ) -> Location | None:
+        """The body of ``save(step)`` once snapshots were taken: when the snapshot of ``step`` (committed, or being
+        committed) still holds the live state (:mod:`.reuse`), its bytes are copied into the folder in a background
+        thread (rank 0, striped across its node's ranks; FSDP2: every rank its shards, when every rank's is still live)
+        and the checkpoint's path is returned; otherwise None, the snapshot of ``step`` retired on every node, and the
+        caller saves the live state. Collective."""
+        if self.sharded:
+            return self._copy_sharded(target, live, step, epoch, extra)
+        build, _ = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
+
+        def task() -> CopyTask | None:  # rank 0: the previous copy's error first, then the evidence
+            copy = self.copies.task(step)
+            return copy if copy is not None and still_live(self.evidence, step, build(), live) else None
+
+        copy = run_on_rank0(task, task="look at the snapshots")
+        if copy is None:
+            self.superseded(step)
+            return None
+        dest = target.file(step)
+        self.copy_in_background(target, dest, copy)
+        return dest
+
+    def superseded(self, step: int) -> None:
+        """Before a live save of ``step``: this process's newest snapshot, when it is of ``step``, is retired (each
+        node's writer; FSDP2: every rank), so that nothing later takes its bytes for ``step``'s state. Local."""
+        if self.used and not self.forked and (self.sharded or rank_info().local_rank == 0):
+            retire_step(self.commits, step)
+            self.evidence = None
 
     def copy_in_background(self, target: SaveTarget, dest: Location, copy: CopyTask) -> None:
         """Copy the snapshot of ``copy.step`` into ``dest`` in the background (:meth:`FolderCopies.start`). Collective:
@@ -254,19 +261,24 @@ class MemoryTier:
         except Exception as err:
             logger.warning("at exit, copying the newest snapshot into %s failed: %s", shown_path(self.folder), err)
 
-    def copy_sharded(self, target: SaveTarget, live: LiveObjects, step: int) -> Location | None:
-        """FSDP2, at ``save(step)``: when every rank's newest snapshot is of ``step``, write the sharded checkpoint folder
-        from the snapshots in a background thread on every rank (:func:`~.shards.persist_own`) and return its path;
-        None otherwise (the caller saves the live state). A commit that failed on some rank is every rank's error.
-        Collective."""
+    def _copy_sharded(
+        self, target: SaveTarget, live: LiveObjects, step: int, epoch: int | None, extra: Any
+    ) -> Location | None:
+        """FSDP2, at ``save(step)``: when every rank's newest snapshot is of ``step`` and still holds its live state,
+        write the sharded checkpoint folder from the snapshots in a background thread on every rank
+        (:func:`~.shards.persist_own`) and return its path; None otherwise (the caller saves the live state). A commit
+        that failed on some rank is every rank's error. Collective."""
         error: BaseException | None = None
         try:
             self._join_commit(raising=True)
         except Exception as err:
             error = err
-        _agree(error)
+        agree(error)
+        build, _ = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
         newest = self.newest
-        if newest is None or not held_everywhere(newest, step):
+        mine = newest is not None and newest.step == step and still_live(self.evidence, step, own_object(build()), live)
+        if newest is None or not held_everywhere(mine):
+            self.superseded(step)
             return None
         return persist_own(newest, target, live, background=True)
 
@@ -284,20 +296,3 @@ class MemoryTier:
         self.used = False
         self.live = None
         unwatch(self)
-
-
-def _agree(error: BaseException | None) -> None:
-    """Collective: every rank raises the same error when some rank failed to take the snapshot (the lowest failing
-    rank's, its class and attributes, naming every failing rank; a :class:`CheckpointWriteError` for one that is no
-    dist_resume error). A peer lost: this rank's own error, else a :class:`CheckpointWriteError`."""
-    mine = Outcome() if error is None else Outcome.failed(global_rank(), error)
-    try:
-        with collective_step("agreeing that every rank took its part of the snapshot", CheckpointWriteError):
-            outcomes: list[Outcome] = all_gather_objects(mine)
-    except DistResumeError:
-        if error is not None:
-            raise error from None
-        raise
-    agreed = first_failure(outcomes, CheckpointWriteError, "could not take the snapshot")
-    if agreed is not None:
-        raise agreed from error
