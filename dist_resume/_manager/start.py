@@ -20,6 +20,7 @@ from .._checkpoint.options import OptimizerHparams, ResumeOptions
 from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import (
     CheckpointConsensusError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -33,6 +34,7 @@ from .._dist.comm import all_gather_objects, run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
 from .._format.sniff import CHECKPOINT_SUFFIXES
+from .._memory import read_identity
 from .._source.consensus import choose_newest, confirm_choice, resolve_source
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
@@ -226,22 +228,28 @@ def start_run(
     def look_lock_choose() -> CheckpointInfo | None:
         return None if look_and_lock() is None else choose_newest(folder, listed)
 
+    def look_lock_identify() -> tuple[int | None, str | None]:
+        """Rank 0, with snapshots to look at: :func:`look_and_lock`, and the identity the folder keeps."""
+        return look_and_lock(), read_identity(folder)
+
     def from_memory(choice: MemoryChoice) -> ResumeResult | None:
         if choice.sharded:  # each rank its own shards, from its own node
-            try:
-                result = restore_from(Source.own_shards(choice.path), objects, options, started=started)
-            except StateMismatchError as err:  # every rank, before anything changed: another mesh or sharding
-                log_rank0(
-                    logging.WARNING,
-                    "the FSDP2 snapshot of step %d in shared memory does not fit this model's shards (%s): resuming "
-                    "from the folder",
-                    choice.step,
-                    err,
-                )
-                return None
+            source = Source.own_shards(choice.path)
         else:
             source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
+        # every rank, before anything changed: a snapshot whose content the plan refuses, or FSDP2 shards of another
+        # mesh or sharding, give way to the folder
+        refused = (CheckpointCorruptError, StateMismatchError) if choice.sharded else (CheckpointCorruptError,)
+        try:
             result = restore_from(source, objects, options, started=started)
+        except refused as err:
+            log_rank0(
+                logging.WARNING,
+                "the snapshot of step %d in shared memory cannot be resumed (%s): resuming from the folder",
+                choice.step,
+                err,
+            )
+            return None
         memory.resumed_from(choice, objects)  # type: ignore[union-attr]
         return dataclasses.replace(result, source="memory")
 
@@ -252,8 +260,10 @@ def start_run(
         if memory is None:
             chosen = run_on_rank0(look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder")
         else:
-            named = run_on_rank0(look_and_lock, fallback=CheckpointError, task="look at the checkpoint folder")
-            choice = choose_snapshot(folder, named, sharded=sharded)
+            named, identity = run_on_rank0(
+                look_lock_identify, fallback=CheckpointError, task="look at the checkpoint folder"
+            )
+            choice = choose_snapshot(folder, named, identity, sharded=sharded)
             resumed = None if choice is None else from_memory(choice)
             if resumed is not None:
                 return resumed
@@ -263,11 +273,11 @@ def start_run(
                     lambda: choose_newest(folder, listed), fallback=CheckpointError, task="choose the checkpoint"
                 )
                 if chosen.step is not None and chosen.step < named:  # the newest names were damaged or incomplete
-                    choice = choose_snapshot(folder, chosen.step, sharded=sharded)
+                    choice = choose_snapshot(folder, chosen.step, identity, sharded=sharded)
                     resumed = None if choice is None else from_memory(choice)
                     if resumed is not None:
                         return resumed
-            forget_stale(folder, None if chosen is None else chosen.step)
+            forget_stale(folder, None if chosen is None else chosen.step, identity)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)

@@ -4,11 +4,13 @@ Where a folder's snapshots live and whose they are (``place``), the commit recor
 (``record``), the free space a write needs and the bytes a folder holds (``space``), writing one double-buffered,
 committed after its CRC-32 (``write``; a file laid out beforehand, ``layout``, copied into slots this process keeps
 mapped, ``slots``,
-where the node's other processes map it too to copy their share), the complete ones found and checked (``read``), and copying one to the folder (whole, or a range of it, the CRC-32 checked), marking it copied
-and removing them (``persist``). Every function is local: no collective, one node's memory.
+where the node's other processes map it too to copy their share), the complete ones found and checked (``read``), the folder's identity every record names (``identity``: a folder
+deleted and made again never resumes older snapshots), and copying one to the folder (whole, or a range of it, the
+CRC-32 checked), marking it copied, retiring one and removing them, the stale ones too (``persist``). Every function is local: no collective, one node's memory.
 Collective use (which rank writes what, agreeing on a step) belongs to the layers above.
 """
 
+from .identity import IDENTITY_NAME, make_identity, read_identity
 from .layout import FileLayout, Region, crc32_combine, zip_file_layout
 from .persist import (
     check_copied,
@@ -18,6 +20,7 @@ from .persist import (
     persist_snapshot,
     release_mappings,
     remove_snapshots,
+    remove_stale,
     retire_snapshot,
 )
 from .place import SHM_DIR_ENV, folder_key, shm_root, store_dir
@@ -43,6 +46,10 @@ __all__ = [
     "snapshots",
     "mark_persisted",
     "retire_snapshot",
+    "remove_stale",
+    "IDENTITY_NAME",
+    "read_identity",
+    "make_identity",
     "persist_snapshot",
     "open_snapshot",
     "copy_bytes",

@@ -14,8 +14,8 @@ from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
 from .._format.atomic import atomic_write
 from . import slots
-from .place import open_owned, owned_store, store_dir
-from .read import CHUNK, slot_snapshots
+from .place import folder_key, open_owned, owned_store, store_dir
+from .read import CHUNK, slot_snapshots, stale_snapshots
 from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "check_copied",
     "mark_persisted",
     "retire_snapshot",
+    "remove_stale",
     "remove_snapshots",
 ]
 
@@ -128,7 +129,8 @@ def mark_persisted(snapshot: Snapshot) -> Snapshot | None:
 def _current(snapshot: Snapshot) -> Snapshot | None:
     """The snapshot ``snapshot``'s slot holds now, when it is still that one (its persisted flag aside); the caller
     holds the store's record lock."""
-    found = [s for s in slot_snapshots(snapshot.path.parent, snapshot.folder, snapshot.part) if s.slot == snapshot.slot]
+    store, key, part = snapshot.path.parent, snapshot.folder, snapshot.part
+    found = [s for s in slot_snapshots(store, key, part, identity=snapshot.identity) if s.slot == snapshot.slot]
     if not found or found[0] != dataclasses.replace(snapshot, persisted=found[0].persisted):
         return None
     return found[0]
@@ -142,6 +144,36 @@ def retire_snapshot(snapshot: Snapshot) -> bool:
             return False
         (snapshot.path.parent / record_name(snapshot.part, snapshot.slot)).unlink(missing_ok=True)
     return True
+
+
+def remove_stale(folder: Location, identity: str | None) -> list[Snapshot]:
+    """Remove ``folder``'s snapshots on this node whose records name another identity than ``identity`` (the folder's;
+    None: it has none): an earlier history of the folder's path (deleted and made again) or another run's, which
+    must never be resumed. Their records go first, then their data files. Local; one WARNING when there were any.
+    Returns the snapshots removed."""
+    store = store_dir(folder)
+    if store is None or not owned_store(store):
+        return []
+    names = (ENTRY.match(name) for name in os.listdir(store))
+    parts = sorted({m.group("part") for m in names if m is not None and m.group("part") is not None})
+    stale = [s for part in parts for s in stale_snapshots(store, folder_key(folder), part, identity)]
+    if not stale:
+        return []
+    with record_lock(store):
+        for snapshot in stale:
+            _unlink_owned(store / record_name(snapshot.part, snapshot.slot))
+    for snapshot in stale:
+        slots.forget(snapshot.path)
+        _unlink_owned(snapshot.path)
+    steps = ", ".join(str(s.step) for s in sorted(stale, key=lambda s: s.step))
+    logger.warning(
+        "removed %d snapshot(s) of %s (steps %s) from shared memory: they belong to an earlier history of that path "
+        "(the folder was deleted and made again, or is another run's) and are never resumed",
+        len(stale),
+        folder,
+        steps,
+    )
+    return stale
 
 
 def _kept(keep: Iterable[Snapshot]) -> set[str]:

@@ -32,10 +32,21 @@ from .._core.errors import CheckpointWriteError, UsageError
 from .._core.location import Location
 from .._format.atomic import write_error
 from . import slots
+from .identity import make_identity
 from .layout import FileLayout, seal
 from .place import check_part, folder_key, make_store, open_owned
 from .read import file_crc, slot_snapshots
-from .record import ENTRY, SLOTS, Snapshot, checked_metadata, data_name, record_lock, record_name, write_record
+from .record import (
+    ENTRY,
+    SLOTS,
+    Snapshot,
+    checked_metadata,
+    checked_step,
+    data_name,
+    record_lock,
+    record_name,
+    write_record,
+)
 from .space import NO_SPACE, check_space, free_bytes, no_space_error
 
 __all__ = ["PendingSnapshot", "begin_snapshot", "begin_copy", "write_snapshot"]
@@ -104,6 +115,7 @@ class PendingSnapshot:
         seq: int,
         size: int,
         metadata: dict[str, Any],
+        identity: str,
         crc32: int | None = None,
         layout: FileLayout | None = None,
     ) -> None:
@@ -112,7 +124,7 @@ class PendingSnapshot:
         self.size = size
         self.crc32 = crc32  # the CRC-32 of the bytes as written, when known: the commit reads nothing back
         self._layout = layout  # written into the slot's mapping: the commit seals it (its CRC-32s)
-        self._fields = (folder, part, slot, seq, metadata)
+        self._fields = (folder, part, slot, seq, metadata, identity)
         self._done = False
         self._lock = threading.Lock()
 
@@ -123,7 +135,7 @@ class PendingSnapshot:
         written into the zip, then the whole file's. May run in another thread. Raises :class:`CheckpointWriteError`
         (the data file is removed) when the file changed since it was written or the record cannot be written;
         :class:`UsageError` when already done."""
-        folder, part, slot, seq, metadata = self._fields
+        folder, part, slot, seq, metadata, identity = self._fields
         with self._lock:
             self._finish("commit")
             try:
@@ -154,6 +166,7 @@ class PendingSnapshot:
                     crc32=crc,
                     folder=folder,
                     persisted=False,
+                    identity=identity,
                 )
                 with record_lock(self.path.parent):
                     write_record(snapshot)
@@ -254,9 +267,9 @@ def _reclaimed(path: Path) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else 0
 
 
-def _checked_count(name: str, value: object) -> int:
+def _checked_size(value: object) -> int:
     if type(value) is not int or value < 0:
-        raise UsageError(f"{name} must be a non-negative int, got {value!r}")
+        raise UsageError(f"size_hint must be a non-negative int, got {value!r}")
     return value
 
 
@@ -268,6 +281,7 @@ def begin_snapshot(
     size_hint: int,
     part: str = "state",
     metadata: Mapping[str, Any] | None = None,
+    identity: str | None = None,
 ) -> PendingSnapshot:
     """Write a snapshot of ``folder`` at ``step`` into the free slot: ``dump(f)`` writes a standard torch file. Local.
 
@@ -275,8 +289,9 @@ def begin_snapshot(
     memory cannot hold it, :class:`CheckpointWriteError` says what is needed, what is free and how to get more, and
     nothing is touched. A write that fails (``ENOSPC``, an exception in ``dump``) removes the slot's partial file and
     leaves the previous snapshot the newest; an ``OSError`` becomes a :class:`CheckpointWriteError`, anything else is
-    raised as it is. ``metadata``: a small JSON-able dict kept in the record (world size, epoch, ...).
-    Returns the :class:`PendingSnapshot` to commit.
+    raised as it is. ``metadata``: a small JSON-able dict kept in the record (world size, epoch, ...). ``identity``:
+    the folder's (:mod:`~dist_resume._memory.identity`; None: the one the folder keeps, made when it has none). A
+    ``step`` past int64 is a :class:`UsageError`. Returns the :class:`PendingSnapshot` to commit.
 
     Example::
 
@@ -284,21 +299,28 @@ def begin_snapshot(
         >>> pending.commit().step
         80
     """
-    return _begin(folder, step, size_hint, part, metadata, _dumped(dump))
+    return _begin(folder, step, size_hint, part, metadata, identity, _dumped(dump))
 
 
 def _begin(
-    folder: Location, step: int, need: int, part: str, metadata: Mapping[str, Any] | None, write: _Writer
+    folder: Location,
+    step: int,
+    need: int,
+    part: str,
+    metadata: Mapping[str, Any] | None,
+    identity: str | None,
+    write: _Writer,
 ) -> PendingSnapshot:
-    step = _checked_count("step", step)
-    need = _checked_count("size_hint", need)
+    step = checked_step(step)
+    need = _checked_size(need)
     part = check_part(part)
     meta = checked_metadata(metadata)
+    mine = make_identity(folder) if identity is None else identity
     store = make_store(folder)
     key = folder_key(folder)
     _claim(store, part, step)
     try:
-        committed = slot_snapshots(store, key, part)
+        committed = slot_snapshots(store, key, part, identity=mine)
         newest = max(committed, key=lambda s: s.seq, default=None)
         slot = SLOTS[0] if newest is None else next(s for s in SLOTS if s != newest.slot)
         path = store / data_name(part, slot)
@@ -317,6 +339,7 @@ def _begin(
             seq=seq,
             size=size,
             metadata=meta,
+            identity=mine,
             crc32=crc,
             layout=layout,
         )
@@ -379,6 +402,7 @@ def begin_copy(
     *,
     part: str = "state",
     metadata: Mapping[str, Any] | None = None,
+    identity: str | None = None,
 ) -> PendingSnapshot:
     """Write a snapshot of ``folder`` at ``step`` laid out as ``layout`` into the free slot; ``fill(path, mm)`` copies
     the regions' data into ``mm``, a writable mapping of the whole file ``path`` (the node's other processes may map
@@ -396,7 +420,7 @@ def begin_copy(
         >>> pending.commit().step
         80
     """
-    return _begin(folder, step, layout.size, part, metadata, _copied(layout, fill))
+    return _begin(folder, step, layout.size, part, metadata, identity, _copied(layout, fill))
 
 
 def write_snapshot(
@@ -407,6 +431,7 @@ def write_snapshot(
     size_hint: int,
     part: str = "state",
     metadata: Mapping[str, Any] | None = None,
+    identity: str | None = None,
 ) -> Snapshot:
     """:func:`begin_snapshot` then :meth:`PendingSnapshot.commit`: the snapshot complete when it returns. Local.
 
@@ -415,4 +440,5 @@ def write_snapshot(
         >>> write_snapshot(Path("ckpts"), 80, lambda f: torch.save({"step": 80}, f), size_hint=2**16).step
         80
     """
-    return begin_snapshot(folder, step, dump, size_hint=size_hint, part=part, metadata=metadata).commit()
+    pending = begin_snapshot(folder, step, dump, size_hint=size_hint, part=part, metadata=metadata, identity=identity)
+    return pending.commit()

@@ -6,7 +6,7 @@ test_memory_workers.py runs it under torchrun with 2 ranks).
 Each step draws a batch from a loader with persistent workers and one from a loader whose workers live for one epoch
 (both ``num_workers=2``, forked by the default start method), trains, and snapshots; there is no ``save``. The second
 epoch's workers of the second loader are forked after snapshots and exit at its end: they must write nothing. In the
-third, after ``snapshot(K)``, every rank meets at a barrier, rank 0 prints the folder's files and sends torchrun
+third, after ``snapshot(K)``, every rank meets at a barrier, rank 0 prints the folder's checkpoint files (and temporary ones) and sends torchrun
 SIGTERM (a preemption notice: torchrun sends SIGTERM to each worker's process group, the DataLoader workers
 included), and every rank waits for it. Rank 0's handler must write the snapshot of step K into the folder whatever
 the DataLoader workers and the DataLoader's SIGCHLD handler do meanwhile.
@@ -60,7 +60,7 @@ def main() -> None:
             if step == args.preempt_at:
                 dist.barrier()  # every rank's snapshot of K committed
                 if rank == 0:
-                    files = sorted(os.listdir(args.folder))
+                    files = sorted(n for n in os.listdir(args.folder) if "ckpt_" in n)
                     print(f"before the notice, at step {step} (workers alive): {files}", flush=True)
                     os.kill(os.getppid(), signal.SIGTERM)
                 time.sleep(60)  # torchrun's SIGTERM ends it

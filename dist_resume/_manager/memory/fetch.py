@@ -88,7 +88,14 @@ def _receive(folder: Location, snapshot: Snapshot, holder: int, group: Any) -> S
             f.write(memoryview(buffer)[:n])
 
     try:
-        pending = begin_snapshot(folder, snapshot.step, dump, size_hint=snapshot.size, metadata=dict(snapshot.metadata))
+        pending = begin_snapshot(
+            folder,
+            snapshot.step,
+            dump,
+            size_hint=snapshot.size,
+            metadata=dict(snapshot.metadata),
+            identity=snapshot.identity,
+        )
     finally:
         for n in chunks[received:]:  # the write failed: the holder still sends them all
             dist.recv(tensor[:n], src=holder, group=group)

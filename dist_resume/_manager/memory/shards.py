@@ -69,12 +69,14 @@ def own_object(payload: dict[str, Any]) -> dict[str, Any]:
     return own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def begin_own(folder: Location, build: Any, step: int, epoch: int | None, live: LiveObjects) -> Written:
+def begin_own(
+    folder: Location, build: Any, step: int, epoch: int | None, live: LiveObjects, identity: str | None
+) -> Written:
     """Write this rank's own shards of the payload ``build()`` returns into its part's free slot (see
     :class:`~.write.Written`). Local (the caller agrees before committing)."""
     obj = own_object(build())
     part = own_part(dist.get_rank())
-    return begin_write(folder, lambda: obj, step, epoch, None, None, live=live, part=part)
+    return begin_write(folder, lambda: obj, step, epoch, None, None, live=live, part=part, identity=identity)
 
 
 def held_everywhere(mine: bool) -> bool:
@@ -124,20 +126,23 @@ def persist_own(
     return dest
 
 
-def own_snapshots(folder: Location, *, verify: bool) -> dict[int, Snapshot]:
-    """This rank's complete snapshots of its own shards (:func:`own_part`) taken at this world size, by their step, both
-    slots (``verify``: CRC-32 checked, a damaged one left out with one WARNING). Local."""
+def own_snapshots(folder: Location, identity: str | None, *, verify: bool) -> dict[int, Snapshot]:
+    """This rank's complete snapshots of its own shards (:func:`own_part`) of the folder's ``identity`` taken at this
+    world size, by their step, both slots (``verify``: CRC-32 checked, a damaged one left out with one WARNING).
+    Local."""
     world_size = dist.get_world_size()
-    own = snapshots(folder, part=own_part(dist.get_rank()), verify=verify)
+    own = snapshots(folder, part=own_part(dist.get_rank()), verify=verify, identity=identity)
     return {s.step: s for s in own if s.metadata.get("world_size") == world_size}
 
 
-def persist_newest(folder: Location, target: SaveTarget, live: LiveObjects | None, group: Any = None) -> bool:
+def persist_newest(
+    folder: Location, target: SaveTarget, live: LiveObjects | None, identity: str | None, group: Any = None
+) -> bool:
     """Write the newest step every rank holds a snapshot of into the folder now (:func:`persist_own`) when it is newer
     than the folder's newest checkpoint; whether it did. Each rank's two slots count, so a rank whose newest commit did
     not end (a SIGTERM in the middle of it) still has the previous step written. Collective on ``group`` (None: the
     default group)."""
-    mine = own_snapshots(folder, verify=False)
+    mine = own_snapshots(folder, identity, verify=False)
     with collective_step("asking every rank for its snapshots", CheckpointWriteError):
         held: list[list[int]] = all_gather_objects(sorted(mine), group=group)
     step = max(set(held[0]).intersection(*held[1:]), default=None)

@@ -16,10 +16,13 @@ from ..._dist.env import rank_info
 from ..._memory import (
     PendingSnapshot,
     Snapshot,
+    make_identity,
     release_mappings,
     remove_snapshots,
+    remove_stale,
 )
 from ..._memory.place import required_root
+from ..._memory.record import checked_step
 from ..._save.async_save import wait_pending
 from ..._save.save import prepare_payload
 from ..._state.sharded import is_sharded
@@ -53,6 +56,7 @@ class MemoryTier:
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
         self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
         self.evidence: Evidence | None = None  # what the newest snapshot this process wrote holds (.evidence)
+        self.identity: str | None = None  # the folder's (_memory.identity), once a snapshot or a resume learned it
         self.pid = owner()  # only this process acts on the snapshots: a fork (a DataLoader's worker) never does
 
     @property
@@ -79,11 +83,20 @@ class MemoryTier:
         required_root()  # no shared memory (not Linux): a UsageError on every rank before anything is written
         wait_pending()
 
-        def prepare() -> None:  # rank 0: the previous copy's error first, then the folder's write lock
-            self._join_copy()
-            target.prepare()
+        step = checked_step(step)  # nothing past int64 is ever written; every rank refuses it before a collective
 
-        run_on_rank0(prepare, task="prepare the snapshot")  # a second job on the folder stops here too
+        def prepare() -> str:  # rank 0: the previous copy's error first, then the folder's write lock and identity
+            self._join_copy()
+            if self.identity is not None:
+                target.lock.acquire()  # held since the first: a check, no I/O
+                return self.identity
+            target.prepare()  # the lock, then the leftovers of interrupted saves
+            return make_identity(self.folder)
+
+        first = self.identity is None
+        self.identity = run_on_rank0(prepare, task="prepare the snapshot")  # a second job on the folder stops here
+        if first and (sharded or rank_info().local_rank == 0):
+            remove_stale(self.folder, self.identity)  # an earlier history's snapshots: never mixed with this one
         started = time.perf_counter()
         build, saved_epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
         group = node_group() if splits(live.model) else None
@@ -100,9 +113,11 @@ class MemoryTier:
         try:
             if sharded or rank_info().local_rank == 0:  # FSDP2: every rank its own shards (.shards), no node writer
                 written = (
-                    begin_own(self.folder, payload, step, saved_epoch, live)
+                    begin_own(self.folder, payload, step, saved_epoch, live, self.identity)
                     if sharded
-                    else begin_write(self.folder, payload, step, saved_epoch, live.model, group, live=live)
+                    else begin_write(
+                        self.folder, payload, step, saved_epoch, live.model, group, live=live, identity=self.identity
+                    )
                 )
                 pending, self.copied, evidence = written
             elif group is not None:
@@ -211,6 +226,7 @@ class MemoryTier:
     def resumed_from(self, choice: MemoryChoice, live: LiveObjects) -> None:
         """After a resume from ``choice``: this node's copy is the newest snapshot (close() copies it into the folder if
         the folder does not hold its step; :meth:`watch` arms the same at an unplanned end). Local."""
+        self.identity = choice.identity
         if choice.own is not None and (choice.sharded or rank_info().local_rank == 0):
             self.newest = choice.own
         self.sharded = choice.sharded
@@ -245,7 +261,7 @@ class MemoryTier:
         if self.sharded:
             if not alone and self.exit_group is not None:
                 try:
-                    persist_newest(self.folder, target, self.live, self.exit_group)
+                    persist_newest(self.folder, target, self.live, self.identity, self.exit_group)
                 except Exception as err:
                     logger.warning(
                         "at exit, the ranks did not write the newest snapshot into %s together (%s); it stays in "
@@ -287,7 +303,7 @@ class MemoryTier:
         as a sharded checkpoint folder now; then each node's memory freed. Collective."""
         self._join_commit(raising=False)  # no record may follow the removal
         wait_pending()  # a save(step) copying a snapshot in the background
-        persist_newest(self.folder, target, self.live)
+        persist_newest(self.folder, target, self.live, self.identity)
         if rank_info().local_rank == 0:
             remove_snapshots(self.folder)
         else:

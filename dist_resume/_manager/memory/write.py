@@ -45,13 +45,14 @@ def begin_write(
     *,
     live: LiveObjects | None = None,
     part: str = "state",
+    identity: str | None = None,
 ) -> Written:
     """Write the payload ``build()`` returns into the free slot of ``folder``'s snapshots (see :class:`Written`). With
     ``group`` (the node's ranks, the copy split: :mod:`~dist_resume._manager.memory.split`) the other ranks are sent
     their shares (None when there is nothing for them to copy: the writer failed before the
     slot was ready, or the payload is saved whole), collective on ``group`` then. Local otherwise. ``part``: the
-    store's part written (an FSDP2 rank's own, :mod:`~dist_resume._manager.memory.shards`); ``live``: the objects the
-    payload was built from, whose tensors' counters and optimizer's steps the evidence records (None: no evidence)."""
+    store's part written (an FSDP2 rank's own, :mod:`~dist_resume._manager.memory.shards`); ``identity``: the folder's
+    (None: the one it keeps, made when it has none); ``live``: the objects the payload was built from, whose tensors' counters and optimizer's steps the evidence records (None: no evidence)."""
     world_size = dist.get_world_size() if is_distributed() else 1
     metadata = {"world_size": world_size, "epoch": epoch}
     sent = False
@@ -65,7 +66,13 @@ def begin_write(
             tensors = list(iter_tensors(payload))
             size = size_estimate(sum(t.untyped_storage().nbytes() for t in tensors), len(tensors))
             pending = begin_snapshot(
-                folder, step, lambda f: torch.save(payload, f), size_hint=size, part=part, metadata=metadata
+                folder,
+                step,
+                lambda f: torch.save(payload, f),
+                size_hint=size,
+                part=part,
+                metadata=metadata,
+                identity=identity,
             )
             return Written(pending, 0, None)
         shares: tuple[tuple[CopyRecord, ...], ...] = (laid.records,)
@@ -80,7 +87,7 @@ def begin_write(
                 send(NodeCopy(str(path), laid.layout.size, shares), group)
             copied = copy_records(mm, ((r, laid.tensors[r.index]) for r in shares[0]))
 
-        pending = begin_copy(folder, step, laid.layout, fill, part=part, metadata=metadata)
+        pending = begin_copy(folder, step, laid.layout, fill, part=part, metadata=metadata, identity=identity)
         evidence = None if live is None else Evidence.of(step, payload, laid, pending.path, live)
         return Written(pending, copied, evidence)
     except BaseException:
