@@ -309,3 +309,19 @@ def test_the_laid_out_file_is_the_one_write_streamed_writes(tmp_path: Path) -> N
     assert bytes(data) == (tmp_path / "streamed.pt").read_bytes()
     loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
     assert torch.equal(loaded["view"], view) and loaded["half"].dtype == torch.bfloat16
+
+
+def test_a_snapshot_of_the_same_structure_plans_nothing_again(tmp_path: Path) -> None:
+    first = laid_out({"w": torch.ones(3, 4), "step": 1, "saved_at": 1.5})
+    again = laid_out({"w": torch.zeros(3, 4), "step": 2, "saved_at": 2.5})  # the same sizes: the same places
+    other = laid_out({"w": torch.ones(5, 4), "step": 3, "saved_at": 3.5})
+    assert first is not None and again is not None and other is not None
+    assert again.layout.regions is first.layout.regions and other.layout.regions is not first.layout.regions
+    data = bytearray(again.layout.size)  # the bytes of data.pkl and the serialization id come with each snapshot
+    for offset, fixed in again.layout.fixed:
+        data[offset : offset + len(fixed)] = fixed
+    data[again.records[0].offset : again.records[0].offset + 48] = _raw(torch.zeros(3, 4))
+    seal(memoryview(data), again.layout)
+    assert zipfile.ZipFile(io.BytesIO(bytes(data))).testzip() is None
+    loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.zeros(3, 4))

@@ -302,9 +302,10 @@ class CheckpointManager:
         in host shared memory: each node's local rank 0 writes the registered objects and every rank's RNG streams
         and data position, as the standard torch file ``save`` writes, into one of two slots (the newest complete
         snapshot is never the one being written; a snapshot counts once its commit record follows its CRC-32, so a
-        process killed halfway leaves the previous one). Under DDP the copy is split across the node's local ranks by
-        bytes: each copies its share of the parameters and optimizer state into the same slot, and a failure on any
-        rank commits nothing and raises the same error on every rank. For a state over 32 MiB the CRC-32s and the
+        process killed halfway leaves the previous one). Under DDP the copy of a large state is split across the
+        node's local ranks by bytes: each copies its share of the parameters and optimizer state into the same slot;
+        a failure on any rank commits nothing and raises the same error on every rank. For a state over 1 MiB the
+        CRC-32s and the
         commit record follow in a background thread after the call returns; until then the previous snapshot is the
         newest (the next ``snapshot``, ``save``, ``close`` and the exit handlers wait for it). Nothing reaches the
         folder: ``save(step)`` of the same step copies the snapshot there in a background thread (no second copy from

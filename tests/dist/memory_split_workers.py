@@ -62,10 +62,12 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Snapshot 1 split across the two ranks and copied into the folder striped, snapshot 2 by the writer alone (the
     private switch) and copied by rank 0 alone (``DIST_RESUME_SAVE_RANK0``), snapshot 3 split, its copy failing in rank
     1's share; snapshot 4 fails in rank 1's copy; the block ends with an error (the snapshots kept); a fresh model
-    resumes, snapshots step 5 and close() copies it striped."""
+    resumes, snapshots step 5 (under the size from which the copy is split: the writer alone) and close() copies it
+    striped."""
     folder = Path(tmp) / "run"
     model, opt = make()
     out: dict[str, Any] = {"rank": rank}
+    threshold, split.SPLIT_MIN_BYTES = split.SPLIT_MIN_BYTES, 0  # this state is small: split its copy anyway
     saved = _Lines()
     logging.getLogger("dist_resume").addHandler(saved)
     try:
@@ -131,7 +133,9 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         result = again.resume()
         out["resumed"] = None if result is None else (result.step, result.source)
         out["bitwise"] = all(torch.equal(a, b) for a, b in zip(_state(fresh, fresh_opt), expected, strict=True))
+        split.SPLIT_MIN_BYTES = threshold  # under it, the writer copies alone: no plan to send
         again.snapshot(5)
+        out["copied_small_state"] = again._memory.copied
         if rank == 0:
             again._memory._join_commit(raising=True)
             assert again._memory.newest is not None

@@ -28,6 +28,7 @@ def test_every_local_rank_copies_its_share_and_a_failed_share_commits_nothing(tm
     assert results[0]["copied_split"] + results[1]["copied_split"] == total
     # the writer alone under the private switch
     assert results[0]["copied_writer_only"] == total and results[1]["copied_writer_only"] == 0
+    assert results[0]["copied_small_state"] == total and results[1]["copied_small_state"] == 0  # under the threshold
     # rank 1's copy failed: the same typed error on both ranks, snapshot 3 still the newest
     errors = [res["error"] for res in results]
     assert errors[0] == errors[1] and errors[0][0] == "CheckpointWriteError", errors

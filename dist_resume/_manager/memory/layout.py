@@ -7,8 +7,9 @@ records placed by :func:`~dist_resume._format.zip_layout.plan_layout` and turned
 tensor's record a region). The plan is one pass: the payload itself is pickled, each tensor reduced on its first
 encounter to its record's stand-in (the reduction :func:`~dist_resume._format.pickle_write.dump_pickle` gives a meta
 tensor of its shape and dtype), which is how its records are found and numbered; the stand-ins are kept from one
-snapshot to the next (a snapshot of the same structure makes none), and the tensors' paths are walked only when the
-node's other ranks copy a share (:mod:`.split`). :func:`copy_records` is the snapshot's one pass over the data: each
+snapshot to the next (a snapshot of the same structure makes none), as are the records' places when their sizes are
+the same (``data.pkl`` and the serialization id are then regions whose bytes and CRC-32s each snapshot brings), and
+the tensors' paths are walked only when the node's other ranks copy a share (:mod:`.split`). :func:`copy_records` is the snapshot's one pass over the data: each
 tensor copied with ``copy_`` into a view of the slot's mapping at its record, whichever local rank copies it; from the
 accelerator through page-locked memory where it has some (the mapping registered, or pinned staging buffers:
 :mod:`.pinned`).
@@ -155,6 +156,38 @@ def pickled(payload: Any) -> Pickled | None:
     return Pickled(buffer.getvalue(), tuple(pickler.tensors))
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """What a file's layout owes to its records' sizes alone (``key``), kept for the next snapshot of the same
+    structure: the layout with ``data.pkl`` and the serialization id as regions (their bytes come with each snapshot,
+    at ``small_at``, their CRC-32s at the seal), and each tensor record's data offset."""
+
+    key: tuple[int, ...]
+    layout: FileLayout
+    small_at: tuple[int, int]
+    offsets: tuple[int, ...]
+
+
+_placed: _Placed | None = None
+
+
+def _placement(records: TensorRecords) -> _Placed:
+    """The records' places: planned, or the last snapshot's when its records had the same sizes."""
+    global _placed
+    pickle_size, id_size = len(records.head[0][1]), len(records.foot[-1][1])
+    key = (pickle_size, id_size, *records.sizes)
+    placed = _placed
+    if placed is not None and placed.key == key:
+        return placed
+    zip_layout = plan_layout(records.specs())
+    last = records.first_tensor + len(records.tensors) + len(records.foot) - 1  # the serialization id
+    small = {i: data for i, data in records.small().items() if i not in (0, last)}
+    offsets = tuple(zip_layout.records[records.first_tensor + i].data_offset for i in range(len(records.tensors)))
+    at = (zip_layout.records[0].data_offset, zip_layout.records[last].data_offset)
+    placed = _placed = _Placed(key, zip_file_layout(zip_layout, small), at, offsets)
+    return placed
+
+
 def laid_out(payload: dict[str, Any], *, paths: bool = False) -> LaidOut | None:
     """``payload`` laid out as its torch file (see the module's docstring); None when a tensor cannot be copied raw (a
     subclass, a sparse or meta tensor). ``paths``: each record's path in the payload (for the node's other ranks,
@@ -164,7 +197,7 @@ def laid_out(payload: dict[str, Any], *, paths: bool = False) -> LaidOut | None:
         return None
     sizes = tuple(math.prod(t.shape) * t.dtype.itemsize for t in plan.tensors)
     records = TensorRecords(plan.tensors, sizes, tuple(head_records(plan.data)), tuple(foot_records()))
-    zip_layout = plan_layout(records.specs())
+    placed = _placement(records)
     found: dict[int, TreePath | None] = {}
     if paths:
         for path, tensor in tensor_paths(payload):  # a tensor reached twice has no one path
@@ -175,13 +208,16 @@ def laid_out(payload: dict[str, Any], *, paths: bool = False) -> LaidOut | None:
             found.get(id(tensor)) or (),
             nbytes,
             nbytes >= STRIPE_THRESHOLD and bool(found.get(id(tensor))),
-            zip_layout.records[records.first_tensor + i].data_offset,
+            placed.offsets[i],
             tensor.dtype,
             tuple(tensor.shape),
         )
         for i, (tensor, nbytes) in enumerate(zip(plan.tensors, sizes))
     )
-    return LaidOut(zip_file_layout(zip_layout, records.small()), copies, plan.tensors, plan.data)
+    pickle_at, id_at = placed.small_at
+    fixed = (*placed.layout.fixed, (pickle_at, plan.data), (id_at, records.foot[-1][1]))
+    layout = FileLayout(placed.layout.size, fixed, placed.layout.regions)
+    return LaidOut(layout, copies, plan.tensors, plan.data)
 
 
 def record_view(mm: mmap.mmap, record: CopyRecord) -> torch.Tensor:

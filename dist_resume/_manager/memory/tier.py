@@ -32,7 +32,7 @@ from .commit import Commits
 from .evidence import Evidence
 from .exit import owner, unwatch, watch
 from .folder_copy import FolderCopies
-from .outcome import agree, agree_then_commit, meet_then_commit
+from .outcome import agree, agree_then_commit
 from .reuse import retire_step, still_live
 from .shards import begin_own, exit_group, held_everywhere, own_object, persist_newest, persist_own
 from .split import copy_share, node_group, receive, splits
@@ -70,9 +70,12 @@ class MemoryTier:
     def take(self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> None:
         """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed. Returns once the
         snapshot's data is in shared memory; its commit (the CRC-32s, then the record) follows in a background thread
-        unless it is small (:data:`~.commit.COMMIT_INLINE_BYTES`). The previous snapshot's commit is waited for first, and its
-        error is this call's. Under DDP with several local ranks each copies its share (:mod:`.split`) and the node's
-        ranks meet before the commit; any rank's failure is the same error on every rank, nothing committed."""
+        unless it is small (:data:`~.commit.COMMIT_INLINE_BYTES`). The previous snapshot's commit and copy are waited
+        for first, and their error is this call's. Under DDP with several local ranks each copies its share of a large
+        state (:mod:`.split`); every rank learns every rank's outcome before anything is committed, and any rank's
+        failure is the same error on every rank, nothing committed. Its collective calls, once the first snapshot
+        took the folder's lock: the check-in, every rank's RNG streams gathered, the split copy's plan sent to the
+        node's ranks (a large state only), the outcome agreed on."""
         sharded = live.model is not None and is_sharded(live.model)
         if sharded and target.full_state:
             raise UsageError(
@@ -84,25 +87,26 @@ class MemoryTier:
         wait_pending()
 
         step = checked_step(step)  # nothing past int64 is ever written; every rank refuses it before a collective
-
-        def prepare() -> str:  # rank 0: the previous copy's error first, then the folder's write lock and identity
-            self._join_copy()
-            if self.identity is not None:
-                target.lock.acquire()  # held since the first: a check, no I/O
-                return self.identity
-            target.prepare()  # the lock, then the leftovers of interrupted saves
-            return make_identity(self.folder)
-
         first = self.identity is None
-        self.identity = run_on_rank0(prepare, task="prepare the snapshot")  # a second job on the folder stops here
-        if first and (sharded or rank_info().local_rank == 0):
-            remove_stale(self.folder, self.identity)  # an earlier history's snapshots: never mixed with this one
+        if first:  # rank 0 takes the folder's write lock and learns its identity: a second job on the folder stops here
+
+            def prepare() -> str:  # the previous copy's error first, then the lock, the leftovers, the identity
+                self._join_copy()
+                target.prepare()
+                return make_identity(self.folder)
+
+            self.identity = run_on_rank0(prepare, task="prepare the snapshot")
+            if sharded or rank_info().local_rank == 0:
+                remove_stale(self.folder, self.identity)  # an earlier history's snapshots: never mixed with this one
         started = time.perf_counter()
         build, saved_epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
-        group = node_group() if splits(live.model) else None
+        group = node_group() if splits(live.model, live.optimizer) else None
 
         def payload() -> dict[str, Any]:  # the writer: the previous snapshot's commit error first
             self._join_commit(raising=True)
+            if not first and global_rank() == 0:  # rank 0's checks, agreed on with the snapshot's outcome
+                self._join_copy()  # the previous copy's error
+                target.lock.acquire()  # held since the first snapshot: a check (a lease lost raises)
             return build()
 
         error: BaseException | None = None
@@ -126,11 +130,9 @@ class MemoryTier:
                     self.copied = copy_share(build(), plan)
         except Exception as err:
             error = err
+        agree_then_commit(self.commits, error, pending)
         if sharded:
-            agree_then_commit(self.commits, error, pending)
             self.exit_group = exit_group()  # collective the first time: now, in the foreground
-        else:
-            meet_then_commit(self.commits, error, pending, group)
         if pending is not None:
             self.evidence = evidence  # committed (or being committed): what it holds, for save(step)
         self.used = True
