@@ -56,24 +56,24 @@ def calls_worker(cfg: dict[str, Any], build: Callable[..., Any], state_tensors: 
 
     import dist_resume as dr
     from dist_resume._manager import manager
-    from dist_resume._manager.memory import evidence, tier, write
+    from dist_resume._manager.snapshots import evidence, tier, writer
 
     dr.init_distributed()
     dr.set_verbosity("warning")
     rank = dist.get_rank()
-    writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    local_writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
     model, opt, _ = build(cfg["size_mib"], with_state=True)
     tensors = state_tensors(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    buffer = torch.ones(state_bytes if writer else 0, dtype=torch.uint8)  # pre-touched
+    buffer = torch.ones(state_bytes if local_writer else 0, dtype=torch.uint8)  # pre-touched
     mgr = dr.CheckpointManager(os.path.join(cfg["dir"], "calls"), model=model, optimizer=opt, keep_last=1)
     stages: dict[str, list[float]] = {name: [] for name in STAGES}
     if rank == 0:
         _timed(stages, "prepare", tier, "run_on_rank0")
         _timed(stages, "rng", tier, "prepare_payload")
-        _timed(stages, "copy", write, "copy_records")
-        _timed(stages, "layout", write, "laid_out")
-        _timed(stages, "store", write, "begin_copy", inside="copy")
+        _timed(stages, "copy", writer, "copy_records")
+        _timed(stages, "layout", writer, "laid_out")
+        _timed(stages, "store", writer, "begin_copy", inside="copy")
         _timed(stages, "agree+commit", tier, "agree_then_commit")
         _timed(stages, "check-in", manager, "check_in")
         _timed(stages, "evidence", evidence.Evidence, "of")
@@ -82,7 +82,7 @@ def calls_worker(cfg: dict[str, Any], build: Callable[..., Any], state_tensors: 
     snap: list[float] = []
 
     def copy_all() -> None:
-        if writer:
+        if local_writer:
             offset = 0
             for t in tensors:
                 flat = t.detach().reshape(-1).view(torch.uint8)
@@ -98,7 +98,7 @@ def calls_worker(cfg: dict[str, Any], build: Callable[..., Any], state_tensors: 
         start = time.perf_counter()
         mgr.snapshot(step)
         snap.append(time.perf_counter() - start)
-        if writer:
+        if local_writer:
             mgr._memory._join_commit(raising=True)  # as a training step between two snapshots lets it end
     mgr.close()
     times = {"plain copy": plain, "snapshot": snap}
@@ -123,7 +123,7 @@ def calls_worker(cfg: dict[str, Any], build: Callable[..., Any], state_tensors: 
 
 
 def _inline() -> int:
-    from dist_resume._manager.memory.commit import COMMIT_INLINE_BYTES
+    from dist_resume._manager.snapshots.commit import COMMIT_INLINE_BYTES
 
     return COMMIT_INLINE_BYTES
 

@@ -18,14 +18,14 @@ into a temporary directory on the local disk (``--dir``); both are removed at th
    plain copy is the node's local rank 0 copying every byte while the other ranks wait; ``snapshot`` splits the copy
    across the node's ranks (each its share of the parameters and the AdamW state), so beside it: the plain copy split
    the same way (each rank copying alternate tensors into its own buffer) and ``snapshot`` with the copy left to
-   local rank 0 alone (the private switch ``dist_resume._manager.memory.split.writer_only``, another folder).
+   local rank 0 alone (the private switch ``dist_resume._manager.snapshots.split.writer_only``, another folder).
 2. **Restart** to the first step after a worker is SIGKILLed, 2 ranks under ``torchrun --max-restarts=1``: a loop
    that snapshots every step and saves every ``--save-every`` steps, against one that saves every ``--save-every``
    steps alone (the folder on the local disk). Rank 1 kills itself after step ``2 * save_every - 1``, between two
    saves; torchrun stops rank 0 (SIGTERM) and restarts both. The workers write timestamps: the kill, the restarted
    workers' start, their ``resume()``'s return and every step's end. Steps redone: those the restart ran again.
    A store throttled to a fixed bandwidth is not measured.
-3. **Shared memory held** per node (``dist_resume._memory.held_bytes``: both slots and every part) over the state's
+3. **Shared memory held** per node (``dist_resume._shm.held_bytes``: both slots and every part) over the state's
    size, after two snapshots, at 1, 2 and 4 ranks (4 ranks: ``--held-ranks``), and what a clean ``close()`` leaves.
 
 ``--per-call`` measures instead what one ``snapshot(step)`` costs against a plain copy at small and large states
@@ -62,7 +62,7 @@ from typing import Any
 from _bench_memory_calls import calls_table, calls_worker
 
 ROLE_ENV = "BENCH_MEMORY_ROLE"
-SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._shm.SHM_DIR_ENV (the parent does not import torch)
 LAYERS = 4
 STALL_OPS = (
     "plain copy",
@@ -128,8 +128,8 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
-    from dist_resume._manager.memory import split
-    from dist_resume._memory import held_bytes, store_dir
+    from dist_resume._manager.snapshots import split
+    from dist_resume._shm import held_bytes, store_dir
 
     dr.init_distributed()
     dr.set_verbosity("warning")  # no line per save
@@ -234,7 +234,7 @@ def _held_worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
-    from dist_resume._memory import held_bytes
+    from dist_resume._shm import held_bytes
 
     dr.init_distributed()
     dr.set_verbosity("warning")

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = str(Path(__file__).with_name("_bench_restart_worker.py"))
-SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._shm.SHM_DIR_ENV (the parent does not import torch)
 REDO_GAP = 5  # a later round's kill: this many steps after the restart's resume point
 
 # --- the throttled store: moto's S3 server behind a proxy that passes a fixed bandwidth ---

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dist_resume._memory import place
+from dist_resume._shm import place
 
 _FORKED = textwrap.dedent(
     """

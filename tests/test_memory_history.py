@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._memory import IDENTITY_NAME, place
+from dist_resume._shm import IDENTITY_NAME, place
 from tests.test_memory_tier import _run
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._memory import place
+from dist_resume._shm import place
 
 _LOOP = textwrap.dedent(
     """

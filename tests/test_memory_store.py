@@ -1,4 +1,4 @@
-"""The node-local snapshot store in shared memory (dist_resume._memory): double-buffered, complete only once
+"""The node-local snapshot store in shared memory (dist_resume._shm): double-buffered, complete only once
 committed, never reading what another user or folder wrote, and clear about a full /dev/shm."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._memory import (
+from dist_resume._shm import (
     SHM_DIR_ENV,
     FileLayout,
     Region,
@@ -40,7 +40,7 @@ from dist_resume._memory import (
     store_dir,
     write_snapshot,
 )
-from dist_resume._memory.layout import crc32_combine
+from dist_resume._shm.layout import crc32_combine
 from dist_resume.errors import CheckpointCorruptError, CheckpointWriteError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def _raise(err: BaseException) -> None:
 
 _KILLED_CHILD = """
 import os, sys, time, torch
-from dist_resume._memory import begin_snapshot, write_snapshot
+from dist_resume._shm import begin_snapshot, write_snapshot
 from pathlib import Path
 folder, marker = Path(sys.argv[1]), sys.argv[2]
 write_snapshot(folder, 1, lambda f: torch.save({"step": 1, "w": torch.ones(4)}, f), size_hint=2**20)

@@ -21,10 +21,10 @@ import dist_resume as dr
 from dist_resume._format.tensor_records import plan_records
 from dist_resume._format.zip_layout import plan_layout
 from dist_resume._format.zip_write import ZipWriter
-from dist_resume._manager.memory import commit
-from dist_resume._manager.memory.layout import laid_out
-from dist_resume._memory import place, zip_file_layout
-from dist_resume._memory.layout import seal
+from dist_resume._manager.snapshots import commit
+from dist_resume._manager.snapshots.payload import laid_out
+from dist_resume._shm import place, zip_file_layout
+from dist_resume._shm.layout import seal
 from tests.accelerator import Accel, on_accelerators
 from tests.helpers import flip_byte_in_tensor_record
 
@@ -222,15 +222,15 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
 _UNCOMMITTED = textwrap.dedent(
     """
     import os, sys, threading, torch, dist_resume as dr
-    from dist_resume._manager.memory import commit
-    from dist_resume._memory import write
+    from dist_resume._manager.snapshots import commit
+    from dist_resume._shm import pending
     commit.COMMIT_INLINE_BYTES = 0
-    sealed = write.seal
+    sealed = pending.seal
     def seal(view, layout):  # the commit of step 2 never ends: the process dies first
         if threading.current_thread().name.endswith("-2"):
             threading.Event().wait()
         return sealed(view, layout)
-    write.seal = seal
+    pending.seal = seal
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -29,7 +29,7 @@ from .._store.url import location
 from .folder_save import SaveTarget, save_into, save_into_async
 from .lease import PrefixLease, writer_lock
 from .lock import FolderLock
-from .memory import MemoryTier
+from .snapshots import MemoryTier
 from .start import start_run
 
 if sys.version_info >= (3, 11):

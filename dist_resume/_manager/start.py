@@ -32,7 +32,7 @@ from .._core.types import PathLike
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
-from .._memory import read_identity
+from .._shm import read_identity
 from .._source.consensus import confirm_choice
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
@@ -41,8 +41,8 @@ from .._state.sharded import is_sharded
 from .._store.url import location
 from .init_from import loose_checkpoints, start_from
 from .lock import remove_new_folder
-from .memory import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
 from .newest import choose_for_resume, reads_striped
+from .snapshots import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
 
 __all__ = ["FolderState", "folder_state", "start_run"]
 
@@ -170,7 +170,7 @@ def start_run(
     refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
     rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``). With ``memory``, a
     snapshot in shared memory at least as new as that checkpoint, which can restore every rank, is taken instead
-    (:func:`~dist_resume._manager.memory.choose_snapshot`); snapshots older than the folder's newest are freed. A
+    (:func:`~dist_resume._manager.snapshots.choose_snapshot`); snapshots older than the folder's newest are freed. A
     snapshot at least as new as the folder's newest *name* is chosen before any checkpoint file is read (a restart
     from memory never reads the folder's newest checkpoint to check it: on a slow store that is the whole state);
     only when there is none does rank 0 check the folder's checkpoints, and then a snapshot newer than the newest

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import dist_resume as dr
-from dist_resume._manager.memory import shards
+from dist_resume._manager.snapshots import shards
 from dist_resume.errors import DistResumeError, UsageError
 from tests.dist.fsdp_workers import _differ, _locals, _mesh, _sharded, _train
 from tests.helpers import local_shard
@@ -99,7 +99,7 @@ def resumed_at_one(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 def uneven_commits(rank: int, world_size: int, folder: str) -> list[str]:
     """Snapshots of steps 1 and 2, rank 1's record of step 2 then lost (a SIGTERM in the middle of its commit): the
     write at an unplanned end takes step 1, the newest every rank holds."""
-    from dist_resume._manager.memory.shards import own_part, persist_newest
+    from dist_resume._manager.snapshots.shards import own_part, persist_newest
 
     model, opt = _sharded(_mesh(world_size), 0)
     mgr = dr.CheckpointManager(folder, model=model, optimizer=opt)

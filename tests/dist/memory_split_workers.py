@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import dist_resume
-from dist_resume._manager.memory import split, striped_copy
-from dist_resume._memory import newest_snapshot
+from dist_resume._manager.snapshots import split, striped_copy
 from dist_resume._save import striped, striped_plan
+from dist_resume._shm import newest_snapshot
 from tests.dist.striped_save_workers import _Lines, make, written  # the library's INFO lines
 
 
@@ -117,7 +117,7 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             def fails(*args: Any) -> int:
                 raise RuntimeError(f"injected in rank {rank}'s copy")
 
-            with mock.patch.object(split, "copy_records", fails):  # rank 1 alone: the writer's is write.copy_records
+            with mock.patch.object(split, "copy_records", fails):  # rank 1 alone: the writer's is writer.copy_records
                 try:
                     mgr.snapshot(4)
                 except Exception as err:

@@ -1,5 +1,5 @@
-"""A snapshot's copy split across the node's local ranks (dist_resume/_manager/memory/split.py), and its copy into the
-folder striped across them (dist_resume/_manager/memory/striped_copy.py): 2 gloo ranks of one node, one launch;
+"""A snapshot's copy split across the node's local ranks (dist_resume/_manager/snapshots/split.py), and its copy into the
+folder striped across them (dist_resume/_manager/snapshots/striped_copy.py): 2 gloo ranks of one node, one launch;
 ``DIST_RESUME_SHM_DIR`` points the snapshots into the test's folder."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_resume._manager.memory.striped_copy import byte_ranges
+from dist_resume._manager.snapshots.striped_copy import byte_ranges
 from tests.dist import memory_split_workers as W
 from tests.dist.harness import run_ranks
 

@@ -9,11 +9,12 @@ damaged in place, its size intact, is not recognised until its CRC-32 is checked
 
 Two ways to write (2): :func:`begin_snapshot` runs the caller's ``dump(f)`` (``torch.save(payload, f)``) into a new
 file, taking the CRC-32 as the bytes go; :func:`begin_copy` writes a file laid out beforehand
-(:class:`~dist_resume._memory.layout.FileLayout`) into the slot's mapping, which this process keeps across snapshots
-(:mod:`~dist_resume._memory.slots`), and the caller's ``fill`` copies the data in: the one pass over the data, and
+(:class:`~dist_resume._shm.layout.FileLayout`) into the slot's mapping, which this process keeps across snapshots
+(:mod:`~dist_resume._shm.slots`), and the caller's ``fill`` copies the data in: the one pass over the data, and
 the CRC-32s (the zip's and the file's) are left to (3). Either returns at the end of (2), which is what the training
-loop waits for; :meth:`PendingSnapshot.commit` is (3)-(4) and may run in a background thread. One writer per folder and
-part: a second begin in this process before the first is committed is refused. Torch-free.
+loop waits for; :meth:`~.pending.PendingSnapshot.commit` is (3)-(4) and may run in a background thread
+(:mod:`.pending`). One writer per folder and part: a second begin in this process before the first is committed is
+refused. Torch-free.
 """
 
 from __future__ import annotations
@@ -21,21 +22,19 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-import threading
-import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
-from .._core.errors import CheckpointWriteError, UsageError
+from .._core.errors import UsageError
 from .._core.location import Location
-from .._format.atomic import write_error
 from . import slots
 from .identity import make_identity
-from .layout import FileLayout, seal
-from .place import check_part, folder_key, make_store, open_owned
-from .read import file_crc, slot_snapshots
+from .layout import FileLayout
+from .pending import PendingSnapshot, claim, drop, release, write_failure
+from .place import check_part, folder_key, make_store
+from .read import slot_snapshots
 from .record import (
     ENTRY,
     SLOTS,
@@ -45,26 +44,12 @@ from .record import (
     data_name,
     record_lock,
     record_name,
-    write_record,
 )
-from .space import NO_SPACE, check_space, free_bytes, no_space_error
+from .space import check_space
 
 __all__ = ["PendingSnapshot", "begin_snapshot", "begin_copy", "write_snapshot"]
 
 _CREATE_NEW: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-_claimed: set[tuple[Path, str]] = set()  # (directory, part) with a write begun and not yet committed or aborted
-_claimed_lock = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """In a forked child: the parent's writes under way are not the child's."""
-    global _claimed_lock
-    _claimed_lock = threading.Lock()
-    _claimed.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _SlotFile:
@@ -98,156 +83,6 @@ class _SlotFile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
-
-
-class PendingSnapshot:
-    """A snapshot whose data is written and not yet committed: :meth:`commit` makes it complete, :meth:`abort`
-    drops it. Until one of them runs, readers see the part's previous snapshot as the newest. Local."""
-
-    def __init__(
-        self,
-        *,
-        store: Path,
-        folder: str,
-        part: str,
-        slot: str,
-        step: int,
-        seq: int,
-        size: int,
-        metadata: dict[str, Any],
-        identity: str,
-        crc32: int | None = None,
-        layout: FileLayout | None = None,
-    ) -> None:
-        self.path = store / data_name(part, slot)
-        self.step = step
-        self.size = size
-        self.crc32 = crc32  # the CRC-32 of the bytes as written, when known: the commit reads nothing back
-        self._layout = layout  # written into the slot's mapping: the commit seals it (its CRC-32s)
-        self._fields = (folder, part, slot, seq, metadata, identity)
-        self._done = False
-        self._lock = threading.Lock()
-
-    def commit(self) -> Snapshot:
-        """Compute the data file's CRC-32 and write its commit record: the snapshot is then complete and the newest.
-
-        A file laid out by :func:`begin_copy` is sealed first: each record's CRC-32 taken from the slot's mapping and
-        written into the zip, then the whole file's. May run in another thread. Raises :class:`CheckpointWriteError`
-        (the data file is removed) when the file changed since it was written or the record cannot be written;
-        :class:`UsageError` when already done."""
-        folder, part, slot, seq, metadata, identity = self._fields
-        with self._lock:
-            self._finish("commit")
-            try:
-                if self._layout is not None:
-                    crc, size = self._seal(self._layout), self._layout.size
-                elif self.crc32 is not None:
-                    crc, size = self.crc32, os.stat(self.path, follow_symlinks=False).st_size
-                else:
-                    fd, _ = open_owned(self.path)
-                    try:
-                        crc, size = file_crc(fd)
-                    finally:
-                        os.close(fd)
-                if size != self.size:
-                    raise CheckpointWriteError(
-                        f"the snapshot of step {self.step} changed after it was written ({size} bytes, "
-                        f"{self.size} written): another process writes {str(self.path)!r}; one writer per folder"
-                    )
-                snapshot = Snapshot(
-                    step=self.step,
-                    path=self.path,
-                    size=size,
-                    created=time.time(),
-                    metadata=metadata,
-                    part=part,
-                    slot=slot,
-                    seq=seq,
-                    crc32=crc,
-                    folder=folder,
-                    persisted=False,
-                    identity=identity,
-                )
-                with record_lock(self.path.parent):
-                    write_record(snapshot)
-            except BaseException as err:
-                _drop(self.path)
-                if isinstance(err, OSError):
-                    raise _write_failure(self.path, self.step, self.size, err) from err
-                raise
-            finally:
-                _release(self.path.parent, part)
-        if self._layout is not None:
-            _warm_other(self.path.parent, part, slot, size)
-        return snapshot
-
-    def _seal(self, layout: FileLayout) -> int:
-        mm = slots.mapped(self.path, layout.size)
-        if mm is None:
-            raise CheckpointWriteError(
-                f"the snapshot of step {self.step} was removed or replaced before its commit: another process writes "
-                f"{str(self.path)!r}; one writer per folder"
-            )
-        with memoryview(mm) as view:
-            crc = seal(view, layout)
-        # writes through a mapping whose pages are in place leave the file's time as it was
-        os.utime(self.path, follow_symlinks=False)
-        return crc
-
-    def abort(self) -> None:
-        """Remove the uncommitted data file; the part's previous snapshot stays the newest. Idempotent."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            _drop(self.path)
-            _release(self.path.parent, self._fields[1])
-
-    def _finish(self, verb: str) -> None:
-        if self._done:
-            raise UsageError(f"this snapshot of step {self.step} was already committed or aborted; cannot {verb} it")
-        self._done = True
-
-
-def _warm_other(store: Path, part: str, slot: str, size: int) -> None:
-    """After the first snapshot into ``slot``: the other slot made and mapped when it does not exist yet, so that the
-    next snapshot copies into pages in place too. A failure is left for that snapshot to report."""
-    other = next(s for s in SLOTS if s != slot)
-    try:
-        slots.warm(store / data_name(part, other), size)
-    except OSError:
-        pass
-
-
-def _drop(path: Path) -> None:
-    """Unmap and remove a slot's data file."""
-    slots.forget(path)
-    path.unlink(missing_ok=True)
-
-
-def _release(store: Path, part: str) -> None:
-    with _claimed_lock:
-        _claimed.discard((store, part))
-
-
-def _claim(store: Path, part: str, step: int) -> None:
-    with _claimed_lock:
-        if (store, part) in _claimed:
-            raise UsageError(
-                f"a snapshot of part {part!r} of this folder is still being written (step {step} asked for)",
-                hint="commit() or abort() the pending snapshot before beginning the next",
-            )
-        _claimed.add((store, part))
-
-
-def _write_failure(path: Path, step: int, need: int, err: OSError) -> CheckpointWriteError:
-    if err.errno in NO_SPACE:
-        try:
-            free: int | None = free_bytes(path.parent)
-        except OSError:
-            free = None
-        return no_space_error(path.parent, step, need, free)
-    return write_error(path, err)
 
 
 def _remove_leftovers(store: Path, part: str) -> None:
@@ -285,12 +120,12 @@ def begin_snapshot(
 ) -> PendingSnapshot:
     """Write a snapshot of ``folder`` at ``step`` into the free slot: ``dump(f)`` writes a standard torch file. Local.
 
-    ``size_hint`` is the bytes the file will take (:func:`~dist_resume._memory.space.size_estimate`); when shared
+    ``size_hint`` is the bytes the file will take (:func:`~dist_resume._shm.space.size_estimate`); when shared
     memory cannot hold it, :class:`CheckpointWriteError` says what is needed, what is free and how to get more, and
     nothing is touched. A write that fails (``ENOSPC``, an exception in ``dump``) removes the slot's partial file and
     leaves the previous snapshot the newest; an ``OSError`` becomes a :class:`CheckpointWriteError`, anything else is
     raised as it is. ``metadata``: a small JSON-able dict kept in the record (world size, epoch, ...). ``identity``:
-    the folder's (:mod:`~dist_resume._memory.identity`; None: the one the folder keeps, made when it has none). A
+    the folder's (:mod:`~dist_resume._shm.identity`; None: the one the folder keeps, made when it has none). A
     ``step`` past int64 is a :class:`UsageError`. Returns the :class:`PendingSnapshot` to commit.
 
     Example::
@@ -318,7 +153,7 @@ def _begin(
     mine = make_identity(folder) if identity is None else identity
     store = make_store(folder)
     key = folder_key(folder)
-    _claim(store, part, step)
+    claim(store, part, step)
     try:
         committed = slot_snapshots(store, key, part, identity=mine)
         newest = max(committed, key=lambda s: s.seq, default=None)
@@ -344,7 +179,7 @@ def _begin(
             layout=layout,
         )
     except BaseException:
-        _release(store, part)
+        release(store, part)
         raise
 
 
@@ -355,7 +190,7 @@ size, its CRC-32 when known and its layout when the commit must seal it."""
 
 def _dumped(dump: Callable[[Any], None]) -> _Writer:
     def write(path: Path, step: int, need: int) -> tuple[int, int | None, FileLayout | None]:
-        _drop(path)  # a new file: a reader still holding the old one keeps reading it whole
+        drop(path)  # a new file: a reader still holding the old one keeps reading it whole
         recorder: _SlotFile | None = None
         try:
             fd = os.open(path, _CREATE_NEW, 0o600)
@@ -367,7 +202,7 @@ def _dumped(dump: Callable[[Any], None]) -> _Writer:
             path.unlink(missing_ok=True)
             cause = recorder.error if recorder is not None and recorder.error is not None else err
             if isinstance(cause, OSError):
-                raise _write_failure(path, step, need, cause) from err
+                raise write_failure(path, step, need, cause) from err
             raise
         return size, (recorder.crc if recorder.written == size else None), None
 
@@ -379,15 +214,15 @@ def _copied(layout: FileLayout, fill: Callable[[Path, mmap.mmap], None]) -> _Wri
         try:
             mm = slots.map_slot(path, layout.size)
         except OSError as err:
-            raise _write_failure(path, step, need, err) from err
+            raise write_failure(path, step, need, err) from err
         try:
             for offset, data in layout.fixed:
                 mm[offset : offset + len(data)] = data
             fill(path, mm)
         except BaseException as err:
-            _drop(path)
+            drop(path)
             if isinstance(err, OSError):
-                raise _write_failure(path, step, need, err) from err
+                raise write_failure(path, step, need, err) from err
             raise
         return layout.size, None, layout
 
@@ -406,10 +241,10 @@ def begin_copy(
 ) -> PendingSnapshot:
     """Write a snapshot of ``folder`` at ``step`` laid out as ``layout`` into the free slot; ``fill(path, mm)`` copies
     the regions' data into ``mm``, a writable mapping of the whole file ``path`` (the node's other processes may map
-    ``path`` with :func:`~dist_resume._memory.slots.attach_slot` and copy a share while ``fill`` runs). Local.
+    ``path`` with :func:`~dist_resume._shm.slots.attach_slot` and copy a share while ``fill`` runs). Local.
 
     The slot's file and mapping are this process's from the last snapshot into that slot when the size is the same
-    (:func:`~dist_resume._memory.slots.map_slot`): the copy is the only pass over the data. Its CRC-32s are left to
+    (:func:`~dist_resume._shm.slots.map_slot`): the copy is the only pass over the data. Its CRC-32s are left to
     :meth:`PendingSnapshot.commit`, which seals the file; until then the snapshot is not complete and the part's
     previous one stays the newest. Space and failures as :func:`begin_snapshot` (``fill`` raising removes the slot's
     file). Returns the :class:`PendingSnapshot` to commit.

@@ -8,7 +8,7 @@ from ..._core.rank import global_rank
 from ..._dist.agree import any_failed, first_failure
 from ..._dist.comm import Outcome, all_gather_objects, collective_step
 from ..._dist.env import is_distributed
-from ..._memory import PendingSnapshot
+from ..._shm import PendingSnapshot
 from .commit import Commits
 
 __all__ = ["agree", "agree_then_commit"]

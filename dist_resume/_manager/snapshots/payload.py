@@ -3,7 +3,7 @@
 The payload is planned as the file :func:`~dist_resume._format.stream_write.write_streamed` writes (every tensor one
 contiguous CPU record in pickle order, the archive :func:`~dist_resume._format.tensor_records.plan_records` plans), its
 records placed by :func:`~dist_resume._format.zip_layout.plan_layout` and turned into a
-:class:`~dist_resume._memory.FileLayout` (the headers, ``data.pkl`` and the zip's tail written as they are, each
+:class:`~dist_resume._shm.FileLayout` (the headers, ``data.pkl`` and the zip's tail written as they are, each
 tensor's record a region). The plan is one pass: the payload itself is pickled, each tensor reduced on its first
 encounter to its record's stand-in (the reduction :func:`~dist_resume._format.pickle_write.dump_pickle` gives a meta
 tensor of its shape and dtype), which is how its records are found and numbered; the stand-ins are kept from one
@@ -31,7 +31,7 @@ from ..._core import torch_compat
 from ..._format.striped_archive import STRIPE_THRESHOLD, TreePath, tensor_paths
 from ..._format.tensor_records import TensorRecords, foot_records, head_records
 from ..._format.zip_layout import plan_layout
-from ..._memory import FileLayout, zip_file_layout
+from ..._shm import FileLayout, zip_file_layout
 from .pinned import copying_into
 
 __all__ = ["CopyRecord", "LaidOut", "Pickled", "pickled", "laid_out", "copyable", "record_view", "copy_records"]

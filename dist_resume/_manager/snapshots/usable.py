@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..._core.errors import DistResumeError
 from ..._foreign.own_shards import read_own_shards
-from ..._memory import Snapshot
+from ..._shm import Snapshot
 from ..._source.integrity import inspect_checkpoint
 
 __all__ = ["snapshot_problem"]

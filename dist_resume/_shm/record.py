@@ -80,9 +80,9 @@ class Snapshot:
 
     ``path`` loads with ``torch.load(path, weights_only=True)``, ``dist_resume.load_checkpoint(path)`` and
     ``dist_resume.resume(path, ...)``. ``seq`` orders the commits of a part (the newest is the highest);
-    ``persisted`` says whether the folder holds a copy (:func:`~dist_resume._memory.persist.mark_persisted`);
+    ``persisted`` says whether the folder holds a copy (:func:`~dist_resume._shm.persist.mark_persisted`);
     ``metadata`` is the caller's dict (world size, epoch, ...), left out of comparisons; ``identity`` the folder's
-    (:mod:`~dist_resume._memory.identity`) when it was written."""
+    (:mod:`~dist_resume._shm.identity`) when it was written."""
 
     step: int
     path: Path

@@ -9,8 +9,8 @@ from typing import Any
 
 from ..._checkpoint.objects import LiveObjects
 from ..._core.log import logger
-from ..._memory import retire_snapshot
-from ..._memory.slots import mapped
+from ..._shm import retire_snapshot
+from ..._shm.slots import mapped
 from .commit import Commits
 from .evidence import Evidence, changed_since
 

@@ -21,7 +21,7 @@ from ..._core.location import Location
 from ..._dist.agree import first_failure
 from ..._dist.comm import Outcome, all_gather_objects, collective_step
 from ..._dist.groups import gloo_group
-from ..._memory import Snapshot, begin_snapshot
+from ..._shm import Snapshot, begin_snapshot
 
 __all__ = ["CHUNK_BYTES", "fetch_to_rank0"]
 

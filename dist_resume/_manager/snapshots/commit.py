@@ -17,7 +17,7 @@ from typing import Final
 from ..._core.errors import CheckpointWriteError
 from ..._core.location import Location
 from ..._core.log import logger, shown_path
-from ..._memory import PendingSnapshot, Snapshot
+from ..._shm import PendingSnapshot, Snapshot
 
 __all__ = ["COMMIT_INLINE_BYTES", "Commits"]
 

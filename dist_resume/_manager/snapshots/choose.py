@@ -14,8 +14,8 @@ from ..._core.log import log_rank0, logger, shown_path
 from ..._core.rank import global_rank
 from ..._dist.comm import all_gather_objects
 from ..._dist.env import is_distributed, rank_info
-from ..._memory import Snapshot, newest_snapshot, remove_snapshots, remove_stale, snapshots
-from ..._memory.place import shm_root
+from ..._shm import Snapshot, newest_snapshot, remove_snapshots, remove_stale, snapshots
+from ..._shm.place import shm_root
 from .fetch import fetch_to_rank0
 from .shards import own_part
 from .usable import snapshot_problem
@@ -44,7 +44,7 @@ def choose_snapshot(
     checkpoint (``folder_step``), or None. Collective under torch.distributed (one all-gather).
 
     Only snapshots of the folder's ``identity`` count (None: the folder has none, and none counts): each node's local
-    rank 0 first removes the others, with one WARNING (:func:`~dist_resume._memory.remove_stale`). Every rank lists its
+    rank 0 first removes the others, with one WARNING (:func:`~dist_resume._shm.remove_stale`). Every rank lists its
     node's complete snapshots (CRC-32 checked, content usable: :func:`~.usable.snapshot_problem`; one that is not
     gives way to the slot before it, with one WARNING); a step every rank holds is read by every rank from
     its own node, a step only rank 0's node holds is read by rank 0 and broadcast (a node replaced), and a newer step

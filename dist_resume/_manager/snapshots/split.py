@@ -4,7 +4,7 @@ Under DDP every rank holds the replicated state (the parameters, the optimizer's
 writer (local rank 0) need not copy all of it alone. It lays the file out, makes and sizes the slot and sends the
 node's other ranks the slot's name and each one's share (:class:`NodeCopy`, one ``broadcast_object_list`` on a gloo
 group of the node's ranks, made once: :func:`node_group`); each maps the slot (kept mapped across snapshots,
-:func:`~dist_resume._memory.attach_slot`) and copies its share from its own tensors, found by their paths, while the
+:func:`~dist_resume._shm.attach_slot`) and copies its share from its own tensors, found by their paths, while the
 writer copies its own. The shares are balanced by bytes as a striped save's
 (:func:`~dist_resume._save.striped_plan.assign_shares`): only the large records of what DDP keeps identical on every
 rank are spread; the pickle, the buffers, the EMA, ``extra``, the RNG streams and the data position stay with the
@@ -32,10 +32,10 @@ from ..._dist.comm import all_gather_objects, broadcast_object, collective_step
 from ..._dist.env import rank_info
 from ..._dist.groups import gloo_group
 from ..._format.striped_archive import find_tensor
-from ..._memory import attach_slot
 from ..._save.striped_plan import assign_shares, is_ddp, replicated_paths
+from ..._shm import attach_slot
 from ..._state.sharded import is_sharded
-from .layout import CopyRecord, LaidOut, copy_records, copyable
+from .payload import CopyRecord, LaidOut, copy_records, copyable
 
 __all__ = [
     "WRITER_ONLY_ENV",

@@ -13,7 +13,9 @@ from ..._core.log import logger, shown_path, shown_size
 from ..._core.rank import global_rank
 from ..._dist.comm import run_on_rank0
 from ..._dist.env import rank_info
-from ..._memory import (
+from ..._save.async_save import wait_pending
+from ..._save.save import prepare_payload
+from ..._shm import (
     PendingSnapshot,
     Snapshot,
     make_identity,
@@ -21,10 +23,8 @@ from ..._memory import (
     remove_snapshots,
     remove_stale,
 )
-from ..._memory.place import required_root
-from ..._memory.record import checked_step
-from ..._save.async_save import wait_pending
-from ..._save.save import prepare_payload
+from ..._shm.place import required_root
+from ..._shm.record import checked_step
 from ..._state.sharded import is_sharded
 from ..folder_save import SaveTarget
 from .choose import MemoryChoice
@@ -37,7 +37,7 @@ from .reuse import retire_step, still_live
 from .shards import begin_own, exit_group, held_everywhere, own_object, persist_newest, persist_own
 from .split import copy_share, node_group, receive, splits
 from .striped_copy import CopyTask
-from .write import begin_write
+from .writer import begin_write
 
 __all__ = ["MemoryTier"]
 
@@ -56,7 +56,7 @@ class MemoryTier:
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
         self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
         self.evidence: Evidence | None = None  # what the newest snapshot this process wrote holds (.evidence)
-        self.identity: str | None = None  # the folder's (_memory.identity), once a snapshot or a resume learned it
+        self.identity: str | None = None  # the folder's (_shm.identity), once a snapshot or a resume learned it
         self.pid = owner()  # only this process acts on the snapshots: a fork (a DataLoader's worker) never does
 
     @property

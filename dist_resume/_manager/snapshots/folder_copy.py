@@ -16,7 +16,7 @@ from ..._core.errors import CheckpointWriteError
 from ..._core.location import Location
 from ..._core.log import log_rank0, logger, shown_path, shown_size
 from ..._core.rank import global_rank
-from ..._memory import Snapshot, mark_persisted, persist_snapshot
+from ..._shm import Snapshot, mark_persisted, persist_snapshot
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
 from .commit import Commits

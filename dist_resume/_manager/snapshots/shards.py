@@ -3,7 +3,7 @@
 Under FSDP2 no rank holds the whole state, so there is no node writer: rank ``r`` writes its part ``shards-<r>``
 (:func:`own_part`), the standard torch file :func:`~dist_resume._foreign.own_shards.own_shards` describes (its DTensors'
 local tensors, each one's box, and its train state: the RNG streams and data positions of every rank, the scheduler,
-the scaler), double-buffered and committed like any snapshot (:mod:`dist_resume._memory`). The ranks agree before
+the scaler), double-buffered and committed like any snapshot (:mod:`dist_resume._shm`). The ranks agree before
 anything is committed: a failure on one rank leaves the previous snapshot the newest on every rank.
 
 A restart resumes from memory when every rank finds its own part at one step (each rank reads its own file, so
@@ -32,13 +32,13 @@ from ..._dist.groups import gloo_group
 from ..._foreign.own_shards import own_shards, with_saved_shards
 from ..._foreign.sharded import split_payload
 from ..._format.load import load_torch_file
-from ..._memory import Snapshot, mark_persisted, snapshots
 from ..._save.async_save import finish_sharded_in_background, wait_pending
 from ..._save.save import build_payload
 from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
+from ..._shm import Snapshot, mark_persisted, snapshots
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
-from .write import Written, begin_write
+from .writer import Written, begin_write
 
 __all__ = [
     "EXIT_WAIT_S",
@@ -73,7 +73,7 @@ def begin_own(
     folder: Location, build: Any, step: int, epoch: int | None, live: LiveObjects, identity: str | None
 ) -> Written:
     """Write this rank's own shards of the payload ``build()`` returns into its part's free slot (see
-    :class:`~.write.Written`). Local (the caller agrees before committing)."""
+    :class:`~.writer.Written`). Local (the caller agrees before committing)."""
     obj = own_object(build())
     part = own_part(dist.get_rank())
     return begin_write(folder, lambda: obj, step, epoch, None, None, live=live, part=part, identity=identity)

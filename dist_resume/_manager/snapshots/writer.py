@@ -18,9 +18,9 @@ from ..._checkpoint.objects import LiveObjects
 from ..._core.location import Location
 from ..._core.tree import iter_tensors
 from ..._dist.env import is_distributed, rank_info
-from ..._memory import PendingSnapshot, begin_copy, begin_snapshot, size_estimate
+from ..._shm import PendingSnapshot, begin_copy, begin_snapshot, size_estimate
 from .evidence import Evidence
-from .layout import CopyRecord, copy_records, laid_out
+from .payload import CopyRecord, copy_records, laid_out
 from .split import NodeCopy, send, shares_of
 
 __all__ = ["Written", "begin_write"]
@@ -48,10 +48,10 @@ def begin_write(
     identity: str | None = None,
 ) -> Written:
     """Write the payload ``build()`` returns into the free slot of ``folder``'s snapshots (see :class:`Written`). With
-    ``group`` (the node's ranks, the copy split: :mod:`~dist_resume._manager.memory.split`) the other ranks are sent
+    ``group`` (the node's ranks, the copy split: :mod:`~dist_resume._manager.snapshots.split`) the other ranks are sent
     their shares (None when there is nothing for them to copy: the writer failed before the
     slot was ready, or the payload is saved whole), collective on ``group`` then. Local otherwise. ``part``: the
-    store's part written (an FSDP2 rank's own, :mod:`~dist_resume._manager.memory.shards`); ``identity``: the folder's
+    store's part written (an FSDP2 rank's own, :mod:`~dist_resume._manager.snapshots.shards`); ``identity``: the folder's
     (None: the one it keeps, made when it has none); ``live``: the objects the payload was built from, whose tensors' counters and optimizer's steps the evidence records (None: no evidence)."""
     world_size = dist.get_world_size() if is_distributed() else 1
     metadata = {"world_size": world_size, "epoch": epoch}

@@ -5,7 +5,7 @@ Decided by evidence, never by the step number (a scheduler stepped, an EMA updat
 ``snapshot(step)`` and ``save(step)`` is the live state of ``step``, and the snapshot's bytes are not). All of:
 
 - **the small states**, compared whole: the file's object is pickled again exactly as the snapshot's ``data.pkl`` was
-  (:func:`~.layout.pickled`), its ``saved_at`` set to the snapshot's, and the bytes must be equal. That covers every
+  (:func:`~.payload.pickled`), its ``saved_at`` set to the snapshot's, and the bytes must be equal. That covers every
   value that is not a tensor's data (the scheduler, the scaler, the optimizer's hyperparameters, the data position,
   the epoch, ``extra``, Python's and numpy's RNG states) and every tensor's shape and dtype.
 - **the same tensors**: each over the same memory as the snapshot's (the same address, shape, strides and dtype: the
@@ -38,7 +38,7 @@ import torch
 from ..._checkpoint.objects import LiveObjects
 from ..._core.shards import local_of
 from ..._layout.layout import Key
-from .layout import LaidOut, pickled, record_view
+from .payload import LaidOut, pickled, record_view
 
 __all__ = ["COMPARED_BYTES", "Evidence", "optimizer_steps", "changed_since"]
 

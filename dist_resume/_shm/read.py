@@ -1,7 +1,7 @@
 """A folder's complete snapshots on this node: their records parsed and checked, naming the folder's identity
 (:mod:`.identity`), the data files owned, whole and (with ``verify``) matching their CRC-32, and (for the newest, with
 the caller's check) usable. Anything else is ignored with one WARNING (a snapshot of another identity silently: it is
-stale, and :func:`~dist_resume._memory.persist.remove_stale` removes it); nothing here raises for what it finds in
+stale, and :func:`~dist_resume._shm.persist.remove_stale` removes it); nothing here raises for what it finds in
 shared memory. Torch-free.
 """
 

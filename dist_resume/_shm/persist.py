@@ -34,7 +34,7 @@ logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._co
 
 def open_snapshot(path: Path, step: int) -> int:
     """A read-only descriptor of the data file of the snapshot of ``step`` at ``path`` (this user's regular file: see
-    :func:`~dist_resume._memory.place.open_owned`); the caller closes it. Local. Raises
+    :func:`~dist_resume._shm.place.open_owned`); the caller closes it. Local. Raises
     :class:`CheckpointCorruptError` when it is gone or refused."""
     try:
         fd, _ = open_owned(path)
@@ -49,7 +49,7 @@ def copy_bytes(
     src: int, write: Callable[[memoryview, int], object], start: int = 0, end: int | None = None
 ) -> tuple[int, int]:
     """Read the bytes ``[start, end)`` of the descriptor ``src`` (``end`` None: to the file's end) in chunks of
-    :data:`~dist_resume._memory.read.CHUNK`, hand each to ``write(data, offset)`` (``offset``: its place in ``src``;
+    :data:`~dist_resume._shm.read.CHUNK`, hand each to ``write(data, offset)`` (``offset``: its place in ``src``;
     ``data`` is valid during the call only) and return their CRC-32 and length. Stops early at the file's end. Local.
 
     Example::
@@ -91,7 +91,7 @@ def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
     damaged or replaced meanwhile raises :class:`CheckpointCorruptError` (on a store, the upload's
     :class:`CheckpointWriteError`) and nothing appears at ``dest``. The copy reads the file it opened first, so a
     newer snapshot written into the same slot meanwhile cannot mix into it. Returns ``dest`` as a location.
-    (Striped across a node's ranks: ``dist_resume._manager.memory.striped_copy``.)
+    (Striped across a node's ranks: ``dist_resume._manager.snapshots.striped_copy``.)
 
     Example::
 
