@@ -3,7 +3,9 @@
 Written as a user writes one: a DDP model of four square ``Linear`` layers (no bias) with AdamW, ``--size-mib`` in all
 (weights, ``exp_avg``, ``exp_avg_sq``), a ``DataLoader`` over a ``ResumableDistributedSampler``, a
 ``CheckpointManager`` that resumes, snapshots every ``--snapshot-every`` steps (0: never) and saves every
-``--save-every`` steps, until step ``--steps``. Rank 1 SIGKILLs itself after each step of ``--kill-at``, the i-th
+``--save-every`` steps, until step ``--steps``; ``--step-time`` pads each step to that many seconds (the compute a real
+job's step would take on an accelerator, waited for, leaving the CPU to the snapshot's background work as a GPU
+would). Rank 1 SIGKILLs itself after each step of ``--kill-at``, the i-th
 only in the i-th generation (``TORCHELASTIC_RESTART_COUNT``), so each kill happens once however far a restart goes
 back. The only additions are the timestamps it appends to ``--times DIR/times_<rank>`` (one line per event: the
 generation, the event, ``time.time()``, and the step): ``start`` (before torch is imported), ``resumed`` (with the
@@ -49,6 +51,12 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--snapshot-every", type=int, default=1)
     p.add_argument("--kill-at", type=int, nargs="*", default=[])
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="seconds each step takes at least: the rest of a real job's step (an accelerator's compute), waited for",
+    )
     args = p.parse_args()
 
     info = dr.init_distributed()
@@ -79,10 +87,12 @@ def main() -> None:
     note("resumed", step, "none" if result is None else result.source)
     while step < args.steps:
         for (x,) in loader:
+            began = time.perf_counter()
             loss = model(x).square().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
+            time.sleep(max(0.0, args.step_time - (time.perf_counter() - began)))
             step += 1
             note("step", step)
             if args.snapshot_every and step % args.snapshot_every == 0:

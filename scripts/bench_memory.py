@@ -18,15 +18,19 @@ into a temporary directory on the local disk (``--dir``); both are removed at th
    plain copy is the node's local rank 0 copying every byte while the other ranks wait; ``snapshot`` splits the copy
    across the node's ranks (each its share of the parameters and the AdamW state), so beside it: the plain copy split
    the same way (each rank copying alternate tensors into its own buffer) and ``snapshot`` with the copy left to
-   local rank 0 alone (the private switch ``dist_resume._manager.memory.split.writer_only``, another folder).
+   local rank 0 alone (the private switch ``dist_resume._manager.snapshots.split.writer_only``, another folder).
 2. **Restart** to the first step after a worker is SIGKILLed, 2 ranks under ``torchrun --max-restarts=1``: a loop
    that snapshots every step and saves every ``--save-every`` steps, against one that saves every ``--save-every``
    steps alone (the folder on the local disk). Rank 1 kills itself after step ``2 * save_every - 1``, between two
    saves; torchrun stops rank 0 (SIGTERM) and restarts both. The workers write timestamps: the kill, the restarted
    workers' start, their ``resume()``'s return and every step's end. Steps redone: those the restart ran again.
    A store throttled to a fixed bandwidth is not measured.
-3. **Shared memory held** per node (``dist_resume._memory.held_bytes``: both slots and every part) over the state's
+3. **Shared memory held** per node (``dist_resume._shm.held_bytes``: both slots and every part) over the state's
    size, after two snapshots, at 1, 2 and 4 ranks (4 ranks: ``--held-ranks``), and what a clean ``close()`` leaves.
+
+``--per-call`` measures instead what one ``snapshot(step)`` costs against a plain copy at small and large states
+(``--per-call-sizes``, 24 and 384 MiB) and 1, 2 and 4 ranks (``--per-call-ranks``), with the stages of the call on
+rank 0: scripts/_bench_memory_calls.py.
 
 Prints a table and a JSON document (``--json-out FILE`` keeps it).
 
@@ -34,6 +38,7 @@ Prints a table and a JSON document (``--json-out FILE`` keeps it).
     python scripts/bench_memory.py --quick          # 128 MiB, 2 rounds: about 2 minutes on 2 busy cores
     python scripts/bench_memory.py --size-mib 256 --rounds 5 --json-out memory.json
     python scripts/bench_memory.py --stall-only --rounds 9   # 1. alone: a few minutes
+    python scripts/bench_memory.py --per-call --rounds 15    # per call at 24 and 384 MiB, 1, 2, 4 ranks: ~4 min
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _bench_memory_calls import calls_table, calls_worker
+
 ROLE_ENV = "BENCH_MEMORY_ROLE"
-SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._shm.SHM_DIR_ENV (the parent does not import torch)
 LAYERS = 4
 STALL_OPS = (
     "plain copy",
@@ -121,8 +128,8 @@ def _stall_worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
-    from dist_resume._manager.memory import split
-    from dist_resume._memory import held_bytes, store_dir
+    from dist_resume._manager.snapshots import split
+    from dist_resume._shm import held_bytes, store_dir
 
     dr.init_distributed()
     dr.set_verbosity("warning")  # no line per save
@@ -227,7 +234,7 @@ def _held_worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import dist_resume as dr
-    from dist_resume._memory import held_bytes
+    from dist_resume._shm import held_bytes
 
     dr.init_distributed()
     dr.set_verbosity("warning")
@@ -425,8 +432,46 @@ def _table(doc: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _per_call(args: argparse.Namespace) -> None:
+    """``--per-call``: one launch per (state, ranks); the table of scripts/_bench_memory_calls.py."""
+    rounds = 15 if args.rounds == 3 else args.rounds  # the stall's default of 3 is too few for milliseconds
+    shm = tempfile.mkdtemp(prefix="bench_memory.", dir="/dev/shm")
+    os.environ[SHM_ENV] = shm
+    began = time.perf_counter()
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_memory.", dir=args.dir) as tmp:
+            for size in args.per_call_sizes:
+                for ranks in args.per_call_ranks:
+                    print(f"per call: {size:g} MiB at {ranks} rank(s) ...", file=sys.stderr, flush=True)
+                    out = Path(tmp) / f"calls_{size:g}_{ranks}.json"
+                    cfg = {
+                        "size_mib": size,
+                        "rounds": rounds,
+                        "warmup": 3,
+                        "dir": os.path.join(tmp, "calls"),
+                        "out": str(out),
+                    }
+                    _launch(cfg, "calls", ranks, Path(tmp) / f"calls_{size:g}_{ranks}.log", timeout=600)
+                    runs.append(json.loads(out.read_text()))
+        left = sorted(p.name for p in Path(shm).iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    print(
+        f"\nmedians of {rounds} rounds (3 more first, left out), {time.perf_counter() - began:.0f} s in all; "
+        f"left in shared memory after the runs: {left or 'nothing'}; stages in ms, on rank 0\n"
+    )
+    print(calls_table(runs))
+    text = json.dumps({"per_call": runs}, indent=2)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+
+
 def main() -> None:
     role = os.environ.get(ROLE_ENV)
+    if role == "calls":
+        calls_worker(json.loads(sys.argv[1]), _build, _state_tensors)
+        return
     if role:
         {"stall": _stall_worker, "held": _held_worker, "train": _train_worker}[role](json.loads(sys.argv[1]))
         return
@@ -438,8 +483,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="128 MiB, 2 rounds: a smoke run of about a minute")
     p.add_argument("--stall-only", action="store_true", help="1. alone (and 3. at 1 and 2 ranks)")
     p.add_argument("--dir", default=None, help="where the folders go (default: the temporary directory)")
+    p.add_argument("--per-call", action="store_true", help="what one snapshot costs, against a plain copy (see above)")
+    p.add_argument("--per-call-sizes", type=float, nargs="*", default=[24, 384], help="states in MiB (24 384)")
+    p.add_argument("--per-call-ranks", type=int, nargs="*", default=[1, 2, 4], help="rank counts (1 2 4)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    if args.per_call:
+        _per_call(args)
+        return
     if args.quick:
         args.size_mib, args.rounds = 128, 2
     if args.save_every < 2:

@@ -12,7 +12,7 @@ on every rank, the slowest rank counted:
 - ``save(step)`` right after ``snapshot(step)``: it writes the sharded folder from the snapshots in a background thread
   on every rank (no copy from the device), and the time until that write is done.
 
-Then the shared memory the node holds (``dist_resume._memory.held_bytes``: both slots of every rank's part) over the
+Then the shared memory the node holds (``dist_resume._shm.held_bytes``: both slots of every rank's part) over the
 state's size, and what ``close()`` leaves. Snapshots go into a directory of ``/dev/shm`` made for the run, the folders
 into a temporary directory on the local disk; both are removed at the end.
 
@@ -45,8 +45,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import dist_resume as dr
-    from dist_resume._memory import held_bytes
     from dist_resume._save.async_save import wait_pending
+    from dist_resume._shm import held_bytes
 
     dr.set_verbosity("warning")
     torch.set_num_threads(1)

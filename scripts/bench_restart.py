@@ -26,15 +26,19 @@ SIGKILLs itself after chosen steps; torchrun stops rank 0 (SIGTERM) and restarts
    ``s3://`` URLs with ``AWS_ENDPOINT_URL`` pointing at the proxy, as a user points s3fs at MinIO.
 2. **Goodput**: ``--steps`` steps with rank 1 killed after step K, 2K, ... (``--kill-every``; each kill once), under
    ``--max-restarts`` = the number of kills, snapshots every step + a save every ``--save-every`` against saves alone,
-   on the local disk, at ``--goodput-size-mib``; beside them the same two runs with no kill. Wall time of the launch
-   (torchrun's start to its exit) over the failure-free saves-alone run's, and over each configuration's own
-   failure-free run; the steps run in all.
+   on the local disk, at each of ``--goodput-size-mib`` (one or more states) with its ``--step-time`` (each step padded
+   to that many seconds: the compute of a real job's step at that size, on an accelerator); beside them the same two
+   runs with no kill. Wall time of the launch (torchrun's start to its exit) over the failure-free saves-alone run's,
+   and over each configuration's own failure-free run; the steps run in all; the snapshot's cost per step (the step
+   period with snapshots over the one without, failure-free). ``--goodput-only`` skips 1.
 
 Prints the table and a JSON document (``--json-out FILE`` keeps it).
 
     python scripts/bench_restart.py                 # 256 MiB restart, 32 MiB goodput: about 10 min on 2 busy cores
     python scripts/bench_restart.py --quick         # 32 MiB, 1 round, short loops: a smoke run of about 3.5 min
     python scripts/bench_restart.py --rounds 3 --bandwidth-mib 64 --json-out restart.json
+    python scripts/bench_restart.py --goodput-only --goodput-size-mib 32 128 512 --step-time 0.05 0.2 0.8 \
+        --steps 60 --save-every 25 --kill-every 20      # goodput at three sizes: about 10 min
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = str(Path(__file__).with_name("_bench_restart_worker.py"))
-SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._shm.SHM_DIR_ENV (the parent does not import torch)
 REDO_GAP = 5  # a later round's kill: this many steps after the restart's resume point
 
 # --- the throttled store: moto's S3 server behind a proxy that passes a fixed bandwidth ---
@@ -256,8 +260,10 @@ def _restart_case(
     }
 
 
-def _goodput_case(name: str, tmp: Path, cfg: dict[str, Any], *, memory: bool, kills: list[int]) -> dict[str, Any]:
-    args = ["--size-mib", str(cfg["goodput_size_mib"]), "--steps", str(cfg["steps"])]
+def _goodput_case(
+    name: str, tmp: Path, cfg: dict[str, Any], *, size: float, step_time: float, memory: bool, kills: list[int]
+) -> dict[str, Any]:
+    args = ["--size-mib", str(size), "--steps", str(cfg["steps"]), "--step-time", str(step_time)]
     args += ["--save-every", str(cfg["save_every"]), "--snapshot-every", "1" if memory else "0"]
     args += ["--kill-at", *map(str, kills)]
     times = tmp / f"{name}.times"
@@ -317,24 +323,33 @@ def _table(doc: dict[str, Any]) -> str:
     )
     rows.append(f"kill → first step, each round: {spread}")
     rows.append("")
-    g = doc["goodput"]
-    base = g["folder_no_kill"]["wall_s"]
-    rows += [
-        "| goodput | wall | over saves alone, no kill | over its own no-kill run | steps run | step period |",
-        "|---|---|---|---|---|---|",
+    return "\n".join(rows)
+
+
+def _goodput_table(doc: dict[str, Any]) -> str:
+    rows = [
+        "| state, step | goodput | wall | over saves alone, no kill | over its own no-kill run | steps run | step period |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, what in [
-        ("folder_no_kill", "saves alone, no kill"),
-        ("memory_no_kill", "snapshot every step + saves, no kill"),
-        ("folder_kills", f"saves alone, killed after {g['folder_kills']['kills']}"),
-        ("memory_kills", "snapshot every step + saves, the same kills"),
-    ]:
-        case = g[name]
-        own = g[name.replace("kills", "no_kill")]["wall_s"]
-        rows.append(
-            f"| {what} | {case['wall_s']:.1f} s | {case['wall_s'] / base:.2f}× | {case['wall_s'] / own:.2f}× | "
-            f"{case['steps_run']} | {_s(case['step_period_s'])} |"
-        )
+    for size, g in doc["goodput"].items():
+        base = g["folder_no_kill"]["wall_s"]
+        per_step = g["memory_no_kill"]["step_period_s"] / g["folder_no_kill"]["step_period_s"]
+        for i, (name, what) in enumerate(
+            [
+                ("folder_no_kill", "saves alone, no kill"),
+                ("memory_no_kill", f"snapshot every step + saves, no kill (a step {per_step:.2f}× as long)"),
+                ("folder_kills", f"saves alone, killed after {g['folder_kills']['kills']}"),
+                ("memory_kills", "snapshot every step + saves, the same kills"),
+            ]
+        ):
+            case = g[name]
+            own = g[name.replace("kills", "no_kill")]["wall_s"]
+            head = f"{size} MiB, {g['step_time_s']:g} s" if i == 0 else ""
+            rows.append(
+                f"| {head} | {what} | {case['wall_s']:.1f} s | {case['wall_s'] / base:.2f}× | "
+                f"{case['wall_s'] / own:.2f}× | {case['steps_run']} | {_s(case['step_period_s'])} |"
+            )
+    return "\n".join(rows)
     return "\n".join(rows)
 
 
@@ -345,7 +360,13 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=55, help="the restart's first kill, after this step (default 55)")
     p.add_argument("--rounds", type=int, default=2, help="restarts per restart case (default 2)")
     p.add_argument("--bandwidth-mib", type=float, default=32, help="the store's link, per direction (default 32)")
-    p.add_argument("--goodput-size-mib", type=float, default=32, help="goodput's model + AdamW state (default 32)")
+    p.add_argument(
+        "--goodput-size-mib", type=float, nargs="*", default=[32], help="goodput's model + AdamW states (default 32)"
+    )
+    p.add_argument(
+        "--step-time", type=float, nargs="*", default=[0.0], help="goodput: each state's step, padded to (seconds)"
+    )
+    p.add_argument("--goodput-only", action="store_true", help="2. alone")
     p.add_argument("--steps", type=int, default=200, help="goodput's run length (default 200)")
     p.add_argument("--kill-every", type=int, default=40, help="goodput's kills: after K, 2K, ... (default 40)")
     p.add_argument("--quick", action="store_true", help="32 MiB, 1 round, save every 5, 20 steps: a smoke run")
@@ -353,43 +374,56 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if args.quick:
-        args.size_mib = args.goodput_size_mib = 32
+        args.size_mib, args.goodput_size_mib = 32, [32]
         args.rounds, args.save_every, args.kill_at, args.steps, args.kill_every = 1, 5, 6, 20, 8
     if args.kill_at % args.save_every == 0 or args.kill_at < args.save_every:
         p.error("--kill-at must fall between two saves, after the first")
     kills = list(range(args.kill_every, args.steps, args.kill_every))
     if any(k % args.save_every == 0 for k in kills):
         p.error("goodput's kills must fall between saves: pick --kill-every so no multiple is one of --save-every")
+    if len(args.step_time) == 1:
+        args.step_time = args.step_time * len(args.goodput_size_mib)
+    if len(args.step_time) != len(args.goodput_size_mib):
+        p.error("give one --step-time, or one for each --goodput-size-mib")
     cfg: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("quick", "dir", "json_out")}
     cfg["timeout"] = 600.0
     doc: dict[str, Any] = {**cfg, "restart": {}, "goodput": {}}
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_restart.", dir=args.dir) as tmp_name:
         tmp = Path(tmp_name)
-        with _throttled_s3(args.bandwidth_mib) as (s3_env, proxy):
-            for store in ("local", "s3"):  # memory and folder interleaved within each store
-                for kind in ("memory", "folder"):
-                    name = f"{store}_{kind}"
-                    folder = str(tmp / name) if store == "local" else f"{_new_bucket(s3_env)}/run"
-                    env = s3_env if store == "s3" else {}
-                    doc["restart"][name] = _restart_case(name, folder, tmp, cfg, memory=kind == "memory", env=env)
-            doc["s3_bytes"] = {"to_store": proxy.up.bytes, "from_store": proxy.down.bytes}
-        for name, memory, k in [
-            ("folder_no_kill", False, []),
-            ("memory_no_kill", True, []),
-            ("folder_kills", False, kills),
-            ("memory_kills", True, kills),
-        ]:
-            doc["goodput"][name] = _goodput_case(name, tmp, cfg, memory=memory, kills=k)
+        if not args.goodput_only:
+            with _throttled_s3(args.bandwidth_mib) as (s3_env, proxy):
+                for store in ("local", "s3"):  # memory and folder interleaved within each store
+                    for kind in ("memory", "folder"):
+                        name = f"{store}_{kind}"
+                        folder = str(tmp / name) if store == "local" else f"{_new_bucket(s3_env)}/run"
+                        env = s3_env if store == "s3" else {}
+                        doc["restart"][name] = _restart_case(name, folder, tmp, cfg, memory=kind == "memory", env=env)
+                doc["s3_bytes"] = {"to_store": proxy.up.bytes, "from_store": proxy.down.bytes}
+        for size, step_time in zip(args.goodput_size_mib, args.step_time):
+            runs: dict[str, Any] = {"step_time_s": step_time}
+            for name, memory, k in [
+                ("folder_no_kill", False, []),
+                ("memory_no_kill", True, []),
+                ("folder_kills", False, kills),
+                ("memory_kills", True, kills),
+            ]:
+                runs[name] = _goodput_case(
+                    f"{name}_{size:g}", tmp, cfg, size=size, step_time=step_time, memory=memory, kills=k
+                )
+            doc["goodput"][f"{size:g}"] = runs
     doc["wall_s"] = time.perf_counter() - began
     load = os.getloadavg()
     doc["load_average"] = load
+    sizes = ", ".join(f"{s:g} MiB ({t:g} s a step)" for s, t in zip(args.goodput_size_mib, args.step_time))
     print(
         f"\nrestart: {args.size_mib:g} MiB state, save every {args.save_every}, first kill after step {args.kill_at}, "
-        f"{args.rounds} round(s); goodput: {args.goodput_size_mib:g} MiB, {args.steps} steps, kills after {kills}; "
+        f"{args.rounds} round(s); goodput: {sizes}, {args.steps} steps, kills after {kills}; "
         f"{doc['wall_s']:.0f} s in all, load average at the end {load[0]:.1f}\n"
     )
-    print(_table(doc))
+    if doc["restart"]:
+        print(_table(doc) + "\n")
+    print(_goodput_table(doc))
     text = json.dumps(doc, indent=2)
     print(text)
     if args.json_out:

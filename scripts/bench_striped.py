@@ -19,7 +19,7 @@ The simulated link: every byte a save writes passes through a token bucket of ``
 rank's client link to shared storage, as a node's is). The benchmark alone wraps the places a save's bytes leave
 Python, the rank-0 save's file object (``_format/atomic.py: _RecordingFile.write``, which ``torch.save`` and the
 rank-0 copy of a snapshot write through) and the positional writes of the striped save and the striped copy
-(``_format/striped_write.py: write_all``, ``_manager/memory/striped_copy.py: write_all``): each write happens, then
+(``_format/striped_write.py: write_all``, ``_manager/snapshots/striped_copy.py: write_all``): each write happens, then
 the rank sleeps until its bytes so far, at the link's rate, would have taken that long since the save began.
 
     python scripts/bench_striped.py                      # a few minutes on 2 cores
@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 WORKER_ENV = "BENCH_STRIPED_WORKER"
-SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._memory.SHM_DIR_ENV (the parent does not import torch)
+SHM_ENV = "DIST_RESUME_SHM_DIR"  # dist_resume._shm.SHM_DIR_ENV (the parent does not import torch)
 MiB = 1 << 20
 
 
@@ -74,7 +74,7 @@ class Throttle:
 def _install_throttle(throttle: Throttle) -> None:
     """Wrap the rank-0 save's file writes and the striped save's and copy's positional writes (benchmark only)."""
     from dist_resume._format import atomic, striped_write
-    from dist_resume._manager.memory import striped_copy
+    from dist_resume._manager.snapshots import striped_copy
 
     file_write = atomic._RecordingFile.write
 

@@ -1,4 +1,4 @@
-"""A snapshot's copies from the accelerator through page-locked memory (dist_resume._manager.memory.pinned): the slot's
+"""A snapshot's copies from the accelerator through page-locked memory (dist_resume._manager.snapshots.pinned): the slot's
 mapping registered where the accelerator can (CUDA), else pinned staging buffers (the test accelerator), else the
 direct copy; the same bytes each way, and a resume that is bitwise.
 
@@ -6,7 +6,7 @@ The staging test has one body for the test accelerator (every run) and CUDA (the
 variant, the multi-GPU job; its registration switched off there). The registration's bookkeeping is followed on the
 test accelerator with ``register_host`` answering yes; a real ``cudaHostRegister`` of a slot's mapping is CUDA's alone
 (marked ``cuda``: skipped without a GPU). The hook that unregisters a mapping before it is dropped is torch-free
-(dist_resume._memory.slots) and runs anywhere.
+(dist_resume._shm.slots) and runs anywhere.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import dist_resume as dr
 from dist_resume._dist import accelerator as acc
 from dist_resume._format import tensor_records
-from dist_resume._manager.memory import pinned
-from dist_resume._memory import place, slots
+from dist_resume._manager.snapshots import pinned
 from dist_resume._save import save as save_module
+from dist_resume._shm import place, slots
 from tests.accelerator import Accel, on_accelerators
 from tests.helpers import fake_accelerator
 

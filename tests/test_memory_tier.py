@@ -21,10 +21,10 @@ import dist_resume as dr
 from dist_resume._format.tensor_records import plan_records
 from dist_resume._format.zip_layout import plan_layout
 from dist_resume._format.zip_write import ZipWriter
-from dist_resume._manager.memory import commit
-from dist_resume._manager.memory.layout import laid_out
-from dist_resume._memory import place, zip_file_layout
-from dist_resume._memory.layout import seal
+from dist_resume._manager.snapshots import commit
+from dist_resume._manager.snapshots.payload import laid_out
+from dist_resume._shm import place, zip_file_layout
+from dist_resume._shm.layout import seal
 from tests.accelerator import Accel, on_accelerators
 from tests.helpers import flip_byte_in_tensor_record
 
@@ -201,7 +201,9 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
                 first = mgr._memory.newest
                 assert first is not None and first.slot == "a"
                 inode = first.path.stat().st_ino
-        saved = mgr.save(3)  # the snapshot of step 3 is copied once its commit ends: the same bytes
+        saved = mgr.save(
+            3, extra=extra
+        )  # nothing changed since snapshot(3): copied once its commit ends, the same bytes
         mgr._memory._join_copy()
         newest = mgr._memory.newest
         assert newest is not None and (newest.step, newest.slot) == (3, "a")
@@ -220,15 +222,15 @@ def test_a_snapshot_is_one_copy_into_a_reused_slot_committed_in_the_background(
 _UNCOMMITTED = textwrap.dedent(
     """
     import os, sys, threading, torch, dist_resume as dr
-    from dist_resume._manager.memory import commit
-    from dist_resume._memory import write
+    from dist_resume._manager.snapshots import commit
+    from dist_resume._shm import pending
     commit.COMMIT_INLINE_BYTES = 0
-    sealed = write.seal
+    sealed = pending.seal
     def seal(view, layout):  # the commit of step 2 never ends: the process dies first
         if threading.current_thread().name.endswith("-2"):
             threading.Event().wait()
         return sealed(view, layout)
-    write.seal = seal
+    pending.seal = seal
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -263,7 +265,8 @@ def test_a_payload_the_copy_cannot_take_is_saved_by_torch_save() -> None:
     assert laid_out({"w": torch.nn.Parameter(torch.ones(2))}) is None  # a subclass
     assert laid_out({"s": torch.ones(2).to_sparse()}) is None
     assert laid_out({"m": torch.empty(2, device="meta")}) is None
-    assert laid_out({"in_a_set": {torch.ones(1)}}) is None  # a container the copy's walker does not enter
+    in_a_set = laid_out({"in_a_set": {torch.ones(1)}})  # the pickle finds a tensor in any container torch.save enters
+    assert in_a_set is not None and len(in_a_set.tensors) == 1
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
@@ -280,6 +283,8 @@ def test_the_laid_out_file_is_the_one_write_streamed_writes(tmp_path: Path) -> N
         "n": 3,
     }
     plan = plan_records(payload)
+    laid = laid_out(payload)  # the snapshot's one-pass plan pickles the same data.pkl
+    assert laid is not None and laid.pickled == plan.head[0][1] and laid.tensors == plan.tensors
     layout = zip_file_layout(plan_layout(plan.specs()), plan.small())
     data = bytearray(layout.size)
     for offset, fixed in layout.fixed:
@@ -304,3 +309,19 @@ def test_the_laid_out_file_is_the_one_write_streamed_writes(tmp_path: Path) -> N
     assert bytes(data) == (tmp_path / "streamed.pt").read_bytes()
     loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
     assert torch.equal(loaded["view"], view) and loaded["half"].dtype == torch.bfloat16
+
+
+def test_a_snapshot_of_the_same_structure_plans_nothing_again(tmp_path: Path) -> None:
+    first = laid_out({"w": torch.ones(3, 4), "step": 1, "saved_at": 1.5})
+    again = laid_out({"w": torch.zeros(3, 4), "step": 2, "saved_at": 2.5})  # the same sizes: the same places
+    other = laid_out({"w": torch.ones(5, 4), "step": 3, "saved_at": 3.5})
+    assert first is not None and again is not None and other is not None
+    assert again.layout.regions is first.layout.regions and other.layout.regions is not first.layout.regions
+    data = bytearray(again.layout.size)  # the bytes of data.pkl and the serialization id come with each snapshot
+    for offset, fixed in again.layout.fixed:
+        data[offset : offset + len(fixed)] = fixed
+    data[again.records[0].offset : again.records[0].offset + 48] = _raw(torch.zeros(3, 4))
+    seal(memoryview(data), again.layout)
+    assert zipfile.ZipFile(io.BytesIO(bytes(data))).testzip() is None
+    loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.zeros(3, 4))

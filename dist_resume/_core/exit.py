@@ -8,13 +8,17 @@ By then an fsspec store that sends its requests through a thread pool (s3fs, thr
 "cannot schedule new futures after shutdown": the write lease of an object-store folder, deleted from there, stayed
 until it expired, and a relaunch was refused for a minute. So this module registers one callback with ``threading``,
 after ``concurrent.futures`` registered its own, which therefore runs first. A process killed by a signal it does not
-handle (SIGKILL, a SIGTERM without a handler) or ended by ``os._exit`` runs none of it.
+handle (SIGKILL, a SIGTERM without a handler) or ended by ``os._exit`` runs none of it. A child forked from the
+process (a DataLoader's worker: FACTS 43) inherits the registration but none of what was registered: what the
+parent waits for and releases is the parent's alone, and a child's exit (a worker's ends through ``threading``'s
+shutdown) runs only what the child registered itself.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,6 +28,15 @@ __all__ = ["wait_at_exit", "release_at_exit"]
 _writers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _releases: list[Callable[[], None]] = []
 _registered = False
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the parent's background writes and releases are not the child's to run."""
+    _writers.clear()
+    _releases.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _register() -> None:

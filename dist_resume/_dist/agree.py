@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._core.errors import CheckpointError, DistResumeError, StateMismatchError
-from .comm import Outcome, all_gather_objects, collective_step, relabel
+from .comm import Outcome, all_gather_objects, collective_step, comm_device, relabel, released_by_backend
 
-__all__ = ["agree_across_ranks", "gather_agreed", "first_failure"]
+__all__ = ["agree_across_ranks", "gather_agreed", "first_failure", "any_failed"]
+
+
+def any_failed(failed: bool, group: Any = None) -> bool:
+    """Collective (one all-reduce of one integer, on ``group``; None: the default one): whether any rank passed
+    ``failed``. The cheap first half of an agreement whose outcome is nearly always a success: the ranks exchange
+    their errors (:func:`all_gather_objects`, two collectives and a pickle) only when one failed. A torch.distributed
+    failure raises ``RuntimeError``: call it inside :func:`~.comm.collective_step`."""
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device=comm_device(group))
+    with released_by_backend(flag):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def gather_agreed(

@@ -23,7 +23,6 @@ from .._core.location import Location
 from .._core.log import logger
 from .._core.types import PathLike
 from .._dist.checkin import check_in, timeout_seconds
-from .._dist.comm import run_on_rank0
 from .._save.async_save import AsyncSave
 from .._save.saveable import check_saveable
 from .._source.listing import latest_checkpoint, numbered_checkpoints
@@ -32,7 +31,7 @@ from .epoch_end import EpochEnd, Held
 from .folder_save import SaveTarget, save_into, save_into_async
 from .lease import PrefixLease, writer_lock
 from .lock import FolderLock
-from .memory import MemoryTier
+from .snapshots import MemoryTier
 from .start import start_run
 
 if sys.version_info >= (3, 11):
@@ -301,16 +300,10 @@ class CheckpointManager:
         if self._epoch_end.hold(held, live.data, self._write_held, check=refuse):  # refused now, not when written
             return self._target().file(step)  # written when the loop starts the next epoch (epoch_end.py)
         target = self._target()
-        if self._memory.used and self._memory.sharded:  # FSDP2: every rank's own shards, from memory when all hold step
-            copied = self._memory.copy_sharded(target, live, step)
+        if self._memory.used:  # the snapshot of step, when it still holds the live state: copied in the background
+            copied = self._memory.save_from_snapshot(target, live, step, epoch=epoch, extra=extra)
             if copied is not None:
                 return copied
-        elif self._memory.used:
-            copy = run_on_rank0(lambda: self._memory.copies_step(step), task="look at the snapshots")
-            if copy is not None:  # rank 0 (with its node's ranks, striped) copies the snapshot in the background
-                path = target.file(step)
-                self._memory.copy_in_background(target, path, copy)
-                return path
         return save_into(target, live, step, epoch=epoch, extra=extra)
 
     def snapshot(
@@ -322,13 +315,15 @@ class CheckpointManager:
         in host shared memory: each node's local rank 0 writes the registered objects and every rank's RNG streams
         and data position, as the standard torch file ``save`` writes, into one of two slots (the newest complete
         snapshot is never the one being written; a snapshot counts once its commit record follows its CRC-32, so a
-        process killed halfway leaves the previous one). Under DDP the copy is split across the node's local ranks by
-        bytes: each copies its share of the parameters and optimizer state into the same slot, and a failure on any
-        rank commits nothing and raises the same error on every rank. For a state over 32 MiB the CRC-32s and the
+        process killed halfway leaves the previous one). Under DDP the copy of a large state is split across the
+        node's local ranks by bytes: each copies its share of the parameters and optimizer state into the same slot;
+        a failure on any rank commits nothing and raises the same error on every rank. For a state over 1 MiB the
+        CRC-32s and the
         commit record follow in a background thread after the call returns; until then the previous snapshot is the
         newest (the next ``snapshot``, ``save``, ``close`` and the exit handlers wait for it). Nothing reaches the
-        folder: ``save(step)`` of the same step
-        copies the snapshot there in a background thread (no second copy from the device), ``close()`` copies the
+        folder: ``save(step)`` of the same step copies the snapshot there in a background thread (no second copy from
+        the device) when nothing it holds changed since (version counters, the small states compared whole: else the
+        live state is saved, and the snapshot retired), ``close()`` copies the
         newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
         copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot
         newer than the folder's newest checkpoint can restore every rank (``ResumeResult.source == "memory"``).
@@ -360,6 +355,7 @@ class CheckpointManager:
         self._check_in(f"save_async(step={step!r})")
         self._epoch_end.drop_older(step)
         self._epoch_end.write_held(step, self._write_held)
+        self._memory.superseded(step)  # a snapshot of step no longer stands for it
         self._pending = save_into_async(self._target(), live, step, epoch=epoch, extra=extra)
         return self._pending
 

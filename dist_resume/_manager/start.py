@@ -1,7 +1,8 @@
-"""How a run starts from a checkpoint folder: its newest checkpoint, another run's checkpoint, or fresh.
+"""How a run starts from a checkpoint folder: a snapshot in memory, its newest checkpoint, another run's checkpoint
+(:mod:`.init_from`), or fresh.
 
-:meth:`CheckpointManager.resume` is the public face; this module holds its decision and the ``init_from``
-restore, so that ``manager.py`` stays free of ``restore``'s imports.
+:meth:`CheckpointManager.resume` is the public face; this module holds its decision, so that ``manager.py`` stays free
+of ``restore``'s imports.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
 
 from .._checkpoint.objects import LiveObjects
-from .._checkpoint.options import OptimizerHparams, ResumeOptions
+from .._checkpoint.options import ResumeOptions
 from .._checkpoint.restore import ResumeResult, restore_from
 from .._core.errors import (
-    CheckpointConsensusError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -29,23 +29,22 @@ from .._core.location import Location, RemotePath
 from .._core.log import log_rank0, shown_path
 from .._core.text import preview
 from .._core.types import PathLike
-from .._dist.comm import all_gather_objects, run_on_rank0
+from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._foreign.folders import checkpoint_subfolders, foreign_kind, unrecognised_folder
-from .._format.sniff import CHECKPOINT_SUFFIXES
-from .._source.consensus import choose_newest, confirm_choice, resolve_source
+from .._shm import read_identity
+from .._source.consensus import confirm_choice
 from .._source.integrity import CheckpointInfo
 from .._source.listing import numbered_checkpoints
 from .._source.source import Source
 from .._state.sharded import is_sharded
 from .._store.url import location
+from .init_from import loose_checkpoints, start_from
 from .lock import remove_new_folder
-from .memory import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
+from .newest import choose_for_resume, reads_striped
+from .snapshots import MemoryChoice, MemoryTier, choose_snapshot, forget_stale
 
 __all__ = ["FolderState", "folder_state", "start_run"]
-
-# what an init_from file may lack: a weights-only file (the usual fine-tune start) initialises the model alone
-_INIT_OPTIONAL: Final = ("optimizer", "ema")
 
 
 class FolderState(enum.Enum):
@@ -114,22 +113,10 @@ def _adopt_advice(checkpoint: Location) -> str:
     )
 
 
-def _loose_checkpoints(folder: Location) -> list[Location]:
-    """The files in ``folder`` named like checkpoints that a ``CheckpointManager`` does not read (``ckpt.pt``)."""
-    try:
-        return sorted(
-            entry
-            for entry in folder.iterdir()
-            if entry.suffix in CHECKPOINT_SUFFIXES and not entry.name.startswith(".")
-        )
-    except OSError:
-        return []
-
-
 def _warn_loose(folder: Location) -> None:
     """Say at WARNING, before a fresh start, which checkpoint files of another run ``folder`` holds (nanoGPT's
     ``out/ckpt.pt``): the manager reads ``ckpt_<step>.pt`` only, and would quietly start from step 0 beside them."""
-    loose = _loose_checkpoints(folder)
+    loose = loose_checkpoints(folder)
     if not loose:
         return
     first = str(loose[0])
@@ -168,20 +155,6 @@ def _warn_near_miss(folder: Location, parent: Location) -> None:
             return
 
 
-def _every_rank_sees(path: Location, what: str) -> None:
-    """Raise on every rank when some rank does not see ``path``. Collective under torch.distributed."""
-    if not is_distributed():
-        return
-    seen: list[bool] = all_gather_objects(path.exists())
-    missing = [rank for rank, ok in enumerate(seen) if not ok]
-    if missing:
-        raise CheckpointConsensusError(
-            f"ranks {missing} do not see {what} {str(path)!r}, which rank 0 sees; every rank must see it: use a "
-            "shared filesystem or copy it to every node, or pass ResumeOptions(broadcast_from_rank0=True)",
-            ranks=missing,
-        )
-
-
 def start_run(
     folder: Location,
     objects: LiveObjects,
@@ -197,7 +170,7 @@ def start_run(
     refused here, before it reads a checkpoint or trains) and chooses the newest complete checkpoint; every
     rank then confirms it sees that file, unless only rank 0 reads (``broadcast_from_rank0``). With ``memory``, a
     snapshot in shared memory at least as new as that checkpoint, which can restore every rank, is taken instead
-    (:func:`~dist_resume._manager.memory.choose_snapshot`); snapshots older than the folder's newest are freed. A
+    (:func:`~dist_resume._manager.snapshots.choose_snapshot`); snapshots older than the folder's newest are freed. A
     snapshot at least as new as the folder's newest *name* is chosen before any checkpoint file is read (a restart
     from memory never reads the folder's newest checkpoint to check it: on a slow store that is the whole state);
     only when there is none does rank 0 check the folder's checkpoints, and then a snapshot newer than the newest
@@ -224,50 +197,61 @@ def start_run(
         return None
 
     def look_lock_choose() -> CheckpointInfo | None:
-        return None if look_and_lock() is None else choose_newest(folder, listed)
+        return None if look_and_lock() is None else choose_for_resume(folder, listed, striped=striped)
+
+    def look_lock_identify() -> tuple[int | None, str | None]:
+        """Rank 0, with snapshots to look at: :func:`look_and_lock`, and the identity the folder keeps."""
+        return look_and_lock(), read_identity(folder)
 
     def from_memory(choice: MemoryChoice) -> ResumeResult | None:
         if choice.sharded:  # each rank its own shards, from its own node
-            try:
-                result = restore_from(Source.own_shards(choice.path), objects, options, started=started)
-            except StateMismatchError as err:  # every rank, before anything changed: another mesh or sharding
-                log_rank0(
-                    logging.WARNING,
-                    "the FSDP2 snapshot of step %d in shared memory does not fit this model's shards (%s): resuming "
-                    "from the folder",
-                    choice.step,
-                    err,
-                )
-                return None
+            source = Source.own_shards(choice.path)
         else:
             source = Source.at(choice.path, None, broadcast=broadcast or choice.broadcast)
+        # every rank, before anything changed: a snapshot whose content the plan refuses, or FSDP2 shards of another
+        # mesh or sharding, give way to the folder
+        refused = (CheckpointCorruptError, StateMismatchError) if choice.sharded else (CheckpointCorruptError,)
+        try:
             result = restore_from(source, objects, options, started=started)
+        except refused as err:
+            log_rank0(
+                logging.WARNING,
+                "the snapshot of step %d in shared memory cannot be resumed (%s): resuming from the folder",
+                choice.step,
+                err,
+            )
+            return None
         memory.resumed_from(choice, objects)  # type: ignore[union-attr]
         return dataclasses.replace(result, source="memory")
 
+    broadcast = options.broadcast_from_rank0 and is_distributed()
+    striped = reads_striped(folder, options, broadcast=broadcast)  # then rank 0 reads no tensor record to choose
     try:
-        broadcast = options.broadcast_from_rank0 and is_distributed()
         sharded = objects.model is not None and is_sharded(objects.model)
         chosen: CheckpointInfo | None
         if memory is None:
             chosen = run_on_rank0(look_lock_choose, fallback=CheckpointError, task="look at the checkpoint folder")
         else:
-            named = run_on_rank0(look_and_lock, fallback=CheckpointError, task="look at the checkpoint folder")
-            choice = choose_snapshot(folder, named, sharded=sharded)
+            named, identity = run_on_rank0(
+                look_lock_identify, fallback=CheckpointError, task="look at the checkpoint folder"
+            )
+            choice = choose_snapshot(folder, named, identity, sharded=sharded)
             resumed = None if choice is None else from_memory(choice)
             if resumed is not None:
                 return resumed
             chosen = None
             if named is not None:
                 chosen = run_on_rank0(
-                    lambda: choose_newest(folder, listed), fallback=CheckpointError, task="choose the checkpoint"
+                    lambda: choose_for_resume(folder, listed, striped=striped),
+                    fallback=CheckpointError,
+                    task="choose the checkpoint",
                 )
                 if chosen.step is not None and chosen.step < named:  # the newest names were damaged or incomplete
-                    choice = choose_snapshot(folder, chosen.step, sharded=sharded)
+                    choice = choose_snapshot(folder, chosen.step, identity, sharded=sharded)
                     resumed = None if choice is None else from_memory(choice)
                     if resumed is not None:
                         return resumed
-            forget_stale(folder, None if chosen is None else chosen.step)
+            forget_stale(folder, None if chosen is None else chosen.step, identity)
         if chosen is not None:
             path = chosen.path if broadcast else confirm_choice(folder, chosen)
             source = Source.newest(path, folder, chosen.layout, broadcast=broadcast)
@@ -275,61 +259,8 @@ def start_run(
         if init_from is None:
             log_rank0(logging.INFO, "no checkpoint in %s: starting fresh", shown_path(folder))
             return None
-        other = location(init_from)
-        run_on_rank0(lambda: _check_init_from(other, folder), fallback=CheckpointError)
-        if not broadcast:
-            _every_rank_sees(other, "init_from")
-        return _init(resolve_source(other, broadcast=broadcast), objects, options)
+        return start_from(location(init_from), folder, objects, options, broadcast=broadcast)
     except BaseException:
         if created and isinstance(folder, Path):  # a failed first start leaves no folder behind (lock held still)
             remove_new_folder(folder)
         raise
-
-
-def _check_init_from(other: Location, folder: Location) -> None:
-    """Refuse an ``init_from`` that does not exist, or a folder that holds no checkpoint ``init_from`` reads, with
-    advice for ``init_from`` (rank 0 looks for everyone)."""
-    if not other.exists():
-        raise CheckpointNotFoundError(
-            f"init_from {str(other)!r} does not exist (seen from rank 0), and checkpoint folder {str(folder)!r} "
-            "holds no checkpoint: fix the path, or pass init_from=None to start from scratch"
-        )
-    if not other.is_dir() or numbered_checkpoints(other) or foreign_kind(other) is not None:
-        return
-    if checkpoint_subfolders(other):
-        raise unrecognised_folder(other)
-    loose = _loose_checkpoints(other)
-    if loose:
-        raise NotACheckpointError(
-            f"init_from {str(other)!r} is a folder with no ckpt_<step>.pt, holding {preview((str(p) for p in loose), 4)}: "
-            f"pass the file itself, init_from={str(loose[-1])!r}"
-        )
-    found = sorted(p.name for p in other.iterdir())
-    raise CheckpointNotFoundError(
-        f"init_from {str(other)!r} is a folder with no checkpoint in it ("
-        + (f"it holds {preview(found, 8)}" if found else "it is empty")
-        + "): pass a checkpoint file or folder, or init_from=None to start from scratch"
-    )
-
-
-def _init(source: Source, objects: LiveObjects, options: ResumeOptions) -> ResumeResult:
-    """Another run's model, and its optimizer (and EMA) state where its file holds them: a new run, which keeps
-    this run's group hyperparameters, scheduler, scaler, data position and RNG streams."""
-    only = LiveObjects(objects.model, objects.optimizer, ema=objects.ema)
-    init_options = dataclasses.replace(
-        options,
-        optimizer_hparams=OptimizerHparams.CURRENT,  # this run's lr, betas, weight_decay, initial_lr...
-        rng=False,
-        allow_missing=frozenset(options.allow_missing).union(_INIT_OPTIONAL),
-    )
-    result = restore_from(source, only, init_options, announce=False)
-    absent = [part for part in _INIT_OPTIONAL if part in result.skipped]
-    log_rank0(
-        logging.INFO,
-        "initialised %s from %s (step %s of that run); this run starts at step 0%s",
-        " and ".join(result.restored),
-        shown_path(result.path),
-        result.step,
-        f"; that file holds no {' or '.join(absent)} state: left as built" if absent else "",
-    )
-    return dataclasses.replace(result, step=0, epoch=0)

@@ -5,7 +5,7 @@ keeps identical on every rank is spread: the model's parameters (DDP broadcasts 
 applies the same all-reduced gradients) and the optimizer's per-parameter state. Buffers (BatchNorm's running
 statistics change in each rank's own forward), the EMA (a script may update it on rank 0 only), ``extra``, the RNG
 streams and the data position stay with rank 0, which alone holds the values a rank-0 save would write.
-:func:`assign_shares` also splits a snapshot's copy among a node's local ranks (``_manager/memory/split.py``), the same
+:func:`assign_shares` also splits a snapshot's copy among a node's local ranks (``_manager/snapshots/split.py``), the same
 records spread, local rank 0 in rank 0's place.
 """
 

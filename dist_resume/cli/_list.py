@@ -236,7 +236,7 @@ def _report(folder: Location, verify: bool, now: float, checkpoints: list[dict[s
 
 def _memory_rows(folder: Location, now: float) -> list[dict[str, Any]]:
     """This node's complete snapshots of ``folder`` in shared memory (:meth:`CheckpointManager.snapshot`)."""
-    from .._memory import snapshots
+    from .._shm import snapshots
 
     try:
         found = snapshots(folder)

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 
 import dist_resume as dr
-from dist_resume._manager.memory import shards
+from dist_resume._manager.snapshots import shards
 from dist_resume.errors import DistResumeError, UsageError
 from tests.dist.fsdp_workers import _differ, _locals, _mesh, _sharded, _train
+from tests.helpers import local_shard
 
 
 def failing_snapshot(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -52,9 +54,11 @@ def failing_snapshot(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     }
 
 
-def left_at_two(rank: int, world_size: int, folder: str) -> str:
+def left_at_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """Save step 2, snapshot steps 3 and 4, end without ``close()``: the snapshots stay in memory. Returns what a
-    manager saving one full file (``full_state=True``) says to ``snapshot``: its shards cannot become that file."""
+    manager saving one full file (``full_state=True``) says to ``snapshot`` (its shards cannot become that file), and
+    each rank's newest snapshot after ``save(2)``: rank 1 zeroes its shard of ``b.weight`` between ``snapshot(2)``
+    and ``save(2)``, so every rank saves its live state and retires its snapshot of step 2."""
     model, opt = _sharded(_mesh(world_size), 0)
     full = dr.CheckpointManager(f"{folder}.full", model=model, optimizer=opt, full_state=True)
     try:
@@ -63,14 +67,19 @@ def left_at_two(rank: int, world_size: int, folder: str) -> str:
     except UsageError as err:
         refused = str(err)
     mgr = dr.CheckpointManager(folder, model=model, optimizer=opt)
+    newest = None
     for step in (1, 2, 3, 4):
         _train(model, opt, 1, seed=step)
         mgr.snapshot(step)
         if step == 2:
+            if rank == 1:
+                with torch.no_grad():
+                    local_shard(model.b.weight).zero_()  # this rank's state is no longer the snapshot's
             mgr.save(step)
+            newest = None if mgr._memory.newest is None else mgr._memory.newest.step
     mgr._memory.leave(mgr._target())
     mgr.close()
-    return refused
+    return {"refused": refused, "newest after save(2)": newest}
 
 
 def resumed_at_one(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -79,13 +88,18 @@ def resumed_at_one(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     result = dr.CheckpointManager(folder, model=model, optimizer=opt).resume()
     assert result is not None
     shm = Path(folder).parent / "shm"
-    return {"resumed": (result.step, result.source), "kept": sorted(p.name for p in shm.rglob("*.json"))}
+    weight = local_shard(model.b.weight)  # one rank: the whole of it; rows 4-6 were rank 1's at 2 ranks
+    return {
+        "resumed": (result.step, result.source),
+        "kept": sorted(p.name for p in shm.rglob("*.json")),
+        "rank 1's rows zero": bool((weight[4:] == 0).all()) and not bool((weight[:4] == 0).all()),
+    }
 
 
 def uneven_commits(rank: int, world_size: int, folder: str) -> list[str]:
     """Snapshots of steps 1 and 2, rank 1's record of step 2 then lost (a SIGTERM in the middle of its commit): the
     write at an unplanned end takes step 1, the newest every rank holds."""
-    from dist_resume._manager.memory.shards import own_part, persist_newest
+    from dist_resume._manager.snapshots.shards import own_part, persist_newest
 
     model, opt = _sharded(_mesh(world_size), 0)
     mgr = dr.CheckpointManager(folder, model=model, optimizer=opt)
@@ -96,7 +110,7 @@ def uneven_commits(rank: int, world_size: int, folder: str) -> list[str]:
         store = mgr._memory.newest.path.parent  # type: ignore[union-attr]
         (store / f"{own_part(1)}.{mgr._memory.newest.slot}.json").unlink()  # type: ignore[union-attr]
     dist.barrier()
-    persist_newest(mgr._memory.folder, mgr._target(), mgr._memory.live, mgr._memory.exit_group)
+    persist_newest(mgr._memory.folder, mgr._target(), mgr._memory.live, mgr._memory.identity, mgr._memory.exit_group)
     written = sorted(p.name for p in Path(folder).glob("ckpt_*"))
     mgr.close()
     return written

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dist_resume as dr
-from dist_resume._manager.memory.exit import unwatch
+from dist_resume._manager.snapshots.exit import unwatch
 
 
 def _trained(seed: int) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:

@@ -40,8 +40,8 @@ def _commit_in_background() -> None:
     """Every snapshot's commit in a background thread, taking 0.3 s (a large state's CRC-32s): a SIGTERM comes
     while one is under way."""
 
-    from dist_resume._manager.memory import commit
-    from dist_resume._memory.write import PendingSnapshot
+    from dist_resume._manager.snapshots import commit
+    from dist_resume._shm.pending import PendingSnapshot
 
     sealed = PendingSnapshot._seal
 

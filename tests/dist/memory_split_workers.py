@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import dist_resume
-from dist_resume._manager.memory import split, striped_copy
-from dist_resume._memory import newest_snapshot
+from dist_resume._manager.snapshots import split, striped_copy
 from dist_resume._save import striped, striped_plan
+from dist_resume._shm import newest_snapshot
 from tests.dist.striped_save_workers import _Lines, make, written  # the library's INFO lines
 
 
@@ -62,10 +62,12 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Snapshot 1 split across the two ranks and copied into the folder striped, snapshot 2 by the writer alone (the
     private switch) and copied by rank 0 alone (``DIST_RESUME_SAVE_RANK0``), snapshot 3 split, its copy failing in rank
     1's share; snapshot 4 fails in rank 1's copy; the block ends with an error (the snapshots kept); a fresh model
-    resumes, snapshots step 5 and close() copies it striped."""
+    resumes, snapshots step 5 (under the size from which the copy is split: the writer alone) and close() copies it
+    striped."""
     folder = Path(tmp) / "run"
     model, opt = make()
     out: dict[str, Any] = {"rank": rank}
+    threshold, split.SPLIT_MIN_BYTES = split.SPLIT_MIN_BYTES, 0  # this state is small: split its copy anyway
     saved = _Lines()
     logging.getLogger("dist_resume").addHandler(saved)
     try:
@@ -115,7 +117,7 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             def fails(*args: Any) -> int:
                 raise RuntimeError(f"injected in rank {rank}'s copy")
 
-            with mock.patch.object(split, "copy_records", fails):  # rank 1 alone: the writer's is write.copy_records
+            with mock.patch.object(split, "copy_records", fails):  # rank 1 alone: the writer's is writer.copy_records
                 try:
                     mgr.snapshot(4)
                 except Exception as err:
@@ -131,7 +133,9 @@ def split_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         result = again.resume()
         out["resumed"] = None if result is None else (result.step, result.source)
         out["bitwise"] = all(torch.equal(a, b) for a, b in zip(_state(fresh, fresh_opt), expected, strict=True))
+        split.SPLIT_MIN_BYTES = threshold  # under it, the writer copies alone: no plan to send
         again.snapshot(5)
+        out["copied_small_state"] = again._memory.copied
         if rank == 0:
             again._memory._join_commit(raising=True)
             assert again._memory.newest is not None

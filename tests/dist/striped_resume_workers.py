@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ import dist_resume
 from dist_resume._checkpoint.striped import every_rank_reads
 from dist_resume._format import local_ranges
 from dist_resume._format.archive import read_archive
+from dist_resume._source import checked
 
 
 class Big(nn.Module):
@@ -37,6 +40,30 @@ def rchar() -> int:
     """Bytes this process read through read syscalls so far (``/proc/self/io``)."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+class MappedBytes:
+    """Counts the bytes of ``path`` this process maps with :mod:`mmap` inside the block (a whole-file map counts the
+    file's size): the pages a CRC-32 check of a mapped file touches, which ``rchar`` does not count."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.realpath(path)
+        self.bytes = 0
+
+    def __enter__(self) -> MappedBytes:
+        real = mmap.mmap
+
+        def spy(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+            if fileno >= 0 and os.path.realpath(f"/proc/self/fd/{fileno}") == self.path:
+                self.bytes += length or os.fstat(fileno).st_size
+            return real(fileno, length, *args, **kwargs)
+
+        self._patch = mock.patch.object(mmap, "mmap", spy)
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.stop()
 
 
 def make(seed: int, *, steps: int, data_seed: int) -> tuple[DDP, torch.optim.Optimizer, Any]:
@@ -90,9 +117,12 @@ def resumes(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     ddp, opt, sched = make(100 + rank, steps=1, data_seed=100 + rank)  # holding state of its own, unlike the file's
     manager = dist_resume.CheckpointManager(folder, model=ddp, optimizer=opt, scheduler=sched)
+    checked.forget(Path(path))  # as after a restart: this process saved it, and would not check it again
     before = rchar()
-    result = manager.resume()
+    with MappedBytes(path) as mapped:
+        result = manager.resume()
     out["manager_read"] = rchar() - before
+    out["manager_mapped"] = mapped.bytes
     assert result is not None  # the folder holds the checkpoint saved above
     out["manager"] = (result.step, result.restored, differences(saved, ddp, opt, sched))
     manager.close()
@@ -133,22 +163,26 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _flip_in_largest_record(path: str) -> None:
+    """Flip a byte in the middle of the file's largest record (a tensor record, past the middle of the file)."""
+    record = max(read_archive(Path(path)).records, key=lambda r: r.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.data_offset + record.file_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def faults(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """One launch, the failures: a flipped byte in one tensor record under ``verify=True`` (every rank refuses before
-    any change), and a read that fails on rank 1 during the exchange (every rank says it holds part of it)."""
+    any change; in a manager's folder, the checkpoint before it is resumed), and a read that fails on rank 1 during the exchange (every rank says it holds part of it)."""
     ddp, opt, sched = make(0, steps=2, data_seed=7)
     path = os.path.join(folder, "good.pt")
     dist_resume.save_checkpoint(path, model=ddp, optimizer=opt, scheduler=sched, step=2)
     damaged = os.path.join(folder, "damaged.pt")
     if rank == 0:
         shutil.copyfile(path, damaged)
-        contents = read_archive(Path(damaged))
-        record = max(contents.records, key=lambda r: r.file_size)  # a tensor record, past the middle of the file
-        with open(damaged, "r+b") as f:
-            f.seek(record.data_offset + record.file_size // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip_in_largest_record(damaged)
     dist.barrier()
     out: dict[str, Any] = {}
     ddp, opt, sched = make(100 + rank, steps=1, data_seed=100 + rank)
@@ -160,6 +194,21 @@ def faults(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         out["verify"] = type(err).__name__
         out["verify_message"] = str(err)
     out["verify_unchanged"] = _same(before, _snapshot(ddp, opt))
+
+    # a manager's folder whose newest checkpoint is that damaged file: rank 0 chooses it by its structure (no rank
+    # reads the whole file), the ranks find the damage in their shares under verify=True, and take the one before it
+    run = Path(folder) / "run"
+    newest = run / "ckpt_00000003.pt"
+    run.mkdir(exist_ok=True)
+    dist_resume.save_checkpoint(newest, model=ddp, optimizer=opt, scheduler=sched, step=3)
+    if rank == 0:
+        shutil.copyfile(path, run / "ckpt_00000002.pt")
+        _flip_in_largest_record(str(newest))
+    dist.barrier()
+    manager = dist_resume.CheckpointManager(run, model=ddp, optimizer=opt, scheduler=sched)
+    result = manager.resume(options=dist_resume.ResumeOptions(verify=True))
+    out["manager_fallback"] = None if result is None else result.step
+    manager.close()
 
     real = local_ranges.read_at
 

@@ -90,10 +90,12 @@ def test_snapshots_of_another_world_size_are_not_used_and_are_kept(tmp_path: Pat
     shm.mkdir()
     env = {"DIST_RESUME_SHM_DIR": str(shm)}
     folder = str(tmp_path / "run")
-    refused = run_ranks(MW.left_at_two, 2, tmp_path=tmp_path, args=(folder,), env=env)
-    assert all("full_state=True" in r and "sharded checkpoint" in r for r in refused), refused
+    left = run_ranks(MW.left_at_two, 2, tmp_path=tmp_path, args=(folder,), env=env)
+    assert all("full_state=True" in r["refused"] and "sharded checkpoint" in r["refused"] for r in left), left
+    # rank 1 changed its shard between snapshot(2) and save(2): both ranks saved the live state, retired step 2
+    assert [r["newest after save(2)"] for r in left] == [None, None], left
     (result,) = run_ranks(MW.resumed_at_one, 1, tmp_path=tmp_path, args=(folder,), env=env)
-    assert result["resumed"] == (2, "folder"), result
+    assert result["resumed"] == (2, "folder") and result["rank 1's rows zero"], result
     assert result["kept"] == sorted(f"shards-0000{r}.{s}.json" for r in (0, 1) for s in "ab"), result
 
 

@@ -1,6 +1,6 @@
 """A DDP resume from memory when rank 0 runs on a node whose memory lacks the newest snapshot (a machine replaced, the
 ranks numbered anew) and another node holds it: the snapshot is brought to rank 0's node over the process group
-(dist_resume/_manager/memory/fetch.py), checked, and the resume takes it (two ranks as two nodes)."""
+(dist_resume/_manager/snapshots/fetch.py), checked, and the resume takes it (two ranks as two nodes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A snapshot's copy split across the node's local ranks (dist_resume/_manager/memory/split.py), and its copy into the
-folder striped across them (dist_resume/_manager/memory/striped_copy.py): 2 gloo ranks of one node, one launch;
+"""A snapshot's copy split across the node's local ranks (dist_resume/_manager/snapshots/split.py), and its copy into the
+folder striped across them (dist_resume/_manager/snapshots/striped_copy.py): 2 gloo ranks of one node, one launch;
 ``DIST_RESUME_SHM_DIR`` points the snapshots into the test's folder."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_resume._manager.memory.striped_copy import byte_ranges
+from dist_resume._manager.snapshots.striped_copy import byte_ranges
 from tests.dist import memory_split_workers as W
 from tests.dist.harness import run_ranks
 
@@ -28,6 +28,7 @@ def test_every_local_rank_copies_its_share_and_a_failed_share_commits_nothing(tm
     assert results[0]["copied_split"] + results[1]["copied_split"] == total
     # the writer alone under the private switch
     assert results[0]["copied_writer_only"] == total and results[1]["copied_writer_only"] == 0
+    assert results[0]["copied_small_state"] == total and results[1]["copied_small_state"] == 0  # under the threshold
     # rank 1's copy failed: the same typed error on both ranks, snapshot 3 still the newest
     errors = [res["error"] for res in results]
     assert errors[0] == errors[1] and errors[0][0] == "CheckpointWriteError", errors
@@ -51,7 +52,12 @@ def test_every_local_rank_copies_its_share_and_a_failed_share_commits_nothing(tm
     assert results[0]["persisted_rank0"] >= size and results[1]["persisted_rank0"] < size / 100
     # rank 1's share of the copy of step 3 failed: nothing committed, no temporary file, the previous checkpoint
     # intact, the same error on both ranks at the next call
-    assert results[0]["after_copy_failure"] == [".dist_resume.lock", "ckpt_00000001.pt", "ckpt_00000002.pt"]
+    assert results[0]["after_copy_failure"] == [
+        ".dist_resume.id",
+        ".dist_resume.lock",
+        "ckpt_00000001.pt",
+        "ckpt_00000002.pt",
+    ]
     assert results[0]["checkpoint_2"] == 2
     copy_errors = [res["copy_error"] for res in results]
     assert [kind for kind, _ in copy_errors] == ["CheckpointWriteError"] * 2, copy_errors
@@ -66,9 +72,9 @@ def test_every_local_rank_copies_its_share_and_a_failed_share_commits_nothing(tm
     damaged = [res["damaged_error"] for res in results]
     assert [kind for kind, _ in damaged] == ["CheckpointWriteError"] * 2, damaged
     assert all("damaged or overwritten while it was copied" in message for _, message in damaged), damaged
-    assert results[0]["after_damage"] == [".dist_resume.lock"]
+    assert results[0]["after_damage"] == [".dist_resume.id", ".dist_resume.lock"]
     # then rank 1 cannot see that folder: rank 0 copies alone, and says so once
-    assert results[0]["unseen_copied"] == [".dist_resume.lock", "ckpt_00000002.pt"]
+    assert results[0]["unseen_copied"] == [".dist_resume.id", ".dist_resume.lock", "ckpt_00000002.pt"]
     alone = [line for line in run if "from rank 0 alone" in line]
     assert len(alone) == 1 and "small" in alone[0], run
     small = [line for line in run if "small/ckpt_00000002.pt (step 2," in line]

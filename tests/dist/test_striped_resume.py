@@ -50,6 +50,11 @@ def test_striped_resume_is_bitwise_and_each_rank_reads_its_share(tmp_path):
             assert 0 < read <= 2 * size / 3, f"rank {rank}, {case}: read {read} of {size} bytes"
     # the shares cover the tensor data: together the ranks read all of it, about half each
     assert sum(res["manager_read"] for res in results) >= results[0]["tensor_bytes"]
+    # rank 0 too touches its share only, the pages it maps counted with the bytes it reads (it mapped the whole file
+    # to check every CRC-32 before it chose it)
+    for rank, res in enumerate(results):
+        touched = res["manager_read"] + res["manager_mapped"]
+        assert touched <= 0.65 * res["size"], f"rank {rank}: read {res['manager_read']}, mapped {res['manager_mapped']}"
 
 
 def test_a_damaged_record_or_a_failed_read_is_the_same_error_on_every_rank(tmp_path):
@@ -58,6 +63,7 @@ def test_a_damaged_record_or_a_failed_read_is_the_same_error_on_every_rank(tmp_p
     for rank, res in enumerate(results):
         assert res["verify"] == "CheckpointCorruptError", (rank, res.get("verify_message"))
         assert res["verify_unchanged"], f"rank {rank} changed its model or optimizer before refusing the file"
+        assert res["manager_fallback"] == 2, (rank, res["manager_fallback"])  # the damaged newest skipped
         assert res["commit"] == "PartialRestoreError", (rank, res.get("commit_message"))
     assert "rank(s) [1]" in results[0]["commit_message"] and "injected" in results[1]["commit_message"]
     assert "CRC" in results[0]["verify_message"] + results[1]["verify_message"]

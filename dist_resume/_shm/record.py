@@ -2,9 +2,10 @@
 
 A part's two slots are ``<part>.a.pt``/``<part>.b.pt`` (the data: a standard torch file) and ``<part>.a.json``/
 ``<part>.b.json`` (their records). A record is written last (a temporary file renamed over the name), after the data
-file is whole and its CRC-32 known; it holds the format version, the step, a sequence number (the order of commits,
-which a wall-clock jump cannot reverse), the data file's name, size and CRC-32, the folder's identity, the uid, the
-creation time, whether the folder holds a copy (``persisted``) and the caller's metadata. :func:`parse_record` checks
+file is whole and its CRC-32 known; it holds the format version, the step (at most 2**63 - 1: a larger one is never
+written), a sequence number (the order of commits, which a wall-clock jump cannot reverse), the data file's name, size
+and CRC-32, the folder's path or URL, the folder's identity (:mod:`.identity`: the history the snapshot belongs to),
+the uid, the creation time, whether the folder holds a copy (``persisted``) and the caller's metadata. :func:`parse_record` checks
 every field and raises :class:`CheckpointCorruptError` for anything else: hostile JSON never escapes as another
 exception. Torch-free.
 """
@@ -23,14 +24,17 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._core.errors import CheckpointCorruptError, UsageError
+from .identity import IDENTITY
 
 __all__ = [
     "FORMAT",
     "VERSION",
     "SLOTS",
     "MAX_RECORD_BYTES",
+    "MAX_STEP",
     "ENTRY",
     "Snapshot",
+    "checked_step",
     "data_name",
     "record_name",
     "checked_metadata",
@@ -41,11 +45,13 @@ __all__ = [
 ]
 
 FORMAT: Final = "dist_resume.memory_snapshot"
-VERSION: Final = 1
+VERSION: Final = 2  # 2: the folder's identity
 SLOTS: Final = ("a", "b")
 MAX_RECORD_BYTES: Final = 64 * 1024
 _MAX_METADATA_BYTES: Final = 16 * 1024
 _MAX_INT: Final = 2**63 - 1
+MAX_STEP: Final = _MAX_INT
+"""The largest step a snapshot records (a checkpoint's step is an int64 wherever it is read)."""
 _PART = r"[a-z0-9][a-z0-9_-]{0,63}"
 ENTRY: Final = re.compile(
     rf"^(?:(?P<part>{_PART})\.(?P<slot>[ab])\.(?:pt|json)|\.{_PART}\.[ab]\.json\.[0-9a-f]{{16}}\.tmp)$"
@@ -54,6 +60,16 @@ ENTRY: Final = re.compile(
 
 _locks: dict[Path, threading.Lock] = {}
 _locks_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: no lock a parent's thread (a commit) held at the fork is held here."""
+    global _locks_lock
+    _locks_lock = threading.Lock()
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 _CREATE_NEW: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -64,8 +80,9 @@ class Snapshot:
 
     ``path`` loads with ``torch.load(path, weights_only=True)``, ``dist_resume.load_checkpoint(path)`` and
     ``dist_resume.resume(path, ...)``. ``seq`` orders the commits of a part (the newest is the highest);
-    ``persisted`` says whether the folder holds a copy (:func:`~dist_resume._memory.persist.mark_persisted`);
-    ``metadata`` is the caller's dict (world size, epoch, ...), left out of comparisons."""
+    ``persisted`` says whether the folder holds a copy (:func:`~dist_resume._shm.persist.mark_persisted`);
+    ``metadata`` is the caller's dict (world size, epoch, ...), left out of comparisons; ``identity`` the folder's
+    (:mod:`~dist_resume._shm.identity`) when it was written."""
 
     step: int
     path: Path
@@ -78,6 +95,18 @@ class Snapshot:
     crc32: int
     folder: str
     persisted: bool
+    identity: str
+
+
+def checked_step(step: object) -> int:
+    """``step`` when it is an int in ``0 ..`` :data:`MAX_STEP`; :class:`UsageError` otherwise (nothing past int64 is
+    ever written)."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise UsageError(
+            f"a snapshot's step must be an int in 0..{MAX_STEP} (int64), got {type(step).__name__} "
+            + (repr(step) if type(step) is int and step.bit_length() < 200 else "")
+        )
+    return step
 
 
 def data_name(part: str, slot: str) -> str:
@@ -127,6 +156,7 @@ def record_text(snapshot: Snapshot) -> bytes:
         "size": snapshot.size,
         "crc32": snapshot.crc32,
         "folder": snapshot.folder,
+        "identity": snapshot.identity,
         "uid": os.getuid(),
         "created": snapshot.created,
         "persisted": snapshot.persisted,
@@ -190,6 +220,9 @@ def parse_record(raw: bytes, *, folder: str, part: str, slot: str, path: Path) -
         raise _bad(name, "it belongs to another checkpoint folder")
     persisted = _field(record, "persisted", name)
     metadata = _field(record, "metadata", name)
+    identity = _field(record, "identity", name)
+    if type(identity) is not str or IDENTITY.match(identity) is None:
+        raise _bad(name, f"identity is {type(identity).__name__}, not a folder's identity")
     if type(persisted) is not bool:
         raise _bad(name, f"persisted is {type(persisted).__name__}, not a bool")
     if not isinstance(metadata, dict):
@@ -206,6 +239,7 @@ def parse_record(raw: bytes, *, folder: str, part: str, slot: str, path: Path) -
         crc32=_count(record, "crc32", name, 2**32 - 1),
         folder=folder,
         persisted=persisted,
+        identity=identity,
     )
 
 

@@ -21,7 +21,7 @@ from ..._core.location import Location
 from ..._dist.agree import first_failure
 from ..._dist.comm import Outcome, all_gather_objects, collective_step
 from ..._dist.groups import gloo_group
-from ..._memory import Snapshot, begin_snapshot
+from ..._shm import Snapshot, begin_snapshot
 
 __all__ = ["CHUNK_BYTES", "fetch_to_rank0"]
 
@@ -88,7 +88,14 @@ def _receive(folder: Location, snapshot: Snapshot, holder: int, group: Any) -> S
             f.write(memoryview(buffer)[:n])
 
     try:
-        pending = begin_snapshot(folder, snapshot.step, dump, size_hint=snapshot.size, metadata=dict(snapshot.metadata))
+        pending = begin_snapshot(
+            folder,
+            snapshot.step,
+            dump,
+            size_hint=snapshot.size,
+            metadata=dict(snapshot.metadata),
+            identity=snapshot.identity,
+        )
     finally:
         for n in chunks[received:]:  # the write failed: the holder still sends them all
             dist.recv(tensor[:n], src=holder, group=group)

@@ -14,14 +14,14 @@ never blocked:
    (:func:`~dist_resume._save.striped.agree_seen`): when some rank cannot, rank 0 copies alone, into this and every
    later checkpoint of the folder, said once in an INFO line;
 3. each rank reads its range of the slot file and writes it at the same offset into the temporary file
-   (:func:`~dist_resume._memory.copy_bytes`), its CRC-32 on the way, and fsyncs;
+   (:func:`~dist_resume._shm.copy_bytes`), its CRC-32 on the way, and fsyncs;
 4. rank 0 gathers every rank's CRC-32 and length or error: any error, or CRC-32s that, combined in order
-   (:func:`~dist_resume._memory.crc32_combine`), are not the snapshot record's (damaged or overwritten meanwhile:
+   (:func:`~dist_resume._shm.crc32_combine`), are not the snapshot record's (damaged or overwritten meanwhile:
    :class:`CheckpointCorruptError`) and nothing is committed, the temporary file removed; else fsync, the rename and
    the folder's fsync (:func:`~dist_resume._format.atomic.commit_file`).
 
 The file is byte for byte the slot file, as rank 0's copy alone writes it
-(:func:`~dist_resume._memory.persist_snapshot`). Only rank 0 raises the copy's error: its caller keeps it for the next
+(:func:`~dist_resume._shm.persist_snapshot`). Only rank 0 raises the copy's error: its caller keeps it for the next
 collective call, which every rank then raises. ``DIST_RESUME_SAVE_RANK0=1``
 (:data:`~dist_resume._save.striped_plan.rank0_only`) leaves every copy to rank 0, as every save.
 """
@@ -46,9 +46,9 @@ from ..._dist.groups import gloo_group
 from ..._format.atomic import commit_file, create_temp, discard_temp, write_error
 from ..._format.striped_archive import STRIPE_ALIGNMENT
 from ..._format.zip_write import write_all
-from ..._memory import Snapshot, check_copied, copy_bytes, crc32_combine, open_snapshot
 from ..._save import striped_plan
 from ..._save.striped import agree_seen
+from ..._shm import Snapshot, check_copied, copy_bytes, crc32_combine, open_snapshot
 
 __all__ = ["CopyTask", "copying_ranks", "copy_group", "byte_ranges", "copy_striped", "copy_striped_share", "call_off"]
 

@@ -4,12 +4,13 @@ Under DDP every rank holds the replicated state (the parameters, the optimizer's
 writer (local rank 0) need not copy all of it alone. It lays the file out, makes and sizes the slot and sends the
 node's other ranks the slot's name and each one's share (:class:`NodeCopy`, one ``broadcast_object_list`` on a gloo
 group of the node's ranks, made once: :func:`node_group`); each maps the slot (kept mapped across snapshots,
-:func:`~dist_resume._memory.attach_slot`) and copies its share from its own tensors, found by their paths, while the
+:func:`~dist_resume._shm.attach_slot`) and copies its share from its own tensors, found by their paths, while the
 writer copies its own. The shares are balanced by bytes as a striped save's
 (:func:`~dist_resume._save.striped_plan.assign_shares`): only the large records of what DDP keeps identical on every
 rank are spread; the pickle, the buffers, the EMA, ``extra``, the RNG streams and the data position stay with the
-writer. Then the node's ranks meet (:func:`meet`) before the writer commits: a failure on any of them and the
-snapshot is not committed.
+writer. Every rank's outcome is then agreed on before the writer commits (:mod:`.outcome`): a failure on any of them
+and the snapshot is not committed. A state under :data:`SPLIT_MIN_BYTES` is copied by the writer alone: the plan's
+broadcast costs more than the copy it would share.
 
 ``DIST_RESUME_SNAPSHOT_WRITER_ONLY=1`` (read at import; :data:`writer_only`) makes the writer copy everything: the
 benchmark and the tests compare.
@@ -27,21 +28,35 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._core.errors import CheckpointWriteError
-from ..._dist.comm import Outcome, all_gather_objects, broadcast_object, collective_step
+from ..._dist.comm import all_gather_objects, broadcast_object, collective_step
 from ..._dist.env import rank_info
 from ..._dist.groups import gloo_group
 from ..._format.striped_archive import find_tensor
-from ..._memory import attach_slot
 from ..._save.striped_plan import assign_shares, is_ddp, replicated_paths
+from ..._shm import attach_slot
 from ..._state.sharded import is_sharded
-from .layout import CopyRecord, LaidOut, copy_records, copyable
+from .payload import CopyRecord, LaidOut, copy_records, copyable
 
-__all__ = ["WRITER_ONLY_ENV", "NodeCopy", "splits", "node_group", "shares_of", "send", "receive", "copy_share", "meet"]
+__all__ = [
+    "WRITER_ONLY_ENV",
+    "SPLIT_MIN_BYTES",
+    "NodeCopy",
+    "splits",
+    "node_group",
+    "shares_of",
+    "send",
+    "receive",
+    "copy_share",
+]
 
 WRITER_ONLY_ENV: Final = "DIST_RESUME_SNAPSHOT_WRITER_ONLY"
 """Private switch, read once at import: ``1`` makes the node's writer copy a snapshot alone."""
 
 writer_only: bool = os.environ.get(WRITER_ONLY_ENV, "") == "1"
+
+SPLIT_MIN_BYTES: int = 64 << 20
+"""The replicated bytes (parameters and optimizer state) from which the node's ranks share the copy: below it, one
+object broadcast to the node (milliseconds on gloo) costs more than the copy saved (tests set it to 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +68,17 @@ class NodeCopy:
     shares: tuple[tuple[CopyRecord, ...], ...]
 
 
-def splits(model: nn.Module | None) -> bool:
-    """Whether a snapshot of ``model`` is copied by every local rank: a DDP model (not FSDP2-sharded) with more than
-    one rank on the node, the private switch off. Local; the same answer on every rank."""
+def _replicated_bytes(model: nn.Module, optimizer: Any) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in getattr(optimizer, "state", {}).values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def splits(model: nn.Module | None, optimizer: Any = None) -> bool:
+    """Whether a snapshot of ``model`` (and ``optimizer``'s state) is copied by every local rank: a DDP model (not
+    FSDP2-sharded) with more than one rank on the node and at least :data:`SPLIT_MIN_BYTES` of parameters and
+    optimizer state, the private switch off. Local; the same answer on every rank (DDP keeps them the same)."""
     info = rank_info()
     return (
         not writer_only
@@ -64,6 +87,7 @@ def splits(model: nn.Module | None) -> bool:
         and model is not None
         and not is_sharded(model)
         and is_ddp(model)
+        and _replicated_bytes(model, optimizer) >= SPLIT_MIN_BYTES
     )
 
 
@@ -132,13 +156,3 @@ def copy_share(payload: dict[str, Any], plan: NodeCopy) -> int:
             raise _mismatch(record, found)
         copies.append((record, found))
     return copy_records(attach_slot(Path(plan.slot), plan.size), copies)
-
-
-def meet(error: BaseException | None, group: Any) -> bool:
-    """Collective on the node's ranks, after each copied its share: whether another of them failed (its error is
-    agreed on afterwards, by every rank)."""
-    rank = dist.get_rank()
-    mine = Outcome() if error is None else Outcome.failed(rank, error)
-    with collective_step("waiting for the node's ranks to copy their share of the snapshot", CheckpointWriteError):
-        outcomes: list[Outcome] = all_gather_objects(mine, group=group)
-    return any(o.error is not None and o.error.rank != rank for o in outcomes)

@@ -7,32 +7,37 @@ import time
 from typing import Any
 
 from ..._checkpoint.objects import LiveObjects
-from ..._core.errors import CheckpointWriteError, DistResumeError, UsageError
+from ..._core.errors import CheckpointWriteError, UsageError
 from ..._core.location import Location
 from ..._core.log import logger, shown_path, shown_size
 from ..._core.rank import global_rank
-from ..._dist.agree import first_failure
-from ..._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
-from ..._dist.env import is_distributed, rank_info
-from ..._memory import (
-    PendingSnapshot,
-    Snapshot,
-    release_mappings,
-    remove_snapshots,
-)
-from ..._memory.place import required_root
+from ..._dist.comm import run_on_rank0
+from ..._dist.env import rank_info
 from ..._save.async_save import wait_pending
 from ..._save.save import prepare_payload
+from ..._shm import (
+    PendingSnapshot,
+    Snapshot,
+    make_identity,
+    release_mappings,
+    remove_snapshots,
+    remove_stale,
+)
+from ..._shm.place import required_root
+from ..._shm.record import checked_step
 from ..._state.sharded import is_sharded
 from ..folder_save import SaveTarget
 from .choose import MemoryChoice
 from .commit import Commits
-from .exit import unwatch, watch
+from .evidence import Evidence
+from .exit import owner, unwatch, watch
 from .folder_copy import FolderCopies
-from .shards import begin_own, exit_group, held_everywhere, persist_newest, persist_own
-from .split import copy_share, meet, node_group, receive, splits
+from .outcome import agree, agree_then_commit
+from .reuse import retire_step, still_live
+from .shards import begin_own, exit_group, held_everywhere, own_object, persist_newest, persist_own
+from .split import copy_share, node_group, receive, splits
 from .striped_copy import CopyTask
-from .write import begin_write
+from .writer import begin_write
 
 __all__ = ["MemoryTier"]
 
@@ -50,15 +55,27 @@ class MemoryTier:
         self.sharded = False  # FSDP2: every rank writes its own shards (.shards), no node writer
         self.live: LiveObjects | None = None  # FSDP2: the objects of the last snapshot, whose specs close() writes
         self.exit_group: Any = None  # FSDP2: the group the ranks write the newest snapshot on at an unplanned end
+        self.evidence: Evidence | None = None  # what the newest snapshot this process wrote holds (.evidence)
+        self.identity: str | None = None  # the folder's (_shm.identity), once a snapshot or a resume learned it
+        self.pid = owner()  # only this process acts on the snapshots: a fork (a DataLoader's worker) never does
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a child forked from the process that made the tier (which then copies, commits and
+        frees nothing, and touches neither the folder nor the slots)."""
+        return owner() != self.pid
 
     # --- snapshot ---
 
     def take(self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any) -> None:
         """The body of :meth:`CheckpointManager.snapshot`. Collective under torch.distributed. Returns once the
         snapshot's data is in shared memory; its commit (the CRC-32s, then the record) follows in a background thread
-        unless it is small (:data:`~.commit.COMMIT_INLINE_BYTES`). The previous snapshot's commit is waited for first, and its
-        error is this call's. Under DDP with several local ranks each copies its share (:mod:`.split`) and the node's
-        ranks meet before the commit; any rank's failure is the same error on every rank, nothing committed."""
+        unless it is small (:data:`~.commit.COMMIT_INLINE_BYTES`). The previous snapshot's commit and copy are waited
+        for first, and their error is this call's. Under DDP with several local ranks each copies its share of a large
+        state (:mod:`.split`); every rank learns every rank's outcome before anything is committed, and any rank's
+        failure is the same error on every rank, nothing committed. Its collective calls, once the first snapshot
+        took the folder's lock: the check-in, every rank's RNG streams gathered, the split copy's plan sent to the
+        node's ranks (a large state only), the outcome agreed on."""
         sharded = live.model is not None and is_sharded(live.model)
         if sharded and target.full_state:
             raise UsageError(
@@ -69,38 +86,55 @@ class MemoryTier:
         required_root()  # no shared memory (not Linux): a UsageError on every rank before anything is written
         wait_pending()
 
-        def prepare() -> None:  # rank 0: the previous copy's error first, then the folder's write lock
-            self._join_copy()
-            target.prepare()
+        step = checked_step(step)  # nothing past int64 is ever written; every rank refuses it before a collective
+        first = self.identity is None
+        if first:  # rank 0 takes the folder's write lock and learns its identity: a second job on the folder stops here
 
-        run_on_rank0(prepare, task="prepare the snapshot")  # a second job on the folder stops here too
+            def prepare() -> str:  # the previous copy's error first, then the lock, the leftovers, the identity
+                self._join_copy()
+                target.prepare()
+                return make_identity(self.folder)
+
+            self.identity = run_on_rank0(prepare, task="prepare the snapshot")
+            if sharded or rank_info().local_rank == 0:
+                remove_stale(self.folder, self.identity)  # an earlier history's snapshots: never mixed with this one
         started = time.perf_counter()
         build, saved_epoch = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
-        group = node_group() if splits(live.model) else None
+        group = node_group() if splits(live.model, live.optimizer) else None
 
         def payload() -> dict[str, Any]:  # the writer: the previous snapshot's commit error first
             self._join_commit(raising=True)
+            if not first and global_rank() == 0:  # rank 0's checks, agreed on with the snapshot's outcome
+                self._join_copy()  # the previous copy's error
+                target.lock.acquire()  # held since the first snapshot: a check (a lease lost raises)
             return build()
 
         error: BaseException | None = None
         pending: PendingSnapshot | None = None
+        evidence: Evidence | None = None
         self.copied = 0
+        self.evidence = None
         try:
-            if sharded:  # every rank its own shards (.shards): no node writer
-                pending, self.copied = begin_own(self.folder, payload, step, saved_epoch)
-            elif rank_info().local_rank == 0:
-                pending, self.copied = begin_write(self.folder, payload, step, saved_epoch, live.model, group)
+            if sharded or rank_info().local_rank == 0:  # FSDP2: every rank its own shards (.shards), no node writer
+                written = (
+                    begin_own(self.folder, payload, step, saved_epoch, live, self.identity)
+                    if sharded
+                    else begin_write(
+                        self.folder, payload, step, saved_epoch, live.model, group, live=live, identity=self.identity
+                    )
+                )
+                pending, self.copied, evidence = written
             elif group is not None:
                 plan = receive(group)
                 if plan is not None:
                     self.copied = copy_share(build(), plan)
         except Exception as err:
             error = err
+        agree_then_commit(self.commits, error, pending)
         if sharded:
-            self._agree_then_commit(error, pending)
             self.exit_group = exit_group()  # collective the first time: now, in the foreground
-        else:
-            self._meet_then_commit(error, pending, group)
+        if pending is not None:
+            self.evidence = evidence  # committed (or being committed): what it holds, for save(step)
         self.used = True
         self.sharded = sharded
         self.live = live if sharded else None
@@ -111,35 +145,6 @@ class MemoryTier:
             time.perf_counter() - started,
             shown_size(self.copied),
         )
-
-    def _agree_then_commit(self, error: BaseException | None, pending: PendingSnapshot | None) -> None:
-        """FSDP2: every rank learns every rank's outcome, then commits its own part; nothing when any rank failed."""
-        try:
-            _agree(error)
-        except BaseException:
-            if pending is not None:
-                pending.abort()
-            raise
-        if pending is not None:
-            self.commits.later(pending)
-
-    def _meet_then_commit(self, error: BaseException | None, pending: PendingSnapshot | None, group: Any) -> None:
-        """The node's writer commits once the node's ranks met with no failure; every rank agrees on the outcome."""
-        try:
-            if group is not None and meet(error, group) and pending is not None:
-                pending.abort()  # another local rank failed its share: its error is agreed on below
-            elif pending is not None and error is None:
-                self.commits.later(pending)
-            pending = None
-        except Exception as err:
-            error = error or err
-        finally:
-            if pending is not None:
-                pending.abort()
-        if is_distributed():
-            _agree(error)
-        elif error is not None:
-            raise error
 
     # --- the commit and the copy into the folder (.commit, .folder_copy) ---
 
@@ -155,10 +160,36 @@ class MemoryTier:
     def _join_commit(self, *, raising: bool) -> None:
         self.commits.join(raising=raising)
 
-    def copies_step(self, step: int) -> CopyTask | None:
-        """On rank 0: the copy ``save(step)`` makes of this process's snapshot of ``step`` instead of saving again
-        (:meth:`FolderCopies.task`), or None. Local."""
-        return self.copies.task(step)
+    def save_from_snapshot(
+        self, target: SaveTarget, live: LiveObjects, step: int, *, epoch: int | None, extra: Any
+    ) -> Location | None:
+        """The body of ``save(step)`` once snapshots were taken: when the snapshot of ``step`` (committed, or being
+        committed) still holds the live state (:mod:`.reuse`), its bytes are copied into the folder in a background
+        thread (rank 0, striped across its node's ranks; FSDP2: every rank its shards, when every rank's is still live)
+        and the checkpoint's path is returned; otherwise None, the snapshot of ``step`` retired on every node, and the
+        caller saves the live state. Collective."""
+        if self.sharded:
+            return self._copy_sharded(target, live, step, epoch, extra)
+        build, _ = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True)
+
+        def task() -> CopyTask | None:  # rank 0: the previous copy's error first, then the evidence
+            copy = self.copies.task(step)
+            return copy if copy is not None and still_live(self.evidence, step, build(), live) else None
+
+        copy = run_on_rank0(task, task="look at the snapshots")
+        if copy is None:
+            self.superseded(step)
+            return None
+        dest = target.file(step)
+        self.copy_in_background(target, dest, copy)
+        return dest
+
+    def superseded(self, step: int) -> None:
+        """Before a live save of ``step``: this process's newest snapshot, when it is of ``step``, is retired (each
+        node's writer; FSDP2: every rank), so that nothing later takes its bytes for ``step``'s state. Local."""
+        if self.used and not self.forked and (self.sharded or rank_info().local_rank == 0):
+            retire_step(self.commits, step)
+            self.evidence = None
 
     def copy_in_background(self, target: SaveTarget, dest: Location, copy: CopyTask) -> None:
         """Copy the snapshot of ``copy.step`` into ``dest`` in the background (:meth:`FolderCopies.start`). Collective:
@@ -173,7 +204,7 @@ class MemoryTier:
     def close(self, target: SaveTarget) -> None:
         """Collective: copy the newest snapshot into the folder (striped across rank 0's node's ranks as a save's copy,
         or rank 0 alone; FSDP2: every rank its shards), then free every node's shared memory."""
-        if not self.used:
+        if not self.used or self.forked:
             return
         if self.sharded:
             self._close_sharded(target)
@@ -197,6 +228,7 @@ class MemoryTier:
     def resumed_from(self, choice: MemoryChoice, live: LiveObjects) -> None:
         """After a resume from ``choice``: this node's copy is the newest snapshot (close() copies it into the folder if
         the folder does not hold its step; :meth:`watch` arms the same at an unplanned end). Local."""
+        self.identity = choice.identity
         if choice.own is not None and (choice.sharded or rank_info().local_rank == 0):
             self.newest = choice.own
         self.sharded = choice.sharded
@@ -223,15 +255,15 @@ class MemoryTier:
         under way, rank 0 copies its newest snapshot into the folder; the snapshots stay, for the restart that may
         follow. FSDP2: every rank its commit, then, unless this rank ends ``alone`` (an exception in a ``with``
         block), every rank together writes the newest snapshot on the exit group (:func:`~.shards.persist_newest`;
-        a rank gone: nothing, within :data:`~.shards.EXIT_WAIT_S`)."""
-        if not self.used:
+        a rank gone: nothing, within :data:`~.shards.EXIT_WAIT_S`). Nothing in a forked child."""
+        if not self.used or self.forked:
             return
         if rank_info().local_rank == 0 or self.sharded:
             self._join_commit(raising=False)
         if self.sharded:
             if not alone and self.exit_group is not None:
                 try:
-                    persist_newest(self.folder, target, self.live, self.exit_group)
+                    persist_newest(self.folder, target, self.live, self.identity, self.exit_group)
                 except Exception as err:
                     logger.warning(
                         "at exit, the ranks did not write the newest snapshot into %s together (%s); it stays in "
@@ -247,19 +279,24 @@ class MemoryTier:
         except Exception as err:
             logger.warning("at exit, copying the newest snapshot into %s failed: %s", shown_path(self.folder), err)
 
-    def copy_sharded(self, target: SaveTarget, live: LiveObjects, step: int) -> Location | None:
-        """FSDP2, at ``save(step)``: when every rank's newest snapshot is of ``step``, write the sharded checkpoint folder
-        from the snapshots in a background thread on every rank (:func:`~.shards.persist_own`) and return its path;
-        None otherwise (the caller saves the live state). A commit that failed on some rank is every rank's error.
-        Collective."""
+    def _copy_sharded(
+        self, target: SaveTarget, live: LiveObjects, step: int, epoch: int | None, extra: Any
+    ) -> Location | None:
+        """FSDP2, at ``save(step)``: when every rank's newest snapshot is of ``step`` and still holds its live state,
+        write the sharded checkpoint folder from the snapshots in a background thread on every rank
+        (:func:`~.shards.persist_own`) and return its path; None otherwise (the caller saves the live state). A commit
+        that failed on some rank is every rank's error. Collective."""
         error: BaseException | None = None
         try:
             self._join_commit(raising=True)
         except Exception as err:
             error = err
-        _agree(error)
+        agree(error)
+        build, _ = prepare_payload(live, step=step, epoch=epoch, extra=extra, rng=True, everywhere=True)
         newest = self.newest
-        if newest is None or not held_everywhere(newest, step):
+        mine = newest is not None and newest.step == step and still_live(self.evidence, step, own_object(build()), live)
+        if newest is None or not held_everywhere(mine):
+            self.superseded(step)
             return None
         return persist_own(newest, target, live, background=True)
 
@@ -268,7 +305,7 @@ class MemoryTier:
         as a sharded checkpoint folder now; then each node's memory freed. Collective."""
         self._join_commit(raising=False)  # no record may follow the removal
         wait_pending()  # a save(step) copying a snapshot in the background
-        persist_newest(self.folder, target, self.live)
+        persist_newest(self.folder, target, self.live, self.identity)
         if rank_info().local_rank == 0:
             remove_snapshots(self.folder)
         else:
@@ -277,20 +314,3 @@ class MemoryTier:
         self.used = False
         self.live = None
         unwatch(self)
-
-
-def _agree(error: BaseException | None) -> None:
-    """Collective: every rank raises the same error when some rank failed to take the snapshot (the lowest failing
-    rank's, its class and attributes, naming every failing rank; a :class:`CheckpointWriteError` for one that is no
-    dist_resume error). A peer lost: this rank's own error, else a :class:`CheckpointWriteError`."""
-    mine = Outcome() if error is None else Outcome.failed(global_rank(), error)
-    try:
-        with collective_step("agreeing that every rank took its part of the snapshot", CheckpointWriteError):
-            outcomes: list[Outcome] = all_gather_objects(mine)
-    except DistResumeError:
-        if error is not None:
-            raise error from None
-        raise
-    agreed = first_failure(outcomes, CheckpointWriteError, "could not take the snapshot")
-    if agreed is not None:
-        raise agreed from error

@@ -16,7 +16,7 @@ from ..._core.errors import CheckpointWriteError
 from ..._core.location import Location
 from ..._core.log import log_rank0, logger, shown_path, shown_size
 from ..._core.rank import global_rank
-from ..._memory import Snapshot, mark_persisted, persist_snapshot
+from ..._shm import Snapshot, mark_persisted, persist_snapshot
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
 from .commit import Commits
@@ -56,7 +56,7 @@ class FolderCopies:
         self.join(raising=False)  # this rank's previous share: two copies never share the group
         path = dest if isinstance(dest, Path) else None
         group = copy_group(copy.ranks) if copy.ranks > 1 and path is not None else None
-        rank, commit, step = global_rank(), self.commits.thread, copy.step
+        rank, step = global_rank(), copy.step
 
         def share(path: Path) -> None:
             try:
@@ -66,8 +66,7 @@ class FolderCopies:
 
         def run() -> None:
             try:
-                if commit is not None:
-                    commit.join()
+                self.commits.wait()  # the snapshot's commit, when it is under way
                 snapshot = self.commits.newest
                 if snapshot is None or snapshot.step != step:  # its commit failed: that error comes at the next call
                     if group is not None:

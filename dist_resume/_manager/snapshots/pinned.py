@@ -7,7 +7,7 @@ buffer of its own and blocks). So, as torch's DCP staging does with shared memor
 1. **registered**: where the accelerator page-locks memory it did not allocate (CUDA, and ROCm, which reports as
    cuda: :func:`~dist_resume._dist.accelerator.register_host`), the slot's mapping is registered the first time this
    process copies into it, once per mapping it keeps, and unregistered just before the mapping is dropped
-   (:func:`~dist_resume._memory.slots.when_unmapped`). Each tensor is copied into it with ``non_blocking=True``;
+   (:func:`~dist_resume._shm.slots.when_unmapped`). Each tensor is copied into it with ``non_blocking=True``;
    the devices copied from are synchronized once, before :func:`copying_into` ends.
 2. **staged**: where it has pinned memory but no registration (xpu, the test accelerator), or the registration was
    refused: through two pinned buffers of :data:`STAGING_BYTES` each, allocated once per process and reused. A larger
@@ -34,7 +34,7 @@ import torch
 
 from ..._core.log import logger
 from ..._dist.accelerator import pinned_staging, register_host, synchronize, unregister_host
-from ..._memory.slots import when_unmapped
+from ..._shm.slots import when_unmapped
 
 __all__ = ["STAGING_BYTES", "copying_into"]
 

@@ -1,9 +1,16 @@
 """Where a checkpoint folder's snapshots live: one directory per folder under the node's shared memory, owned by us.
 
 The root is ``/dev/shm`` (a tmpfs: FACTS 39-40) unless :data:`SHM_DIR_ENV` names another directory. A folder's
-directory is ``dist_resume-<uid>-<16 hex>``: the hex digits are the start of the SHA-256 of the folder's identity
-(:func:`folder_key`: a local folder's resolved path, a store's URL), so another run's folder never shares it, and the
-uid keeps users apart. The commit records carry the identity too, so a hash collision is caught on read.
+directory is ``dist_resume-<uid>-<16 hex>``: the hex digits are the start of the SHA-256 of the folder's key
+(:func:`folder_key`: a local folder's resolved path, a store's URL), so another folder never shares it, and the uid
+keeps users apart. The commit records carry the key too, so a hash collision is caught on read (and the folder's
+identity, :mod:`.identity`, so a folder made again at the same path is told from the old one).
+
+That name is predictable, and ``/dev/shm`` is writable by every user: another user who makes it first (a directory,
+a symlink, a file) would stop every snapshot of this folder. So when it is taken by something this user does not
+own, the store is ``<that name>.<16 random hex>`` beside it instead (made with ``O_EXCL`` semantics, mode 0700: a
+name nobody can take first), found again after a restart by listing the root for this user's own directories of that
+prefix (another user's of the same prefix are never taken); one WARNING says so.
 
 Nothing here is read unless this user owns it: a directory or file that is a symlink, is owned by another uid, or
 (a directory) is writable by others is refused. Torch-free.
@@ -15,6 +22,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 from typing import Final
@@ -42,6 +50,7 @@ tmpfs mounted elsewhere)."""
 _DEFAULT_ROOT: Final = Path("/dev/shm")
 PART: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 """What a snapshot's part may be called (``state``, ``rank3``, ``shard-0``): it is part of its files' names."""
+_FALLBACK: Final = re.compile(r"^[0-9a-f]{16}$")
 
 # the library logger (dist_resume._core.log imports torch; listing snapshots stays torch-free)
 logger = logging.getLogger("dist_resume")
@@ -92,9 +101,51 @@ def required_root() -> Path:
 
 
 def store_dir(folder: Location) -> Path | None:
-    """The directory that holds ``folder``'s snapshots (it may not exist yet); None without shared memory. Local."""
+    """The directory that holds ``folder``'s snapshots (it may not exist yet): its name, or this user's directory
+    beside it when another user holds the name; None without shared memory. Local."""
     root = shm_root()
-    return None if root is None else _named(root, folder)
+    return None if root is None else _resolved(_named(root, folder))
+
+
+def _taken(path: Path) -> str | None:
+    """Why ``path`` cannot be this user's store (another user's, a symlink, not a directory), or None (it is, or it
+    does not exist)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return err.strerror or str(err)
+    return _refusal(st, directory=True)
+
+
+def _fallbacks(primary: Path) -> list[Path]:
+    """This user's own stores beside ``primary`` (``<name>.<16 hex>``), the most recently changed first."""
+    prefix = f"{primary.name}."
+    found: list[tuple[float, Path]] = []
+    try:
+        entries = list(os.scandir(primary.parent))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(prefix) or _FALLBACK.match(entry.name[len(prefix) :]) is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if _refusal(st, directory=True) is None:
+            found.append((st.st_mtime, Path(entry.path)))
+    return [path for _, path in sorted(found, key=lambda f: -f[0])]
+
+
+def _resolved(primary: Path) -> Path:
+    """``primary`` when it is this user's; else this user's store beside it, if there is one (kept when another user
+    took the name, and still found once that one is gone); else ``primary``."""
+    if _taken(primary) is None and os.path.lexists(primary):
+        return primary
+    found = _fallbacks(primary)
+    return found[0] if found else primary
 
 
 def _named(root: Path, folder: Location) -> Path:
@@ -136,11 +187,33 @@ def owned_store(store: Path) -> bool:
 
 
 def make_store(folder: Location) -> Path:
-    """``folder``'s snapshot directory, created (mode 0o700) when missing. Local.
+    """``folder``'s snapshot directory (:func:`store_dir`), created (mode 0o700) when missing: beside its name, with one
+    WARNING, when another user holds that (see the module). Local.
 
-    :class:`UsageError` without shared memory; :class:`CheckpointWriteError` when the name is taken by something
-    this user does not own (another user's directory, a symlink)."""
-    store = _named(required_root(), folder)
+    :class:`UsageError` without shared memory; :class:`CheckpointWriteError` when it cannot be created."""
+    primary = _named(required_root(), folder)
+    store = _resolved(primary)
+    if store != primary:
+        return store
+    taken = _taken(primary)
+    if taken is None:
+        _created(primary)
+        taken = _taken(primary)  # another user may have made it between the look and the mkdir
+        if taken is None:
+            return primary
+    store = _created(primary.with_name(f"{primary.name}.{secrets.token_hex(8)}"))
+    logger.warning(
+        "the snapshot directory %s is not this user's (%s): another user took its name; snapshots of %s go into %s "
+        "instead, found again after a restart",
+        primary,
+        taken,
+        folder,
+        store,
+    )
+    return store
+
+
+def _created(store: Path) -> Path:
     try:
         os.mkdir(store, 0o700)
     except FileExistsError:
@@ -150,12 +223,6 @@ def make_store(folder: Location) -> Path:
             f"cannot create the snapshot directory {str(store)!r}: {err.strerror or err}; "
             f"check the permissions of {str(store.parent)!r} or set {SHM_DIR_ENV} to a writable tmpfs directory"
         ) from err
-    why = _refusal(os.lstat(store), directory=True)
-    if why is not None:
-        raise CheckpointWriteError(
-            f"cannot write snapshots into {str(store)!r}: {why}; remove it (it is not one this user created) "
-            f"or set {SHM_DIR_ENV} to another directory"
-        )
     return store
 
 

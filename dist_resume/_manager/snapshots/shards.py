@@ -3,7 +3,7 @@
 Under FSDP2 no rank holds the whole state, so there is no node writer: rank ``r`` writes its part ``shards-<r>``
 (:func:`own_part`), the standard torch file :func:`~dist_resume._foreign.own_shards.own_shards` describes (its DTensors'
 local tensors, each one's box, and its train state: the RNG streams and data positions of every rank, the scheduler,
-the scaler), double-buffered and committed like any snapshot (:mod:`dist_resume._memory`). The ranks agree before
+the scaler), double-buffered and committed like any snapshot (:mod:`dist_resume._shm`). The ranks agree before
 anything is committed: a failure on one rank leaves the previous snapshot the newest on every rank.
 
 A restart resumes from memory when every rank finds its own part at one step (each rank reads its own file, so
@@ -32,17 +32,18 @@ from ..._dist.groups import gloo_group
 from ..._foreign.own_shards import own_shards, with_saved_shards
 from ..._foreign.sharded import split_payload
 from ..._format.load import load_torch_file
-from ..._memory import PendingSnapshot, Snapshot, mark_persisted, snapshots
 from ..._save.async_save import finish_sharded_in_background, wait_pending
 from ..._save.save import build_payload
 from ..._save.sharded import begin_sharded_from, finish_sharded, writes_folder
+from ..._shm import Snapshot, mark_persisted, snapshots
 from ..._source.listing import numbered_checkpoints
 from ..folder_save import SaveTarget
-from .write import begin_write
+from .writer import Written, begin_write
 
 __all__ = [
     "EXIT_WAIT_S",
     "own_part",
+    "own_object",
     "begin_own",
     "held_everywhere",
     "persist_own",
@@ -62,18 +63,26 @@ def own_part(rank: int) -> str:
     return f"shards-{rank:05d}"
 
 
-def begin_own(folder: Location, build: Any, step: int, epoch: int | None) -> tuple[PendingSnapshot, int]:
-    """Write this rank's own shards of the payload ``build()`` returns into its part's free slot; the pending snapshot
-    and the tensor bytes copied. Local (the caller agrees before committing)."""
-    dcp_state, train_state = split_payload(build())
-    obj = own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
-    return begin_write(folder, lambda: obj, step, epoch, None, None, part=own_part(dist.get_rank()))
+def own_object(payload: dict[str, Any]) -> dict[str, Any]:
+    """What this rank's snapshot file holds of ``payload``: its own shards and the train state. Local."""
+    dcp_state, train_state = split_payload(payload)
+    return own_shards(dcp_state, train_state, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def held_everywhere(newest: Snapshot | None, step: int) -> bool:
-    """Whether every rank's newest snapshot is of ``step`` (committed). Collective (one all-gather): call it on every
-    rank, whatever it holds."""
-    mine = newest is not None and newest.step == step
+def begin_own(
+    folder: Location, build: Any, step: int, epoch: int | None, live: LiveObjects, identity: str | None
+) -> Written:
+    """Write this rank's own shards of the payload ``build()`` returns into its part's free slot (see
+    :class:`~.writer.Written`). Local (the caller agrees before committing)."""
+    obj = own_object(build())
+    part = own_part(dist.get_rank())
+    return begin_write(folder, lambda: obj, step, epoch, None, None, live=live, part=part, identity=identity)
+
+
+def held_everywhere(mine: bool) -> bool:
+    """Whether every rank holds a snapshot ``save(step)`` can copy (``mine``: this rank's newest is of ``step``,
+    committed, and the live state has not changed since). Collective (one all-gather): call it on every rank, whatever
+    it holds."""
     with collective_step("asking every rank whether it holds the snapshot", CheckpointWriteError):
         held: list[bool] = all_gather_objects(mine)
     return all(held)
@@ -117,20 +126,23 @@ def persist_own(
     return dest
 
 
-def own_snapshots(folder: Location, *, verify: bool) -> dict[int, Snapshot]:
-    """This rank's complete snapshots of its own shards (:func:`own_part`) taken at this world size, by their step, both
-    slots (``verify``: CRC-32 checked, a damaged one left out with one WARNING). Local."""
+def own_snapshots(folder: Location, identity: str | None, *, verify: bool) -> dict[int, Snapshot]:
+    """This rank's complete snapshots of its own shards (:func:`own_part`) of the folder's ``identity`` taken at this
+    world size, by their step, both slots (``verify``: CRC-32 checked, a damaged one left out with one WARNING).
+    Local."""
     world_size = dist.get_world_size()
-    own = snapshots(folder, part=own_part(dist.get_rank()), verify=verify)
+    own = snapshots(folder, part=own_part(dist.get_rank()), verify=verify, identity=identity)
     return {s.step: s for s in own if s.metadata.get("world_size") == world_size}
 
 
-def persist_newest(folder: Location, target: SaveTarget, live: LiveObjects | None, group: Any = None) -> bool:
+def persist_newest(
+    folder: Location, target: SaveTarget, live: LiveObjects | None, identity: str | None, group: Any = None
+) -> bool:
     """Write the newest step every rank holds a snapshot of into the folder now (:func:`persist_own`) when it is newer
     than the folder's newest checkpoint; whether it did. Each rank's two slots count, so a rank whose newest commit did
     not end (a SIGTERM in the middle of it) still has the previous step written. Collective on ``group`` (None: the
     default group)."""
-    mine = own_snapshots(folder, verify=False)
+    mine = own_snapshots(folder, identity, verify=False)
     with collective_step("asking every rank for its snapshots", CheckpointWriteError):
         held: list[list[int]] = all_gather_objects(sorted(mine), group=group)
     step = max(set(held[0]).intersection(*held[1:]), default=None)

@@ -44,6 +44,17 @@ _slots: dict[Path, _Slot] = {}
 _lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the parent's mappings are not the child's to write, unregister or unmap (the child's copies
+    go with it), and a lock a parent's thread held at the fork is not held here."""
+    global _lock
+    _lock = threading.Lock()
+    _slots.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _same_file(path: Path, slot: _Slot) -> bool:
     try:
         st = os.lstat(path)

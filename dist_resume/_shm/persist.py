@@ -14,18 +14,27 @@ from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
 from .._format.atomic import atomic_write
 from . import slots
-from .place import open_owned, owned_store, store_dir
-from .read import CHUNK, slot_snapshots
+from .place import folder_key, open_owned, owned_store, store_dir
+from .read import CHUNK, slot_snapshots, stale_snapshots
 from .record import ENTRY, Snapshot, data_name, record_lock, record_name, write_record
 
-__all__ = ["persist_snapshot", "open_snapshot", "copy_bytes", "check_copied", "mark_persisted", "remove_snapshots"]
+__all__ = [
+    "persist_snapshot",
+    "open_snapshot",
+    "copy_bytes",
+    "check_copied",
+    "mark_persisted",
+    "retire_snapshot",
+    "remove_stale",
+    "remove_snapshots",
+]
 
 logger = logging.getLogger("dist_resume")  # the library logger (dist_resume._core.log imports torch)
 
 
 def open_snapshot(path: Path, step: int) -> int:
     """A read-only descriptor of the data file of the snapshot of ``step`` at ``path`` (this user's regular file: see
-    :func:`~dist_resume._memory.place.open_owned`); the caller closes it. Local. Raises
+    :func:`~dist_resume._shm.place.open_owned`); the caller closes it. Local. Raises
     :class:`CheckpointCorruptError` when it is gone or refused."""
     try:
         fd, _ = open_owned(path)
@@ -40,7 +49,7 @@ def copy_bytes(
     src: int, write: Callable[[memoryview, int], object], start: int = 0, end: int | None = None
 ) -> tuple[int, int]:
     """Read the bytes ``[start, end)`` of the descriptor ``src`` (``end`` None: to the file's end) in chunks of
-    :data:`~dist_resume._memory.read.CHUNK`, hand each to ``write(data, offset)`` (``offset``: its place in ``src``;
+    :data:`~dist_resume._shm.read.CHUNK`, hand each to ``write(data, offset)`` (``offset``: its place in ``src``;
     ``data`` is valid during the call only) and return their CRC-32 and length. Stops early at the file's end. Local.
 
     Example::
@@ -82,7 +91,7 @@ def persist_snapshot(snapshot: Snapshot, dest: Location) -> Location:
     damaged or replaced meanwhile raises :class:`CheckpointCorruptError` (on a store, the upload's
     :class:`CheckpointWriteError`) and nothing appears at ``dest``. The copy reads the file it opened first, so a
     newer snapshot written into the same slot meanwhile cannot mix into it. Returns ``dest`` as a location.
-    (Striped across a node's ranks: ``dist_resume._manager.memory.striped_copy``.)
+    (Striped across a node's ranks: ``dist_resume._manager.snapshots.striped_copy``.)
 
     Example::
 
@@ -108,14 +117,63 @@ def mark_persisted(snapshot: Snapshot) -> Snapshot | None:
 
     Returns the updated snapshot, or None when its slot holds another snapshot by now (a newer write replaced it):
     a record is never marked for a file it does not describe."""
-    store = snapshot.path.parent
-    with record_lock(store):
-        current = [s for s in slot_snapshots(store, snapshot.folder, snapshot.part) if s.slot == snapshot.slot]
-        if not current or current[0] != dataclasses.replace(snapshot, persisted=current[0].persisted):
+    with record_lock(snapshot.path.parent):
+        current = _current(snapshot)
+        if current is None:
             return None
-        marked = dataclasses.replace(current[0], persisted=True)
+        marked = dataclasses.replace(current, persisted=True)
         write_record(marked)
     return marked
+
+
+def _current(snapshot: Snapshot) -> Snapshot | None:
+    """The snapshot ``snapshot``'s slot holds now, when it is still that one (its persisted flag aside); the caller
+    holds the store's record lock."""
+    store, key, part = snapshot.path.parent, snapshot.folder, snapshot.part
+    found = [s for s in slot_snapshots(store, key, part, identity=snapshot.identity) if s.slot == snapshot.slot]
+    if not found or found[0] != dataclasses.replace(snapshot, persisted=found[0].persisted):
+        return None
+    return found[0]
+
+
+def retire_snapshot(snapshot: Snapshot) -> bool:
+    """Remove ``snapshot``'s commit record (its slot's data file stays, for the next write): it no longer counts, and
+    the part's other slot holds the newest. Local. False when its slot holds another snapshot by now."""
+    with record_lock(snapshot.path.parent):
+        if _current(snapshot) is None:
+            return False
+        (snapshot.path.parent / record_name(snapshot.part, snapshot.slot)).unlink(missing_ok=True)
+    return True
+
+
+def remove_stale(folder: Location, identity: str | None) -> list[Snapshot]:
+    """Remove ``folder``'s snapshots on this node whose records name another identity than ``identity`` (the folder's;
+    None: it has none): an earlier history of the folder's path (deleted and made again) or another run's, which
+    must never be resumed. Their records go first, then their data files. Local; one WARNING when there were any.
+    Returns the snapshots removed."""
+    store = store_dir(folder)
+    if store is None or not owned_store(store):
+        return []
+    names = (ENTRY.match(name) for name in os.listdir(store))
+    parts = sorted({m.group("part") for m in names if m is not None and m.group("part") is not None})
+    stale = [s for part in parts for s in stale_snapshots(store, folder_key(folder), part, identity)]
+    if not stale:
+        return []
+    with record_lock(store):
+        for snapshot in stale:
+            _unlink_owned(store / record_name(snapshot.part, snapshot.slot))
+    for snapshot in stale:
+        slots.forget(snapshot.path)
+        _unlink_owned(snapshot.path)
+    steps = ", ".join(str(s.step) for s in sorted(stale, key=lambda s: s.step))
+    logger.warning(
+        "removed %d snapshot(s) of %s (steps %s) from shared memory: they belong to an earlier history of that path "
+        "(the folder was deleted and made again, or is another run's) and are never resumed",
+        len(stale),
+        folder,
+        steps,
+    )
+    return stale
 
 
 def _kept(keep: Iterable[Snapshot]) -> set[str]:
