@@ -77,7 +77,7 @@ def test_a_step_past_int64_is_never_recorded(tmp_path: Path, monkeypatch: pytest
     (tmp_path / "shm").mkdir()
     with dr.CheckpointManager(tmp_path / "run", model=torch.nn.Linear(2, 2)) as mgr:
         for step in (2**63, -1, True):
-            with pytest.raises(dr.errors.UsageError, match="int64"):
+            with pytest.raises(dr.errors.UsageError, match=r"up to 2\*\*63-1|int64"):
                 mgr.snapshot(step)
         mgr.snapshot(2**63 - 1)
         assert mgr._memory.newest is not None and mgr._memory.newest.step == 2**63 - 1

@@ -251,7 +251,7 @@ def _save_entries():
 def test_a_state_no_resume_could_take_is_refused_at_every_save_entry_before_anything_is_written(
     tmp_path, monkeypatch, kind
 ):
-    from dist_resume._memory import place
+    from dist_resume._shm import place
 
     (tmp_path / "shm").mkdir()
     monkeypatch.setenv(place.SHM_DIR_ENV, str(tmp_path / "shm"))
