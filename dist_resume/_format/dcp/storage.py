@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .._core.bounds import MAX_INT64
-from .._core.text import described
+from ..._core.bounds import MAX_INT64
+from ..._core.text import described
 
 __all__ = ["ZSTD", "StorageProblem", "Stored", "stored_entry", "storage_problem"]
 

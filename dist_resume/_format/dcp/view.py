@@ -2,11 +2,11 @@
 
 torch's DCP reader trusts ``.metadata`` completely: it allocates every tensor it describes, reads each chunk from the
 file and offset it names, and fills only the elements some chunk covers (an element no chunk covers keeps whatever
-memory held). :func:`view_of` turns a ``Metadata`` (torch's, or :mod:`.dcp_peek`'s stand-ins: the same walk) into a
+memory held). :func:`view_of` turns a ``Metadata`` (torch's, or :mod:`.peek`'s stand-ins: the same walk) into a
 :class:`DcpView` of plain values, every field typed first; :func:`view_problem` says what in it cannot be the truth
 about a folder holding ``sizes``: a chunk outside its tensor, chunks that do not cover every element exactly once
-(:mod:`.dcp_cover`), a chunk larger than the bytes stored for it, storage entries that share bytes, lie outside the
-folder's data files or name nothing declared (:mod:`.dcp_storage`), an entry without stored bytes, planner paths that
+(:mod:`.cover`), a chunk larger than the bytes stored for it, storage entries that share bytes, lie outside the
+folder's data files or name nothing declared (:mod:`.storage`), an entry without stored bytes, planner paths that
 cannot all be places in one nested state or that name no entry.
 
 Torch-free: this module imports nothing but the standard library and :mod:`.._core.text`.
@@ -19,11 +19,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .._core.bounds import MAX_INT64
-from .._core.text import described
-from .dcp_cover import cover_problem
-from .dcp_peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
-from .dcp_storage import StorageProblem, Stored, storage_problem, stored_entry
+from ..._core.bounds import MAX_INT64
+from ..._core.text import described
+from .cover import cover_problem
+from .peek import DAMAGED_PICKLE, NotMetadata, peek_dcp_metadata
+from .storage import StorageProblem, Stored, storage_problem, stored_entry
 
 __all__ = [
     "BadMetadata",
@@ -122,7 +122,7 @@ def _tensor(fqn: str, md: Any) -> TensorEntry:
 
 
 def _dtype_name(dtype: Any) -> str:
-    """``float32`` for ``torch.float32`` and for :mod:`.dcp_peek`'s stand-in of it alike."""
+    """``float32`` for ``torch.float32`` and for :mod:`.peek`'s stand-in of it alike."""
     name = getattr(dtype, "name", None) if type(dtype).__name__ == "Dtype" else str(dtype).removeprefix("torch.")
     return str(name)
 

@@ -4,7 +4,7 @@
 it with the globals :mod:`~dist_resume._foreign.dcp_metadata` allows (DCP's metadata classes, ``torch.Size``, torch's
 dtypes, ``_get_layout``, paths, ``OrderedDict``, an allowed enum's member through ``getattr``), each one a
 :class:`Stand` that records the state the pickle gives it and nothing more: no code runs, nothing is allocated from a
-count. Its attributes read as the real objects' do, so one walk (:func:`~dist_resume._format.dcp_view.view_of`)
+count. Its attributes read as the real objects' do, so one walk (:func:`~dist_resume._format.dcp.view.view_of`)
 describes a real ``Metadata`` and a peeked one alike. ``dist-resume list`` checks a sharded folder's ``.metadata``
 this way without importing torch; torch's own path reads the same bytes with the real classes.
 

@@ -21,14 +21,14 @@ import zlib
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Final
 
-from .._core.errors import CheckpointCorruptError
-from .._core.location import Location
-from .peek import PeekUnsure, TensorStub, peek_pickle
-from .records import check_zip_stream
-from .safe_open import open_in_folder
+from ..._core.errors import CheckpointCorruptError
+from ..._core.location import Location
+from ..peek import PeekUnsure, TensorStub, peek_pickle
+from ..records import check_zip_stream
+from ..safe_open import open_in_folder
 
 if TYPE_CHECKING:
-    from .dcp_view import DcpView
+    from .view import DcpView
 
 __all__ = ["Window", "entries_problem"]
 
