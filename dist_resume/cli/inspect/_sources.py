@@ -22,18 +22,18 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from .._core.errors import CheckpointCorruptError, DistResumeError
-from .._core.location import Location, local_path
-from .._core.tree import iter_tensors
-from .._foreign.safetensors_read import DTYPES, read_safetensors_header
-from .._format.archive import ArchiveContents, StorageInfo, read_archive
-from .._format.manifest import MANIFEST, SHARD_FILE, read_manifest
-from .._format.sniff import FileKind, file_kind
-from .._layout.layout import CheckpointParts, Layout
-from .._source.integrity import source_files, verify_source
-from .._source.listing import CHECKPOINT_NAME
-from .._source.open import open_checkpoint
-from ._common import dtype_name
+from ..._core.errors import CheckpointCorruptError, DistResumeError
+from ..._core.location import Location, local_path
+from ..._core.tree import iter_tensors
+from ..._foreign.safetensors_read import DTYPES, read_safetensors_header
+from ..._format.archive import ArchiveContents, StorageInfo, read_archive
+from ..._format.manifest import MANIFEST, SHARD_FILE, read_manifest
+from ..._format.sniff import FileKind, file_kind
+from ..._layout.layout import CheckpointParts, Layout
+from ..._source.integrity import source_files, verify_source
+from ..._source.listing import CHECKPOINT_NAME
+from ..._source.open import open_checkpoint
+from .._common import dtype_name
 
 __all__ = [
     "ForeignSource",

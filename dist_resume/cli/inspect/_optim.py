@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.text import preview
-from .._state.optim import step_on_param_device
-from .._state.optim_keys import (
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.text import preview
+from ..._state.optim import step_on_param_device
+from ..._state.optim_keys import (
     GROUP_BOOKKEEPING,
     NOT_HYPERPARAMETERS,
     check_state_keys,
@@ -20,10 +20,10 @@ from .._state.optim_keys import (
     optimizer_form_problem,
     unfit_state_keys,
 )
-from .._state.optim_match import FACTORED_KEYS
-from .._state.prefix import canonical_key, prefix_style
-from ._common import dtype_name, jsonable
-from ._inspect_sources import StorageOf, summarize_tensors
+from ..._state.optim_match import FACTORED_KEYS
+from ..._state.prefix import canonical_key, prefix_style
+from .._common import dtype_name, jsonable
+from ._sources import StorageOf, summarize_tensors
 
 __all__ = ["describe_optimizer", "optimizer_kind"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._core.text import preview, shown
-from .._layout.layout import describe_keys
-from ._common import human_bytes
+from ..._core.text import preview, shown
+from ..._layout.layout import describe_keys
+from .._common import human_bytes
 
 __all__ = ["render_inspect"]
 
@@ -92,7 +92,7 @@ def _sharded_lines(sharded: Mapping[str, Any]) -> list[str]:
 
 
 def render_inspect(report: dict[str, Any]) -> str:
-    """The human-readable form of a :func:`~dist_resume.cli._inspect.describe_checkpoint` report. Local."""
+    """The human-readable form of a :func:`~dist_resume.cli.inspect._report.describe_checkpoint` report. Local."""
     model, opt, meta = report["model"], report["optimizer"], report["meta"]
     lines = _source_lines(report)
     lines.append(f"layout       {report['layout'] or 'not recognised'}")

@@ -1,8 +1,8 @@
 """``dist-resume inspect``: what a checkpoint holds, as one report dict for every kind of source.
 
 A torch file is read from its pickle alone (meta tensors, no tensor data); a foreign source (HF
-Trainer, Accelerate or DCP folder, ``.safetensors`` file) as :mod:`._inspect_sources` says. Both
-fill the same report (schema ``dist-resume/inspect/1``), which :func:`render_inspect` words.
+Trainer, Accelerate or DCP folder, ``.safetensors`` file) as :mod:`._sources` says. Both
+fill the same report (schema ``dist-resume/inspect/1``), which :func:`~._render.render_inspect` words.
 """
 
 from __future__ import annotations
@@ -13,21 +13,20 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from .._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
-from .._core.location import Location
-from .._core.types import PathLike
-from .._core.untrusted import untrusted
-from .._format.archive import ArchiveContents, read_archive
-from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
-from .._layout.meta import is_toolkit
-from .._sim import sim_tags_note
-from .._source.source import local_source
-from .._state.prefix import canonical_key, prefix_style
-from .._store.ranges import open_binary
-from ._common import SCHEMA_PREFIX, jsonable
-from ._inspect_optim import describe_optimizer, optimizer_kind
-from ._inspect_render import render_inspect
-from ._inspect_sources import (
+from ..._core.errors import CheckpointCorruptError, NotACheckpointError, UsageError
+from ..._core.location import Location
+from ..._core.types import PathLike
+from ..._core.untrusted import untrusted
+from ..._format.archive import ArchiveContents, read_archive
+from ..._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
+from ..._layout.meta import is_toolkit
+from ..._sim import sim_tags_note
+from ..._source.source import local_source
+from ..._state.prefix import canonical_key, prefix_style
+from ..._store.ranges import open_binary
+from .._common import SCHEMA_PREFIX, jsonable
+from ._optim import describe_optimizer
+from ._sources import (
     SOURCE_META_KEYS,
     StorageOf,
     check_sharded,
@@ -36,7 +35,7 @@ from ._inspect_sources import (
     summarize_tensors,
 )
 
-__all__ = ["describe_checkpoint", "render_inspect", "optimizer_kind"]
+__all__ = ["describe_checkpoint"]
 
 SCHEMA = f"{SCHEMA_PREFIX}/inspect/1"
 
