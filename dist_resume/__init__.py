@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from ._source.open import load_checkpoint
     from ._state.adapt import adapt_state_dict
     from ._state.devices import check_devices
-    from ._state.optim import optimizer_to
+    from ._state.optim.placement import optimizer_to
     from ._state.prefix import add_prefix, canonical_key, strip_prefix, unwrap_model
     from .errors import DistResumeError
 
@@ -101,7 +101,7 @@ _HOMES: Final = {
     "load_checkpoint": "._source.open",
     "adapt_state_dict": "._state.adapt",
     "check_devices": "._state.devices",
-    "optimizer_to": "._state.optim",
+    "optimizer_to": "._state.optim.placement",
     **dict.fromkeys(("add_prefix", "canonical_key", "strip_prefix", "unwrap_model"), "._state.prefix"),
     "DistResumeError": ".errors",
     "set_verbosity": "._core.log",

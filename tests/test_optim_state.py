@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._state.optim_state import _SPECS, check_optimizer_state
+from dist_resume._state.optim.per_class import _SPECS, check_optimizer_state
 
 Build = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -126,7 +126,7 @@ def _mutations(key: str) -> dict[str, tuple[Callable[[dict[str, Any]], None], st
     return {
         "renamed": (rename, rf"lacks {key!r}.*has 'D{key[1:]}', which \w+ never writes"),
         "dropped": (drop, rf"lacks {key!r}"),
-        # the pairing check (optim_match.check_state_shapes) words it first: "state[name][key] has shape ..."
+        # the pairing check (optim/match.py: check_state_shapes) words it first: "state[name][key] has shape ..."
         "wrong shape": (reshape, rf"{key!r}\]? (is|has) shape \(\d+,\)"),
         "wrong dtype": (retype, rf"{key!r} is dtype torch.int64, expected a floating dtype"),
     }

@@ -10,7 +10,7 @@ import torch
 
 from .._core.errors import OptimizerStateMismatchError
 from .._core.text import preview, shown
-from .._state.optim_keys import GROUP_BOOKKEEPING, NOT_HYPERPARAMETERS
+from .._state.optim.keys import GROUP_BOOKKEEPING, NOT_HYPERPARAMETERS
 from .._state.validate import is_number
 from .options import OptimizerHparams
 

@@ -18,9 +18,9 @@ from .._core.tree import map_tensors, named_tensors
 from .._core.untrusted import untrusted
 from .._exact.data import check_data_state
 from .._layout.layout import CheckpointParts
-from .._state.optim import param_names, prepare_optimizer_state
-from .._state.optim_keys import optimizer_form_problem
-from .._state.optim_state import check_optimizer_state
+from .._state.optim.keys import optimizer_form_problem
+from .._state.optim.per_class import check_optimizer_state
+from .._state.optim.prepare import param_names, prepare_optimizer_state
 from .._state.subtree import select_prefix
 from .._state.validate import check_rng_states, check_scaler, check_scheduler
 from .apply import Agree, Transfer, apply_plan, copy_pairs

@@ -44,8 +44,8 @@ from .._layout.layout import Layout
 from .._source.integrity import verify_source
 from .._source.read import SourceContents, parts_from_fields, parts_to_fields, read_source
 from .._source.source import Source, SourceKind
+from .._state.optim.sharded import sharded_optimizer_state
 from .._state.sharded import check_optimizer_follows, is_sharded, model_destinations, sharded_parameters
-from .._state.sharded_optim import sharded_optimizer_state
 from .apply import Agree
 from .module_step import refuse_load_hooks
 from .objects import LiveObjects

@@ -23,7 +23,7 @@ from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
-from .._state.optim_keys import check_optimizer_form, digit_id, optimizer_by_name
+from .._state.optim.keys import check_optimizer_form, digit_id, optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
 from .dcp_write import write_dcp

@@ -36,7 +36,7 @@ from .._core.types import MapLocation
 from .._format.load import rank_map_location
 from .._format.sniff import check_walkable, unsafe_error
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
-from .._state.optim_keys import normalize_optimizer_state
+from .._state.optim.keys import normalize_optimizer_state
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 from .dcp_reader import DcpReader

@@ -29,7 +29,7 @@ from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
 from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
-from .._state.optim_keys import normalize_optimizer_state
+from .._state.optim.keys import normalize_optimizer_state
 from .sharded import checked_layout, checked_manifest, join_payload
 
 __all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]

@@ -32,7 +32,7 @@ from .._exact.rng import param_device
 from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._layout.meta import DDP_BUCKETS
-from .._state.optim import canonical_optimizer_state
+from .._state.optim.prepare import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .._store.url import location

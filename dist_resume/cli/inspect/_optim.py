@@ -11,8 +11,7 @@ import torch
 
 from ..._core.errors import OptimizerStateMismatchError
 from ..._core.text import preview
-from ..._state.optim import step_on_param_device
-from ..._state.optim_keys import (
+from ..._state.optim.keys import (
     GROUP_BOOKKEEPING,
     NOT_HYPERPARAMETERS,
     check_state_keys,
@@ -20,7 +19,8 @@ from ..._state.optim_keys import (
     optimizer_form_problem,
     unfit_state_keys,
 )
-from ..._state.optim_match import FACTORED_KEYS
+from ..._state.optim.match import FACTORED_KEYS
+from ..._state.optim.placement import step_on_param_device
 from ..._state.prefix import canonical_key, prefix_style
 from .._common import dtype_name, jsonable
 from ._sources import StorageOf, summarize_tensors
@@ -131,7 +131,7 @@ def describe_optimizer(
 def _state_key_warning(opt: Mapping[str, Any], warnings: list[str]) -> None:
     """Say what resume does with state keys that name no id of the groups (FACTS 21: ``dcp_to_torch_save``).
 
-    Mirrors :func:`~dist_resume._state.optim.prepare_optimizer_state`: digit strings are read as ids
+    Mirrors :func:`~dist_resume._state.optim.prepare.prepare_optimizer_state`: digit strings are read as ids
     when every state key is one and each names an id of the groups; otherwise the entries are refused.
     """
     ids = [p for g in opt["param_groups"] for p in g["params"]]

@@ -3,7 +3,7 @@
 Adam's ``exp_avg``/``exp_avg_sq`` and SGD's ``momentum_buffer`` of a DTensor parameter are DTensors with
 the parameter's mesh and placements; ``step`` is a plain scalar tensor (on the CPU unless the group is
 fused or capturable, torch's policy). :func:`sharded_optimizer_state` turns state prepared by
-:func:`prepare_optimizer_state` (matched by name and position, shapes checked against the full
+:func:`~.prepare.prepare_optimizer_state` (matched by name and position, shapes checked against the full
 parameters) into a state dict that plain ``Optimizer.load_state_dict`` accepts: each full state tensor
 is replaced by a DTensor destination, the live state tensor where one exists (filled in place), else a
 new one built from a local tensor of this rank's box (``DTensor.from_local(..., run_check=False)``).
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.shards import is_dtensor, local_of, shard_spec
-from .sharded import copy_full_into
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.shards import is_dtensor, local_of, shard_spec
+from ..sharded import copy_full_into
 
 __all__ = ["sharded_optimizer_state", "load_full_optimizer_state"]
 
@@ -34,7 +34,7 @@ def sharded_optimizer_state(
     """``(state dict to load, [(saved full tensor, destination), ...])`` for an optimizer over DTensor parameters.
 
     Local; the optimizer is not changed (new destinations are allocated, this rank's box only, their
-    data not yet written). ``prepared`` comes from :func:`prepare_optimizer_state`: its groups list the
+    data not yet written). ``prepared`` comes from :func:`~.prepare.prepare_optimizer_state`: its groups list the
     saved ids in the live parameters' order. Every saved tensor gets a destination, so that filling them
     all (:func:`copy_full_into` on every rank, or rank 0's scatter, where the other ranks hold only meta
     stand-ins) restores everything and nothing maps the checkpoint file: scalar state (``step``) and the
@@ -113,7 +113,7 @@ def load_full_optimizer_state(
 ) -> None:
     """Load full (unsharded) optimizer state into an optimizer over FSDP2 parameters. Local.
 
-    Every rank calls it with the same ``prepared`` state (from :func:`prepare_optimizer_state`; its
+    Every rank calls it with the same ``prepared`` state (from :func:`~.prepare.prepare_optimizer_state`; its
     tensors may map the checkpoint file) and keeps only its boxes: existing state tensors are written
     in place, missing ones are allocated at this rank's shard size.
 

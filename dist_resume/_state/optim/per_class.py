@@ -17,7 +17,7 @@ below lists them per class and per the group's options, read from torch 2.13's `
 
 Classes the table does not know (custom optimizers, and subclasses that override ``step``,
 ``_init_group`` or ``__setstate__``) get the generic check only: every entry is a dict, and the
-shape check of :func:`~.optim_match.check_state_shapes` (a tensor that looks per-element has the
+shape check of :func:`~.match.check_state_shapes` (a tensor that looks per-element has the
 parameter's shape); their dtypes are their own business (a bool mask per element is legitimate).
 """
 
@@ -31,9 +31,9 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.text import described, preview
-from .validate import is_number
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.text import described, preview
+from ..validate import is_number
 
 __all__ = ["check_optimizer_state"]
 

@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.tensor_kind import odd_tensors
-from .._core.text import described, preview
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.tensor_kind import odd_tensors
+from ..._core.text import described, preview
 
 __all__ = [
     "GROUP_BOOKKEEPING",

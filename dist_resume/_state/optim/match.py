@@ -8,10 +8,10 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.log import log_rank0
-from .._core.text import preview
-from .prefix import canonical_key, match_keys
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.log import log_rank0
+from ..._core.text import preview
+from ..prefix import canonical_key, match_keys
 
 __all__ = [
     "FACTORED_KEYS",

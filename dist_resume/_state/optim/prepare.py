@@ -1,93 +1,32 @@
-"""Optimizer state: placement on the parameters' devices, and matching saved state to parameters."""
+"""Saved optimizer state matched to a live optimizer: the canonical ``param_names`` a save writes, and saved state
+validated and re-keyed into the state dict the live optimizer's ``load_state_dict`` takes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
 from torch import nn
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.text import article
-from .._core.tree import map_tensors
-from .optim_keys import (
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.text import article
+from ..prefix import canonical_key, unwrap_model, without_compile
+from .keys import (
     GROUP_BOOKKEEPING,
     NOT_HYPERPARAMETERS,
     check_state_keys,
     normalize_optimizer_state,
     optimizer_form_problem,
-    state_coverage,
 )
-from .optim_match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
-from .prefix import canonical_key, unwrap_model, without_compile
+from .match import check_state_shapes, match_in_groups, regroup_by_name, saved_names
 
-__all__ = [
-    "optimizer_to",
-    "step_on_param_device",
-    "param_names",
-    "prepare_optimizer_state",
-    "canonical_optimizer_state",
-    "normalize_optimizer_state",
-    "state_coverage",
-]
+__all__ = ["param_names", "prepare_optimizer_state", "canonical_optimizer_state"]
 
 # keys LR schedulers (OneCycleLR, CyclicLR, ...) add to param groups
 _SCHEDULER_KEYS: Final = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "momentum", "betas"}
 )
-
-
-def step_on_param_device(group: Mapping[str, Any]) -> bool:
-    """torch's policy: ``step`` lives on the parameter's device only for fused or capturable groups."""
-    return bool(group.get("fused")) or bool(group.get("capturable"))
-
-
-def _params_with_groups(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            yield p, group
-
-
-def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> torch.optim.Optimizer:
-    """Move each per-parameter state tensor onto its parameter's device (or onto ``device``).
-
-    Local. Follows torch's own policy: ``step`` stays on the CPU unless the group is ``fused`` or
-    ``capturable`` (an accelerator ``step`` on a plain Adam forces a host sync per parameter per step),
-    dtypes never change, and a tensor already in place is not copied. Returns ``optimizer``.
-
-    Example::
-
-        >>> model = torch.nn.Linear(2, 2)
-        >>> opt = torch.optim.Adam(model.parameters())
-        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
-        >>> dist_resume.optimizer_to(opt) is opt   # after model.to(device)
-        True
-    """
-    target = torch.device(device) if device is not None else None
-    for p, group in _params_with_groups(optimizer):
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        where = target or p.device
-        for key, value in state.items():
-            if key == "step" and not step_on_param_device(group):
-                dest = torch.device("cpu")
-            else:
-                dest = where
-            moved = _moved(value, dest)
-            if moved is not value:
-                state[key] = moved
-    return optimizer
-
-
-def _moved(value: Any, dest: torch.device) -> Any:
-    """``value`` with every tensor in it on ``dest``; the same object when nothing had to move.
-
-    Recurses into lists, tuples and dicts like torch's own ``load_state_dict`` (LBFGS keeps its
-    history as lists of tensors).
-    """
-    return map_tensors(value, lambda t: t if t.device == dest else t.to(dest), share_unchanged=True)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -140,7 +79,7 @@ def prepare_optimizer_state(
     """Validate saved optimizer state against ``optimizer`` and return a state dict ready to load.
 
     Local; changes nothing. State keyed by digit strings or by parameter names is re-keyed
-    (:func:`normalize_optimizer_state`); state that then fits no parameter of the saved groups is
+    (:func:`~.keys.normalize_optimizer_state`); state that then fits no parameter of the saved groups is
     refused. Checks the optimizer kind (from the group hyper-parameters), the group structure,
     ``param_names`` after prefix normalisation (a reordered module is re-matched by name) and every
     per-parameter state tensor's shape against the parameter it will belong to.
@@ -151,7 +90,7 @@ def prepare_optimizer_state(
     parameters the file does not name start fresh and drops saved names the model lacks.
 
     The result loads with ``optimizer.load_state_dict``; its ``state`` holds exactly the entries that
-    will be applied (:func:`state_coverage` counts them).
+    will be applied (:func:`~.keys.state_coverage` counts them).
 
     Example::
 
