@@ -276,7 +276,7 @@ def test_a_group_without_a_hyperparameter_step_reads_is_refused_naming_it(
 ) -> None:
     """The keys are the live optimizer's ``defaults`` less what torch's load fills in: a group without one resumed
     and the first ``step()`` raised ``KeyError`` (issue 45); ``optimizer_hparams="current"`` keeps the live ones."""
-    from dist_resume._checkpoint.hparams import required_hyperparameters
+    from dist_resume._checkpoint.plan.hparams import required_hyperparameters
 
     model = _model("Adam")
     opt = build(model)
@@ -303,7 +303,7 @@ def test_a_hyperparameter_torchs_load_fills_in_is_not_required() -> None:
     """What an older torch did not write (SGD's ``nesterov``, Adam's ``decoupled_weight_decay``), torch's
     ``__setstate__`` sets on load: such a file resumes. A class whose own ``__setstate__`` replaces torch's has its
     code left alone (every key of its ``defaults`` is required), and a wrapper put on torch's later is not run."""
-    from dist_resume._checkpoint.hparams import check_hyperparameters, required_hyperparameters
+    from dist_resume._checkpoint.plan.hparams import check_hyperparameters, required_hyperparameters
 
     model = _model("Adam")
     sgd, adam = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())

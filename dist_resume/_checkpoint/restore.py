@@ -29,12 +29,12 @@ from .._source.source import Source, SourceKind
 from .._state.devices import check_first_step
 from .._state.prefix import model_key_map
 from .._store.url import location
-from .apply import Stage
+from .apply.transaction import Stage
 from .fallback import restore_newest
 from .moved import refuses_moved_keywords
 from .objects import LiveObjects
 from .options import ResumeOptions
-from .plan import RestorePlan, check_has_data, plan_restore
+from .plan.restore_plan import RestorePlan, check_has_data, plan_restore
 from .ranged import apply_ranged
 from .received import NOTHING, restore_broadcast
 from .sharded_restore import is_sharded_restore, restore_sharded

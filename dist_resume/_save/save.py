@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checkpoint.ema import canonical_ema_state
 from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
+from .._checkpoint.plan.ema import canonical_ema_state
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import log_saved

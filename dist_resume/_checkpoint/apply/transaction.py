@@ -1,4 +1,4 @@
-"""Applying a validated :class:`~dist_resume._checkpoint.plan.RestorePlan`: what can fail first, then the ranks agree,
+"""Applying a validated :class:`~dist_resume._checkpoint.plan.restore_plan.RestorePlan`: what can fail first, then the ranks agree,
 then the commit, which writes the data in place.
 
 1. **The steps** (:mod:`.steps`, in the order of :data:`STEPS`): the small states (GradScaler, scheduler, data position,
@@ -28,8 +28,8 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import DistResumeError, PartialRestoreError, RestoreError
-from .._core.log import log_rank0, logger
+from ..._core.errors import DistResumeError, PartialRestoreError, RestoreError
+from ..._core.log import log_rank0, logger
 from .module_step import module_pairs
 from .step import Pairs, RestorePlan, Step
 from .steps import committed_modules, steps_of

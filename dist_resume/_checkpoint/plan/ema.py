@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from .._core.errors import KeyMismatchError
-from .._core.text import article
-from .._state.adapt import adapt_state_dict
-from .._state.prefix import add_prefix, canonical_state_dict
-from .._state.validate import check_dtypes
+from ..._core.errors import KeyMismatchError
+from ..._core.text import article
+from ..._state.adapt import adapt_state_dict
+from ..._state.prefix import add_prefix, canonical_state_dict
+from ..._state.validate import check_dtypes
 
 __all__ = ["N_AVERAGED", "canonical_ema_state", "adapt_ema_state", "ema_key_count"]
 

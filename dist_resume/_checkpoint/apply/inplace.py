@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .._core.tree import iter_tensors
+from ..._core.tree import iter_tensors
 
 __all__ = ["fits", "storage_ptrs", "detach_from_file"]
 

@@ -2,7 +2,7 @@
 
 A :class:`Step` ``save`` s what its ``do`` changes and can ``undo`` it. ``do`` may return :data:`Pairs`: saved tensors
 (data, or a broadcast's stand-ins) and the live tensors their data goes into at the commit, once every step on every
-rank succeeded (see :mod:`~dist_resume._checkpoint.apply`).
+rank succeeded (see :mod:`~dist_resume._checkpoint.apply.transaction`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._layout.layout import CheckpointParts
-from .objects import LiveObjects
+from ..._layout.layout import CheckpointParts
+from ..objects import LiveObjects
 
 __all__ = ["Pairs", "Step", "RestorePlan"]
 
@@ -22,7 +22,7 @@ Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (saved tensor or stand-in, th
 
 
 class RestorePlan(Protocol):
-    """What apply reads of :class:`~dist_resume._checkpoint.plan.RestorePlan` (which imports this module)."""
+    """What apply reads of :class:`~dist_resume._checkpoint.plan.restore_plan.RestorePlan` (which imports this module)."""
 
     @property
     def parts(self) -> CheckpointParts: ...

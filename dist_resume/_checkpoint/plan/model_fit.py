@@ -8,12 +8,12 @@ from typing import Any, Final
 
 from torch import nn
 
-from .._core.errors import KeyMismatchError
-from .._core.text import preview
-from .._state.adapt import adapt_state_dict
-from .._state.prefix import match_keys, model_key_map, unwrap_model
-from .._state.subtree import suggest_key_prefix
-from .._state.validate import check_dtypes
+from ..._core.errors import KeyMismatchError
+from ..._core.text import preview
+from ..._state.adapt import adapt_state_dict
+from ..._state.prefix import match_keys, model_key_map, unwrap_model
+from ..._state.subtree import suggest_key_prefix
+from ..._state.validate import check_dtypes
 
 __all__ = ["plan_model"]
 

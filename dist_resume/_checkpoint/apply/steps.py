@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._exact import rng as _rng
-from .._exact.sampler import ResumableDistributedSampler
+from ..._exact import rng as _rng
+from ..._exact.sampler import ResumableDistributedSampler
 from .module_step import can_raise, module_pairs, module_step
 from .optimizer_step import optimizer_step, saved_state
 from .step import RestorePlan, Step

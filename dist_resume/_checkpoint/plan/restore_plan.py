@@ -11,19 +11,23 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError, StateMismatchError
-from .._core.rank import global_rank
-from .._core.text import article, preview
-from .._core.tree import map_tensors, named_tensors
-from .._core.untrusted import untrusted
-from .._exact.data import check_data_state
-from .._layout.layout import CheckpointParts
-from .._state.optim.keys import optimizer_form_problem
-from .._state.optim.per_class import check_optimizer_state
-from .._state.optim.prepare import param_names, prepare_optimizer_state
-from .._state.subtree import select_prefix
-from .._state.validate import check_rng_states, check_scaler, check_scheduler
-from .apply import Agree, Transfer, apply_plan, copy_pairs
+from ..._core.errors import OptimizerStateMismatchError, StateMismatchError
+from ..._core.rank import global_rank
+from ..._core.text import article, preview
+from ..._core.tree import map_tensors, named_tensors
+from ..._core.untrusted import untrusted
+from ..._exact.data import check_data_state
+from ..._layout.layout import CheckpointParts
+from ..._state.optim.keys import optimizer_form_problem
+from ..._state.optim.per_class import check_optimizer_state
+from ..._state.optim.prepare import param_names, prepare_optimizer_state
+from ..._state.subtree import select_prefix
+from ..._state.validate import check_rng_states, check_scaler, check_scheduler
+from ..apply.step import Step
+from ..apply.steps import late_tensors, steps_of
+from ..apply.transaction import Agree, Transfer, apply_plan, copy_pairs
+from ..objects import LiveObjects
+from ..options import OptimizerHparams, ResumeOptions
 from .ema import adapt_ema_state
 from .hparams import (
     check_hyperparameters,
@@ -34,10 +38,6 @@ from .hparams import (
     strip_name_prefix,
 )
 from .model_fit import plan_model
-from .objects import LiveObjects
-from .options import OptimizerHparams, ResumeOptions
-from .step import Step
-from .steps import late_tensors, steps_of
 
 __all__ = ["RestorePlan", "plan_restore", "check_has_data"]
 
@@ -70,13 +70,13 @@ class RestorePlan:
     notices: tuple[tuple[int, str], ...] = ()
 
     def steps(self) -> list[Step]:
-        """The steps :meth:`apply` runs before the commit, in order (see :mod:`~dist_resume._checkpoint.steps`). Local."""
+        """The steps :meth:`apply` runs before the commit, in order (see :mod:`~dist_resume._checkpoint.apply.steps`). Local."""
         return steps_of(self)
 
     def apply(self, *, agree: Agree | None = None, transfer: Transfer = copy_pairs) -> tuple[str, ...]:
         """Change the live objects, all or nothing; return the names of the parts restored (``self.restore``).
 
-        Local (collective with ``agree``, see :func:`~dist_resume._checkpoint.apply.apply_plan`). A failure in any
+        Local (collective with ``agree``, see :func:`~dist_resume._checkpoint.apply.transaction.apply_plan`). A failure in any
         part's own load puts back every part already changed and raises :class:`~dist_resume.errors.RestoreError`
         naming the part; then the data is written in place (``transfer``), no copy kept. Optimizer state ends on its
         parameters' devices, in its existing tensors where they fit. Then the plan's notices are logged.
@@ -85,7 +85,7 @@ class RestorePlan:
 
     def late_tensors(self) -> list[torch.Tensor]:
         """The checkpoint tensors whose data :meth:`apply` needs only at its commit (see
-        :func:`~dist_resume._checkpoint.steps.late_tensors`): a broadcast sends the others first. Local."""
+        :func:`~dist_resume._checkpoint.apply.steps.late_tensors`): a broadcast sends the others first. Local."""
         return late_tensors(self)
 
     def rebind(self, arrived: Mapping[int, torch.Tensor]) -> RestorePlan:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._state.optim.placement import optimizer_to, step_on_param_device
+from ..._state.optim.placement import optimizer_to, step_on_param_device
 from .inplace import detach_from_file, storage_ptrs
 from .step import Pairs, RestorePlan, Step
 

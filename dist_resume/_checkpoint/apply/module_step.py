@@ -9,8 +9,8 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from .._core.errors import UsageError
-from .._core.text import preview
+from ..._core.errors import UsageError
+from ..._core.text import preview
 from .inplace import fits
 from .step import Pairs, Step
 

@@ -8,11 +8,11 @@ from typing import Any, Final
 
 import torch
 
-from .._core.errors import OptimizerStateMismatchError
-from .._core.text import preview, shown
-from .._state.optim.keys import GROUP_BOOKKEEPING, NOT_HYPERPARAMETERS
-from .._state.validate import is_number
-from .options import OptimizerHparams
+from ..._core.errors import OptimizerStateMismatchError
+from ..._core.text import preview, shown
+from ..._state.optim.keys import GROUP_BOOKKEEPING, NOT_HYPERPARAMETERS
+from ..._state.validate import is_number
+from ..options import OptimizerHparams
 
 __all__ = [
     "hparam_changes",
