@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._core import torch_compat
 from .._core.errors import KeyMismatchError, UsageError
+from .._core.torch_compat.private import allowing_plain_globals
 from .._core.tree import plain_namespaces
 from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
@@ -182,7 +182,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
             "--to ddp does not apply to a DCP folder: DCP and DSD key everything by canonical FQN",
             "leave --to out (or pass --to single)",
         )
-    with torch_compat.allowing_plain_globals():
+    with allowing_plain_globals():
         obj = load_checkpoint(src, map_location="cpu", mmap=True)
     source = repr(str(src))
     parts = split_checkpoint(plain_namespaces(obj), source=source, part_keys=part_keys)

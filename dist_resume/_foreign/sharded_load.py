@@ -23,7 +23,7 @@ import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location
-from .._core.torch_errors import dcp_cause
+from .._core.torch_compat.wording import dcp_cause
 from .._core.tree import set_path
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE

@@ -3,7 +3,7 @@
 torch raises most load and collective failures as plain ``RuntimeError`` / ``UnpicklingError``
 whose only distinguishing mark is the text. Each reader here says which torch versions' wording it
 matches (checked on torch 2.13); when torch rewords one, this is the one module to fix. Its
-private APIs live beside it, in :mod:`dist_resume._core.torch_compat`.
+private APIs live beside it, in :mod:`dist_resume._core.torch_compat.private`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each item says which torch behaviour it depends on (checked on torch 2.13). When torch changes one,
 this is the one module to fix; nothing else in the package reaches into ``torch._*``,
 ``torch.serialization._*`` or ``torch._utils._*``. The wording of torch's errors is read in
-:mod:`dist_resume._core.torch_errors`, and nowhere else.
+:mod:`dist_resume._core.torch_compat.wording`, and nowhere else.
 """
 
 from __future__ import annotations

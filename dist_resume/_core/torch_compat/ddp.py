@@ -35,7 +35,7 @@ def find_ddp(model: nn.Module) -> Any:
     """The ``DistributedDataParallel`` that ``model`` is or wraps (``torch.compile`` around it), or None."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from .torch_compat import compiled_original
+    from .private import compiled_original
 
     while not isinstance(model, DistributedDataParallel):
         inner = compiled_original(model)
