@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from ._format.load import rank_map_location
     from ._layout.layout import Layout
     from ._manager.manager import CheckpointManager
-    from ._save.async_save import AsyncSave, save_checkpoint_async
-    from ._save.save import save_checkpoint
+    from ._save.async_save import AsyncSave
+    from ._save.entry import save_checkpoint, save_checkpoint_async
     from ._source.open import load_checkpoint
     from ._state.adapt import adapt_state_dict
     from ._state.devices import check_devices
@@ -86,11 +86,11 @@ __all__ = [
 
 # where each exported name lives (the TYPE_CHECKING block above says the same to type checkers)
 _HOMES: Final = {
-    **dict.fromkeys(("AsyncSave", "save_checkpoint_async"), "._save.async_save"),
+    "AsyncSave": "._save.async_save",
     "TrainingObjects": "._checkpoint.objects",
     **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
     **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
-    "save_checkpoint": "._save.save",
+    **dict.fromkeys(("save_checkpoint", "save_checkpoint_async"), "._save.entry"),
     **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
     "ResumableDistributedSampler": "._exact.sampler",

@@ -84,8 +84,8 @@ _PATH_ENTRIES = {
     ("_manager/adopt.py", "convert_into_folder"),
     ("_manager/manager.py", "CheckpointManager.__init__"),
     ("_manager/start.py", "start_run"),  # CheckpointManager.resume(init_from=...)
-    ("_save/save.py", "save_checkpoint"),
-    ("_save/async_save.py", "save_checkpoint_async"),
+    ("_save/entry.py", "save_checkpoint"),
+    ("_save/entry.py", "save_checkpoint_async"),
     ("cli/_parser.py", "_location"),  # every dist-resume command's path arguments (argparse's type=)
 }
 
