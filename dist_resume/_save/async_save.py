@@ -25,8 +25,9 @@ from .._dist.env import is_distributed
 from .._dist.groups import gloo_group
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
+from .full_state import save_full
 from .save import tell
-from .sharded import ShardedSave, begin_sharded, finish_sharded, save_full
+from .sharded import ShardedSave, begin_sharded, finish_sharded
 from .staging import stage
 from .striped import begin_striped, stripes
 

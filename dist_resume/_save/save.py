@@ -34,7 +34,8 @@ from .._state.optim.prepare import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
 from .evidence import run_evidence
-from .sharded import save_full, save_sharded
+from .full_state import save_full
+from .sharded import save_sharded
 from .striped import save_striped, stripes
 
 __all__ = [
@@ -179,7 +180,7 @@ def write_checkpoint(
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
     by every rank into a sharded checkpoint folder (:func:`~dist_resume._save.sharded.save_sharded`),
-    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`). A DDP ``model``
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.full_state.save_full`). A DDP ``model``
     saved to a local path is written by every rank, each its share of the records, into the one file
     (:func:`~dist_resume._save.striped.save_striped`), unless some rank cannot see the folder. Rank 0 logs the
     save's one line (:func:`~dist_resume._core.log.log_saved`), its time counted from ``started`` (a
