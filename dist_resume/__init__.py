@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from . import tools as tools
     from ._checkpoint.objects import TrainingObjects
     from ._checkpoint.options import OptimizerHparams, ResumeOptions
-    from ._checkpoint.restore import ResumeResult, resume
+    from ._checkpoint.restore import ResumeResult
+    from ._checkpoint.resume import resume
     from ._core.log import set_verbosity
     from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
     from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
@@ -89,7 +90,8 @@ _HOMES: Final = {
     "AsyncSave": "._save.async_save",
     "TrainingObjects": "._checkpoint.objects",
     **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
-    **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
+    "ResumeResult": "._checkpoint.restore",
+    "resume": "._checkpoint.resume",
     **dict.fromkeys(("save_checkpoint", "save_checkpoint_async"), "._save.entry"),
     **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),

@@ -74,7 +74,7 @@ def test_no_module_imports_another_modules_private_name():
 # Where a checkpoint is becomes a Location (a Path or a RemotePath) once, at the public entry that received the user's
 # path or URL; everything below takes that value as it is and never resolves a raw path again.
 _PATH_ENTRIES = {
-    ("_checkpoint/restore.py", "resume"),
+    ("_checkpoint/resume.py", "resume"),
     ("_source/open.py", "load_checkpoint"),
     ("_source/consensus.py", "resolve_checkpoint"),
     ("_source/listing.py", "latest_checkpoint"),
