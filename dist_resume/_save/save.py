@@ -124,7 +124,7 @@ def build_payload(
         payload[Key.EXTRA] = extra
     if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
         payload[Key.RNG] = rng
-    if objects.ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.ema
+    if objects.ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.plan.ema
         payload[Key.EMA] = canonical_ema_state(objects.ema)
     if sampler is not None:
         payload[Key.SAMPLER] = dict(sampler)
