@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from . import tools as tools
     from ._checkpoint.objects import TrainingObjects
     from ._checkpoint.options import OptimizerHparams, ResumeOptions
-    from ._checkpoint.restore import ResumeResult, resume
+    from ._checkpoint.restore import ResumeResult
+    from ._checkpoint.resume import resume
     from ._core.log import set_verbosity
     from ._dist.env import RankInfo, destroy_distributed, init_distributed, rank_device, rank_info
     from ._exact.rng import derive_seed, load_rng_state_dict, rng_state_dict, seed_rng
@@ -31,12 +32,12 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the s
     from ._format.load import rank_map_location
     from ._layout.layout import Layout
     from ._manager.manager import CheckpointManager
-    from ._save.async_save import AsyncSave, save_checkpoint_async
-    from ._save.save import save_checkpoint
+    from ._save.async_save import AsyncSave
+    from ._save.entry import save_checkpoint, save_checkpoint_async
     from ._source.open import load_checkpoint
     from ._state.adapt import adapt_state_dict
     from ._state.devices import check_devices
-    from ._state.optim import optimizer_to
+    from ._state.optim.placement import optimizer_to
     from ._state.prefix import add_prefix, canonical_key, strip_prefix, unwrap_model
     from .errors import DistResumeError
 
@@ -86,11 +87,12 @@ __all__ = [
 
 # where each exported name lives (the TYPE_CHECKING block above says the same to type checkers)
 _HOMES: Final = {
-    **dict.fromkeys(("AsyncSave", "save_checkpoint_async"), "._save.async_save"),
+    "AsyncSave": "._save.async_save",
     "TrainingObjects": "._checkpoint.objects",
     **dict.fromkeys(("OptimizerHparams", "ResumeOptions"), "._checkpoint.options"),
-    **dict.fromkeys(("ResumeResult", "resume"), "._checkpoint.restore"),
-    "save_checkpoint": "._save.save",
+    "ResumeResult": "._checkpoint.restore",
+    "resume": "._checkpoint.resume",
+    **dict.fromkeys(("save_checkpoint", "save_checkpoint_async"), "._save.entry"),
     **dict.fromkeys(("RankInfo", "destroy_distributed", "init_distributed", "rank_device", "rank_info"), "._dist.env"),
     **dict.fromkeys(("derive_seed", "load_rng_state_dict", "rng_state_dict", "seed_rng"), "._exact.rng"),
     "ResumableDistributedSampler": "._exact.sampler",
@@ -101,7 +103,7 @@ _HOMES: Final = {
     "load_checkpoint": "._source.open",
     "adapt_state_dict": "._state.adapt",
     "check_devices": "._state.devices",
-    "optimizer_to": "._state.optim",
+    "optimizer_to": "._state.optim.placement",
     **dict.fromkeys(("add_prefix", "canonical_key", "strip_prefix", "unwrap_model"), "._state.prefix"),
     "DistResumeError": ".errors",
     "set_verbosity": "._core.log",

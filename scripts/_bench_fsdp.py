@@ -34,9 +34,9 @@ from dist_resume._dist.comm import broadcast_object
 from dist_resume._dist.shard_comm import scatter_full_into
 from dist_resume._format.stream_write import distinct_tensors, write_streamed
 from dist_resume._save.full_state import save_full_state
-from dist_resume._state.optim import prepare_optimizer_state
+from dist_resume._state.optim.prepare import prepare_optimizer_state
+from dist_resume._state.optim.sharded import load_full_optimizer_state, sharded_optimizer_state
 from dist_resume._state.sharded import load_full_model_state, model_destinations
-from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
 
 __all__ = ["make_checkpoint", "load_rank", "save_rank", "LOADS", "SAVES"]
 

@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-NOT_INSTRUMENTED = ("dist_resume.__main__", "dist_resume.testing", "dist_resume._sim", "dist_resume.cli._check")
+NOT_INSTRUMENTED = ("dist_resume.__main__", "dist_resume.testing", "dist_resume._sim", "dist_resume.cli.check")
 
 
 def _instrumented_import() -> None:

@@ -68,7 +68,7 @@ def test_the_walk_finds_every_planted_use(tmp_path):
     shutil.copytree(REPO / "dist_resume", tmp_path / "dist_resume", ignore=shutil.ignore_patterns("__pycache__"))
     planted = {
         "_core/tree.py": "\n\ndef _gpus() -> int:\n    return torch.cuda.device_count()\n",
-        "_state/optim.py": "\nimport torch.cuda  # noqa: E402\n",
+        "_state/optim/prepare.py": "\nimport torch.cuda  # noqa: E402\n",
         "_format/load.py": "\nfrom torch import cuda as _cuda  # noqa: E402\n",
         "_exact/rng.py": "\nfrom torch.cuda import amp as _amp  # noqa: E402\n",
         "_save/save.py": "\n\ndef _on_gpu(t):\n    return t.is_cuda\n",
@@ -85,7 +85,7 @@ def test_the_walk_finds_every_planted_use(tmp_path):
             "dist_resume/_core/tree.py: torch.cuda",
             "dist_resume/_exact/rng.py: from torch.cuda import",
             "dist_resume/_format/load.py: from torch import cuda",
-            "dist_resume/_state/optim.py: import torch.cuda",
+            "dist_resume/_state/optim/prepare.py: import torch.cuda",
         ]
     )  # the owner's own use is allowed
 

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._checkpoint.apply import STEPS
+from dist_resume._checkpoint.apply.transaction import STEPS
 from dist_resume._checkpoint.objects import LiveObjects
-from dist_resume._checkpoint.plan import plan_restore
+from dist_resume._checkpoint.plan.restore_plan import plan_restore
 from dist_resume._layout.layout import split_checkpoint
 from dist_resume._source.open import load_checkpoint
 from dist_resume.errors import DistResumeError, RestoreError
@@ -228,7 +228,7 @@ def test_a_successful_apply_writes_the_optimizer_state_into_its_existing_tensors
 
 
 def test_a_model_copy_is_kept_only_where_its_own_load_can_raise(ckpt):
-    from dist_resume._checkpoint.module_step import can_raise
+    from dist_resume._checkpoint.apply.module_step import can_raise
 
     hooked = TinyNet(1)
     hooked.fc.register_load_state_dict_post_hook(lambda module, keys: None)

@@ -14,7 +14,7 @@ import torch
 import dist_resume as dr
 from dist_resume._core.tree import iter_tensors
 from dist_resume._layout.layout import Key
-from dist_resume._save import async_save
+from dist_resume._save import staging
 from tests.accelerator import Accel
 from tests.models import TinyNet, assert_same, batches_on, make_batches, train_steps
 
@@ -32,14 +32,14 @@ def test_async_save_of_device_tensors_holds_the_values_at_the_call(
     opt_at_call = {i: {k: v.to("cpu", copy=True) for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
     n_device = len(at_call) + sum(t.device == device for t in iter_tensors(opt.state_dict()["state"]))
     asked: list[tuple[str, bool]] = []
-    real = async_save.pinned_staging  # type: ignore[attr-defined]  # the name async_save imported (patched below)
+    real = staging.pinned_staging  # type: ignore[attr-defined]  # the name staging imported (patched below)
 
     def recording(device_type: str) -> bool:
         answer = real(device_type)
         asked.append((device_type, answer))
         return answer
 
-    monkeypatch.setattr(async_save, "pinned_staging", recording)
+    monkeypatch.setattr(staging, "pinned_staging", recording)
     handle = dr.save_checkpoint_async(tmp_path / "ckpt.pt", model=net, optimizer=opt, step=2)
     with torch.no_grad():  # training goes on at once, in place: parameters and optimizer state
         for p in net.parameters():
@@ -52,4 +52,4 @@ def test_async_save_of_device_tensors_holds_the_values_at_the_call(
     assert_same(saved[Key.OPTIMIZER]["state"], opt_at_call)
     # asked for device tensors only, and the backend pins: each device tensor went through pinned memory, no CPU one
     assert asked and set(asked) == {(accelerator.type, True)} and len(asked) == n_device
-    assert sum(t.is_pinned() for t in async_save._staging) == n_device
+    assert sum(t.is_pinned() for t in staging._buffers) == n_device

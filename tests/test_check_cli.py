@@ -298,7 +298,7 @@ def test_a_graceful_stop_and_the_test_accelerator(tmp_path: Path, sim_worker_env
     result = _json(done)
     assert result["exact"] and result["device"] == "sim" and result["interrupts"]["signal"] == "TERM"
     assert result["launches"][0]["returncode"] == -15  # Python's default SIGTERM: the process ends there
-    from dist_resume.cli._inspect import describe_checkpoint
+    from dist_resume.cli.inspect import describe_checkpoint
 
     newest = sorted(Path(result["folders"]["interrupted"]).glob("ckpt_*"))[-1]
     assert "sim:0" in describe_checkpoint(newest)["device_tags"]  # it trained on the test accelerator

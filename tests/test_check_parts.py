@@ -221,7 +221,7 @@ def test_a_result_reads_as_a_report_and_as_json(tmp_path: Path) -> None:
 def test_inspect_and_load_say_where_sim_tags_come_from(tmp_path: Path) -> None:
     path = tmp_path / "on_sim.pt"
     save_with_device_tag({"model": {"w": torch.ones(2)}}, path, tag="sim:0")
-    from dist_resume.cli._inspect import describe_checkpoint
+    from dist_resume.cli.inspect import describe_checkpoint
 
     warnings = describe_checkpoint(path)["warnings"]
     assert any("sim:0 are the test accelerator's" in w and "map_location" in w for w in warnings), warnings

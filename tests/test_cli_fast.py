@@ -23,7 +23,7 @@ import dist_resume as dr
 from dist_resume._format.peek import PeekUnsure, TensorStub, peek_archive
 from dist_resume._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key, describe_keys
 from dist_resume._source.listing import CHECKPOINT_NAME, checkpoint_name, sharded_checkpoint_name
-from dist_resume._state.optim_keys import GROUP_BOOKKEEPING
+from dist_resume._state.optim.keys import GROUP_BOOKKEEPING
 from dist_resume._state.prefix import canonical_key, prefix_style
 from dist_resume.cli import _fast, _fast_verify
 from dist_resume.cli._list import list_folder

@@ -241,7 +241,7 @@ def test_library_messages_use_an_before_vowels(tmp_path: Path) -> None:
 
 def test_hyperparameters_read_as_a_person_writes_them_and_close_floats_show_every_digit() -> None:
     from dist_resume.cli._compare import compare_values
-    from dist_resume.cli._inspect_render import _group_line
+    from dist_resume.cli.inspect._render import _group_line
 
     assert "lr=1e-06" in _group_line(0, {"lr": 1.0000000000000002e-06, "betas": (0.9, 0.999), "foreach": None})
     assert compare_values(1e-05, 1.0000000000000002e-06) == "A float 1e-05, B float 1e-06"

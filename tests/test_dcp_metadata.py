@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from dist_resume._foreign.dcp_metadata import _MetadataUnpickler
-from dist_resume._format.dcp_entries import entries_problem
-from dist_resume._format.dcp_peek import DTYPE_SIZES, peek_dcp_metadata
-from dist_resume._format.dcp_view import BadMetadata, metadata_problem, view_of, view_problem
+from dist_resume._format.dcp.entries import entries_problem
+from dist_resume._format.dcp.peek import DTYPE_SIZES, peek_dcp_metadata
+from dist_resume._format.dcp.view import BadMetadata, metadata_problem, view_of, view_problem
 from dist_resume._format.records import check_zip_stream
 from dist_resume.errors import CheckpointCorruptError
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._checkpoint.hparams import hparam_changes
+from dist_resume._checkpoint.plan.hparams import hparam_changes
 from dist_resume.cli import main
 from dist_resume.cli._common import ExitCode
 from dist_resume.errors import (

@@ -74,7 +74,7 @@ def test_no_module_imports_another_modules_private_name():
 # Where a checkpoint is becomes a Location (a Path or a RemotePath) once, at the public entry that received the user's
 # path or URL; everything below takes that value as it is and never resolves a raw path again.
 _PATH_ENTRIES = {
-    ("_checkpoint/restore.py", "resume"),
+    ("_checkpoint/resume.py", "resume"),
     ("_source/open.py", "load_checkpoint"),
     ("_source/consensus.py", "resolve_checkpoint"),
     ("_source/listing.py", "latest_checkpoint"),
@@ -84,8 +84,8 @@ _PATH_ENTRIES = {
     ("_manager/adopt.py", "convert_into_folder"),
     ("_manager/manager.py", "CheckpointManager.__init__"),
     ("_manager/start.py", "start_run"),  # CheckpointManager.resume(init_from=...)
-    ("_save/save.py", "save_checkpoint"),
-    ("_save/async_save.py", "save_checkpoint_async"),
+    ("_save/entry.py", "save_checkpoint"),
+    ("_save/entry.py", "save_checkpoint_async"),
     ("cli/_parser.py", "_location"),  # every dist-resume command's path arguments (argparse's type=)
 }
 

@@ -23,7 +23,8 @@ from torch import nn
 import dist_resume as dr
 from dist_resume._manager import lease as lease_mod
 from dist_resume._manager.holder import Holder, process_gone, takeover_reason, this_process
-from dist_resume._manager.lease import LEASE_NAME, WAIT_ENV, Lease, PrefixLease, wait_seconds
+from dist_resume._manager.lease import LEASE_NAME, WAIT_ENV, PrefixLease, wait_seconds
+from dist_resume._manager.lease_object import Lease
 from dist_resume._store.upload import read_tagged
 from dist_resume._store.url import location
 from dist_resume.errors import CheckpointWriteError, UsageError

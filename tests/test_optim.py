@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._state.optim import canonical_optimizer_state, prepare_optimizer_state, state_coverage
+from dist_resume._state.optim.keys import state_coverage
+from dist_resume._state.optim.prepare import canonical_optimizer_state, prepare_optimizer_state
 from tests.models import TwinNet, TwinNetReordered, assert_same, make_batches, train_steps
 
 META = torch.device("meta")
@@ -373,7 +374,7 @@ def test_sparse_adam_integer_step():
 
 def test_normaliser_lives_in_state_and_dcp_reads_the_same_one():
     from dist_resume._foreign import dcp
-    from dist_resume._state import optim_keys
+    from dist_resume._state.optim import keys as optim_keys
 
     # the name as dcp imported it: not re-exported, which is the point
     assert dcp.normalize_optimizer_state is optim_keys.normalize_optimizer_state  # type: ignore[attr-defined]

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._state.optim import prepare_optimizer_state, state_coverage
+from dist_resume._state.optim.keys import state_coverage
+from dist_resume._state.optim.prepare import prepare_optimizer_state
 from tests.models import TwinNet, assert_same, make_batches, single_rank_group, train_steps
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dist_resume as dr
-from dist_resume._state.optim_state import _SPECS, check_optimizer_state
+from dist_resume._state.optim.per_class import _SPECS, check_optimizer_state
 
 Build = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -126,7 +126,7 @@ def _mutations(key: str) -> dict[str, tuple[Callable[[dict[str, Any]], None], st
     return {
         "renamed": (rename, rf"lacks {key!r}.*has 'D{key[1:]}', which \w+ never writes"),
         "dropped": (drop, rf"lacks {key!r}"),
-        # the pairing check (optim_match.check_state_shapes) words it first: "state[name][key] has shape ..."
+        # the pairing check (optim/match.py: check_state_shapes) words it first: "state[name][key] has shape ..."
         "wrong shape": (reshape, rf"{key!r}\]? (is|has) shape \(\d+,\)"),
         "wrong dtype": (retype, rf"{key!r} is dtype torch.int64, expected a floating dtype"),
     }
@@ -276,7 +276,7 @@ def test_a_group_without_a_hyperparameter_step_reads_is_refused_naming_it(
 ) -> None:
     """The keys are the live optimizer's ``defaults`` less what torch's load fills in: a group without one resumed
     and the first ``step()`` raised ``KeyError`` (issue 45); ``optimizer_hparams="current"`` keeps the live ones."""
-    from dist_resume._checkpoint.hparams import required_hyperparameters
+    from dist_resume._checkpoint.plan.hparams import required_hyperparameters
 
     model = _model("Adam")
     opt = build(model)
@@ -303,7 +303,7 @@ def test_a_hyperparameter_torchs_load_fills_in_is_not_required() -> None:
     """What an older torch did not write (SGD's ``nesterov``, Adam's ``decoupled_weight_decay``), torch's
     ``__setstate__`` sets on load: such a file resumes. A class whose own ``__setstate__`` replaces torch's has its
     code left alone (every key of its ``defaults`` is required), and a wrapper put on torch's later is not run."""
-    from dist_resume._checkpoint.hparams import check_hyperparameters, required_hyperparameters
+    from dist_resume._checkpoint.plan.hparams import check_hyperparameters, required_hyperparameters
 
     model = _model("Adam")
     sgd, adam = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())

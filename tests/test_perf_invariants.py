@@ -147,7 +147,7 @@ def test_prefix_adaptation_hands_back_the_input_tensors_at_12k_keys(tmp_path):
 def gated_async_save(monkeypatch):
     """Hold every background write until the test opens the gate; record each snapshot taken."""
     gate, snapshots = threading.Event(), []
-    real_snapshot, real_write = _async._snapshot, _async.atomic_write  # type: ignore[attr-defined]  # patched below
+    real_snapshot, real_write = _async.stage, _async.atomic_write  # type: ignore[attr-defined]  # patched below
 
     def snapshot(obj: Any) -> Any:
         copied, queued = real_snapshot(obj)
@@ -159,7 +159,7 @@ def gated_async_save(monkeypatch):
             raise TimeoutError("the test never opened the gate")
         return real_write(dest, fn)
 
-    monkeypatch.setattr(_async, "_snapshot", snapshot)
+    monkeypatch.setattr(_async, "stage", snapshot)
     monkeypatch.setattr(_async, "atomic_write", write)
     try:
         yield gate, snapshots

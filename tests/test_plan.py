@@ -9,7 +9,7 @@ import torch
 
 import dist_resume as dr
 from dist_resume._checkpoint.objects import LiveObjects
-from dist_resume._checkpoint.plan import plan_restore
+from dist_resume._checkpoint.plan.restore_plan import plan_restore
 from dist_resume._core.tree import iter_tensors, map_tensors
 from dist_resume._layout.layout import Key, split_checkpoint
 from dist_resume._source.open import load_checkpoint

@@ -165,9 +165,9 @@ def test_exported_exceptions_pickle_by_their_public_path(cls):
 
 
 def test_cli_report_builder_does_not_shadow_the_public_name():
-    from dist_resume.cli import _inspect
+    from dist_resume.cli.inspect import _report
 
-    assert not hasattr(_inspect, "inspect_checkpoint") and callable(_inspect.describe_checkpoint)
+    assert not hasattr(_report, "inspect_checkpoint") and callable(_report.describe_checkpoint)
 
 
 def test_testing_module_is_public_and_documented():

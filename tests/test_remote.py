@@ -17,7 +17,8 @@ from torch import nn
 import dist_resume as dr
 from dist_resume._core.location import RemotePath
 from dist_resume._format import ranged
-from dist_resume._manager.lease import LEASE_NAME, Lease, PrefixLease
+from dist_resume._manager.lease import LEASE_NAME, PrefixLease
+from dist_resume._manager.lease_object import Lease
 from dist_resume._store.ranges import READ_STATS
 from dist_resume.errors import CheckpointCorruptError, CheckpointWriteError, KeyMismatchError
 

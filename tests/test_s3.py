@@ -25,7 +25,8 @@ from torch import nn
 import dist_resume as dr
 from dist_resume._core.location import RemotePath
 from dist_resume._format.records import read_records
-from dist_resume._manager.lease import LEASE_NAME, Lease
+from dist_resume._manager.lease import LEASE_NAME
+from dist_resume._manager.lease_object import Lease
 from dist_resume.cli import main as cli_main
 from tests.dist.harness import run_torchrun
 

@@ -122,7 +122,7 @@ def test_a_manifest_the_parser_cannot_read_is_refused_by_name(tmp_path):
 
 
 def test_a_part_check_that_raises_is_the_typed_error_naming_the_part(tmp_path, monkeypatch):
-    from dist_resume._checkpoint import plan
+    from dist_resume._checkpoint.plan import restore_plan as plan
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

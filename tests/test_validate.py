@@ -13,8 +13,8 @@ import torch
 
 import dist_resume as dr
 from dist_resume._core.text import described, preview, shown
-from dist_resume._state.optim_keys import check_state_keys, normalize_optimizer_state, unfit_state_keys
-from dist_resume._state.optim_state import check_optimizer_state
+from dist_resume._state.optim.keys import check_state_keys, normalize_optimizer_state, unfit_state_keys
+from dist_resume._state.optim.per_class import check_optimizer_state
 from dist_resume._state.validate import check_scaler, check_scheduler, is_number
 from dist_resume.errors import OptimizerStateMismatchError, StateMismatchError
 

@@ -19,8 +19,8 @@ from .._core.errors import CheckpointError
 from .._core.tree import map_tensors
 from .._dist.agree import agree_across_ranks
 from .._format.ranged import RangedArchive
-from .apply import Agree
-from .plan import RestorePlan
+from .apply.transaction import Agree
+from .plan.restore_plan import RestorePlan
 from .received import NOTHING
 
 __all__ = ["read_early", "apply_ranged"]

@@ -21,9 +21,9 @@ from .._dist.agree import agree_across_ranks, gather_agreed
 from .._dist.broadcast import Incoming
 from .._source.read import SourceContents, read_broadcast
 from .._source.source import Source
-from .apply import Agree, Transfer
+from .apply.transaction import Agree, Transfer
 from .options import ResumeOptions
-from .plan import RestorePlan, check_has_data
+from .plan.restore_plan import RestorePlan, check_has_data
 
 __all__ = ["restore_broadcast", "transfer_late"]
 
@@ -31,7 +31,7 @@ NOTHING = "could not restore the checkpoint, so nothing was restored on any rank
 
 
 def transfer_late(incoming: Incoming, slots: Sequence[int]) -> Transfer:
-    """The commit's :data:`~dist_resume._checkpoint.apply.Transfer` of a broadcast resume: the data of ``slots`` (the
+    """The commit's :data:`~dist_resume._checkpoint.apply.transaction.Transfer` of a broadcast resume: the data of ``slots`` (the
     same on every rank) received straight into the live tensors paired with them; pairs whose data is here already
     (rank 0's own, or data sent earlier) are copied locally. Collective; returns the first failure on this rank."""
     wanted = set(slots)

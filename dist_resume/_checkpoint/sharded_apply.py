@@ -1,5 +1,5 @@
 """Applying a validated FSDP2 restore: the steps that can fail (put back on a failure), the ranks' agreement, then
-the fill of every shard in place as the commit (see :mod:`~dist_resume._checkpoint.apply`)."""
+the fill of every shard in place as the commit (see :mod:`~dist_resume._checkpoint.apply.transaction`)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from .._dist.shard_comm import scatter_full_into
 from .._foreign.own_shards import fill_own_shards
 from .._foreign.sharded_load import load_into_shards
 from .._state.sharded import copy_full_into
-from .apply import Agree, run_transaction
-from .optimizer_step import optimizer_load_step
-from .plan import RestorePlan
-from .step import Pairs, Step
-from .steps import small_steps
+from .apply.optimizer_step import optimizer_load_step
+from .apply.step import Pairs, Step
+from .apply.steps import small_steps
+from .apply.transaction import Agree, run_transaction
+from .plan.restore_plan import RestorePlan
 
 __all__ = ["Fill", "ShardedRestore", "apply_sharded"]
 

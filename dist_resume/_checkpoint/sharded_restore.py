@@ -1,6 +1,6 @@
 """Restoring into an FSDP2 model (``fully_shard``, DTensor parameters): read, validate on every rank, fill the shards.
 
-The same plan as for a plain or DDP model (:func:`~dist_resume._checkpoint.plan.plan_restore`: names and shapes
+The same plan as for a plain or DDP model (:func:`~dist_resume._checkpoint.plan.restore_plan.plan_restore`: names and shapes
 against the full parameters, prefixes adapted, optimizer ids mapped to names), then what differs: the saved tensors
 are full (or stand-ins of full tensors) and each rank keeps only its boxes. How the data reaches the shards
 (:class:`Fill`) follows from the source, decided once:
@@ -44,15 +44,15 @@ from .._layout.layout import Layout
 from .._source.integrity import verify_source
 from .._source.read import SourceContents, parts_from_fields, parts_to_fields, read_source
 from .._source.source import Source, SourceKind
+from .._state.optim.sharded import sharded_optimizer_state
 from .._state.sharded import check_optimizer_follows, is_sharded, model_destinations, sharded_parameters
-from .._state.sharded_optim import sharded_optimizer_state
-from .apply import Agree
-from .module_step import refuse_load_hooks
+from .apply.module_step import refuse_load_hooks
+from .apply.step import Pairs
+from .apply.transaction import Agree
 from .objects import LiveObjects
 from .options import ResumeOptions
-from .plan import RestorePlan
+from .plan.restore_plan import RestorePlan
 from .sharded_apply import Fill, ShardedRestore, apply_sharded
-from .step import Pairs
 
 __all__ = ["SMALL_BYTES", "is_sharded_restore", "prepare_sharded", "restore_sharded"]
 

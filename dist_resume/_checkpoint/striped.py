@@ -32,11 +32,11 @@ from .._dist.comm import all_gather_objects, collective_step, comm_device
 from .._dist.striped_exchange import Unit, exchange, owners_by_bytes
 from .._format.ranged import RangedArchive
 from .._source.source import Source
-from .apply import Agree, Transfer, copy_pairs
+from .apply.step import Pairs
+from .apply.transaction import Agree, Transfer, copy_pairs
 from .options import ResumeOptions
-from .plan import RestorePlan
+from .plan.restore_plan import RestorePlan
 from .ranged import read_early
-from .step import Pairs
 
 __all__ = ["every_rank_reads", "stripes", "check_share", "apply_striped"]
 
@@ -113,7 +113,7 @@ def _digest(archive: RangedArchive | None, units: list[Unit]) -> str | None:
 
 
 def _transfer(archive: RangedArchive | None) -> Transfer:
-    """The commit's :data:`~dist_resume._checkpoint.apply.Transfer`: the archive's tensors exchanged striped (every
+    """The commit's :data:`~dist_resume._checkpoint.apply.transaction.Transfer`: the archive's tensors exchanged striped (every
     rank the same file and tensors, one all-gather says so), anything else copied here. Ranks that read different
     files (each its own copy, passed as a path) or restore different tensors each read their own instead."""
 

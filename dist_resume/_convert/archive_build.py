@@ -19,8 +19,8 @@ from typing import Any, Final
 
 import torch
 
-from .._core import torch_compat
 from .._core.location import local_path
+from .._core.torch_compat.private import storage_class_for
 from .._foreign.safetensors_read import DTYPES, read_safetensors_header
 from .._format.archive import ArchiveContents, StorageInfo
 from .._format.pickle_write import dump_pickle
@@ -50,7 +50,7 @@ def read_safetensors_meta(path: Path) -> RawTensors:
     for i, (name, entry) in enumerate(sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])):
         dtype = DTYPES[entry["dtype"]]
         tensor = torch.empty(entry["shape"], dtype=dtype, device="meta")
-        cls, storage_dtype = torch_compat.storage_class_for(dtype)
+        cls, storage_dtype = storage_class_for(dtype)
         begin, end = entry["data_offsets"]
         nbytes = end - begin
         numel = nbytes // storage_dtype.itemsize

@@ -10,7 +10,7 @@ from typing import Any
 from .._core.errors import CheckpointWriteError, NotACheckpointError
 from .._core.tensor_kind import odd_tensors
 from .._core.text import preview
-from .._core.torch_errors import dcp_cause, error_summary
+from .._core.torch_compat.wording import dcp_cause, error_summary
 
 __all__ = ["write_dcp"]
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from .._core import torch_compat
 from .._core.errors import KeyMismatchError, UsageError
+from .._core.torch_compat.private import allowing_plain_globals
 from .._core.tree import plain_namespaces
 from .._foreign.safetensors_read import read_safetensors_header
 from .._format.archive import read_archive
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, CheckpointParts, Key, Layout, split_checkpoint
 from .._source.open import load_checkpoint
-from .._state.optim_keys import check_optimizer_form, digit_id, optimizer_by_name
+from .._state.optim.keys import check_optimizer_form, digit_id, optimizer_by_name
 from .._state.prefix import canonical_key, prefix_style
 from .archive_build import read_safetensors_meta, write_archive
 from .dcp_write import write_dcp
@@ -182,7 +182,7 @@ def pt_to_dcp(src: Path, dst: Path, to: KeyForm | None, part_keys: Mapping[str, 
             "--to ddp does not apply to a DCP folder: DCP and DSD key everything by canonical FQN",
             "leave --to out (or pass --to single)",
         )
-    with torch_compat.allowing_plain_globals():
+    with allowing_plain_globals():
         obj = load_checkpoint(src, map_location="cpu", mmap=True)
     source = repr(str(src))
     parts = split_checkpoint(plain_namespaces(obj), source=source, part_keys=part_keys)

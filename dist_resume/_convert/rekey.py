@@ -9,7 +9,7 @@ from typing import Any
 
 from .._core.errors import KeyMismatchError
 from .._core.text import preview
-from .._state.optim_keys import check_optimizer_form
+from .._state.optim.keys import check_optimizer_form
 from .._state.prefix import DDP_PREFIX, canonical_key
 
 __all__ = ["KeyForm", "target_key", "rekey_state_dict", "rekey_param_names"]

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .._core import torch_compat
 from .._core.errors import NotACheckpointError, UsageError
 from .._core.text import article
+from .._core.torch_compat.private import allowing_plain_globals
 from .._foreign.sharded import load_sharded_payload, new_manifest, split_payload
 from .._format.atomic import atomic_write
 from .._format.manifest import MANIFEST, TRAIN_STATE, file_entry
@@ -51,7 +51,7 @@ def _payload(src: Path, source: str, part_keys: Any) -> tuple[dict[str, Any], La
     """``src``'s dist_resume payload (a dist_resume file as it is; any other layout through its parts), its model
     under canonical keys and its optimizer keyed by name; the layout read, the model's key prefix before and how
     many keys lost it."""
-    with torch_compat.allowing_plain_globals():
+    with allowing_plain_globals():
         obj = load_checkpoint(src, map_location="cpu", mmap=True)
     obj = plain_namespaces(obj)
     parts = split_checkpoint(obj, source=source, part_keys=part_keys)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .._core.errors import UsageError
 from .._core.log import logger
-from .._core.torch_compat import default_store, group_timeout
+from .._core.torch_compat.private import default_store, group_timeout
 from .env import is_distributed
 from .restarts import warn_restart_risk_once
 

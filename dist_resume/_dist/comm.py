@@ -25,8 +25,8 @@ from .._core import errors as _errors
 from .._core.errors import CheckpointWriteError, DistResumeError, rebuild_error
 from .._core.log import logger
 from .._core.rank import global_rank
-from .._core.torch_compat import object_collective_device_type, tensor_owners
-from .._core.torch_errors import CommFailure, classify_comm_error, comm_error_summary
+from .._core.torch_compat.private import object_collective_device_type, tensor_owners
+from .._core.torch_compat.wording import CommFailure, classify_comm_error, comm_error_summary
 from .accelerator import current_device
 from .env import is_distributed
 
@@ -64,7 +64,7 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
 
     Under gloo a collective returns while the backend's worker thread still holds its tensors for a moment;
     a tensor Python drops first is later freed by that thread, which then needs the GIL and aborts the
-    process if the interpreter is exiting (:func:`dist_resume._core.torch_compat.tensor_owners` says more).
+    process if the interpreter is exiting (:func:`dist_resume._core.torch_compat.private.tensor_owners` says more).
     Waiting here, with the GIL released, means every dist_resume collective is over when it returns, so a
     script may exit right after one. Only CPU tensors under a gloo backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``)
     are waited for; other backends and devices are left as they are.

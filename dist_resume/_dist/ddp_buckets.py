@@ -5,7 +5,7 @@ forward (FACTS 42): an uninterrupted run's step ``k + 1`` is on the rebuilt buck
 that step in one bucket, and past 2 ranks a ring all-reduce then adds each element in another order. A save records
 the layout the DDP reduces in (``meta["ddp_buckets"]``: each bucket's parameter indices, checked where every
 ``meta`` entry is, :func:`dist_resume._layout.meta.toolkit_meta`); a resume gives the live
-DDP, before its first forward, a reducer with that layout (:func:`dist_resume._core.torch_ddp.install_layout`). Its
+DDP, before its first forward, a reducer with that layout (:func:`dist_resume._core.torch_compat.ddp.install_layout`). Its
 first step then reduces every element in the same order as the uninterrupted run's, and at the next forward it
 rebuilds from its own gradient-ready order, which is the uninterrupted run's (FACTS 47).
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.log import log_rank0
-from .._core.torch_ddp import (
+from .._core.torch_compat.ddp import (
     BucketLayout,
     bucket_layout_of,
     ddp_started,

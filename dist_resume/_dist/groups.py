@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._core.torch_compat import group_timeout
+from .._core.torch_compat.private import group_timeout
 
 __all__ = ["gloo_group"]
 

@@ -26,7 +26,7 @@ from typing import Any, Final
 import torch.distributed as dist
 
 from .._core.log import log_rank0
-from .._core.torch_compat import default_store
+from .._core.torch_compat.private import default_store
 
 __all__ = ["RESTART_RISK", "restart_risk", "warn_restart_risk_once"]
 

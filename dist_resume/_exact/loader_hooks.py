@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import torch
 
-from .._core.torch_loader import (
+from .._core.torch_compat.loader import (
     loader_iterator_finished,
     map_style,
     set_iterator_factory,

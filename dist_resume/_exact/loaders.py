@@ -25,7 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0
-from .._core.torch_loader import batches_yielded, live_loader_iterator
+from .._core.torch_compat.loader import batches_yielded, live_loader_iterator
 from .loader_hooks import hooks_of
 from .sampler import ResumableDistributedSampler, check_sampler_state
 from .stateful_loader import (

@@ -10,11 +10,11 @@ from typing import Any, Final
 import torch
 from torch.utils.data import Sampler
 
-from .._core import torch_loader
 from .._core.errors import StateMismatchError
 from .._core.log import log_rank0, logger
 from .._core.rank import rank_and_world
 from .._core.text import described
+from .._core.torch_compat.loader import drawing_loader_workers
 from .sample_streams import SampleIndex, stream_seed
 from .sampler_config import SamplerConfig
 
@@ -152,7 +152,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self._pass += 1
         token, start, w = self._pass, self._resume_at, self._cfg.num_replicas
         self._pass_epoch, self._start, self._yielded = self._epoch, start, 0
-        self._prefetching = torch_loader.drawing_loader_workers() or self._prefetching
+        self._prefetching = drawing_loader_workers() or self._prefetching
         order = self._order(self._epoch)
         rest = order[start:]
         total = self._share(start) * w

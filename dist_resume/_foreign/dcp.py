@@ -28,15 +28,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from .._core import torch_errors
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location, local_path
+from .._core.torch_compat.wording import is_damaged_pickle_error
 from .._core.tree import map_tensors, set_path
 from .._core.types import MapLocation
 from .._format.load import rank_map_location
 from .._format.sniff import check_walkable, unsafe_error
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
-from .._state.optim_keys import normalize_optimizer_state
+from .._state.optim.keys import normalize_optimizer_state
 from .dcp_metadata import METADATA as _METADATA
 from .dcp_metadata import read_dcp_metadata
 from .dcp_reader import DcpReader
@@ -127,7 +127,7 @@ def load_dcp_state(path: Location, *, weights_only: bool = True) -> dict[str, An
         except (TypeError, KeyError, AttributeError, IndexError, AssertionError) as err:
             # torch's planner trusts .metadata's structure (a key damaged into a tuple breaks its sorting);
             # raised inside torch only, it is damage, never a bug of ours
-            if not torch_errors.is_damaged_pickle_error(err):
+            if not is_damaged_pickle_error(err):
                 raise
             raise _unreadable(folder, err) from err
     return check_walkable(state, f"DCP folder {str(folder)!r}")

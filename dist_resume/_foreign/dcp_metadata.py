@@ -4,8 +4,8 @@ torch's DCP reader trusts ``.metadata`` completely: it unpickles it with plain `
 every tensor it describes before reading a byte of data. Here the file is opened as a regular file inside its folder
 (:mod:`~dist_resume._format.safe_open`), the opcodes are checked first (the C unpickler allocates a memo index or a
 counted length before it reads the bytes), globals are limited to DCP's metadata classes
-(:data:`~dist_resume._format.dcp_peek.ALLOWED`, shared with the torch-free reader), and the result is checked
-(:func:`~dist_resume._format.dcp_view.view_problem`) before anything is allocated from it: every chunk inside its
+(:data:`~dist_resume._format.dcp.peek.ALLOWED`, shared with the torch-free reader), and the result is checked
+(:func:`~dist_resume._format.dcp.view.view_problem`) before anything is allocated from it: every chunk inside its
 tensor, every element covered exactly once, each chunk's bytes stored in one of the folder's data files and inside it,
 planner paths that are places in one nested state.
 """
@@ -25,8 +25,8 @@ from .._core.errors import CheckpointCorruptError, NotACheckpointError, UnsafeCh
 from .._core.location import Location
 from .._core.text import article
 from .._core.untrusted import untrusted
-from .._format.dcp_peek import ALLOWED, DAMAGED_PICKLE, check_opcodes
-from .._format.dcp_view import BadMetadata, view_of, view_problem
+from .._format.dcp.peek import ALLOWED, DAMAGED_PICKLE, check_opcodes
+from .._format.dcp.view import BadMetadata, view_of, view_problem
 from .._format.safe_open import folder_entries, read_in_folder
 
 __all__ = ["METADATA", "MAX_METADATA", "read_dcp_metadata", "data_file_sizes"]

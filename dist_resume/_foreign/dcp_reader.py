@@ -30,8 +30,8 @@ from torch.futures import Future
 
 from .._core.errors import CheckpointCorruptError, CheckpointError
 from .._core.location import Location
-from .._core.torch_compat import zstd_available
-from .._format.dcp_entries import Window
+from .._core.torch_compat.private import zstd_available
+from .._format.dcp.entries import Window
 from .._format.records import check_zip_bytes, check_zip_stream
 from .._format.safe_open import open_in_folder
 from .dcp_metadata import read_dcp_metadata

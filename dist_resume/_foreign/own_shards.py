@@ -27,7 +27,7 @@ from .._core.errors import CheckpointCorruptError, StateMismatchError
 from .._core.location import Location
 from .._core.shards import is_dtensor, local_of, shard_spec
 from .._core.text import preview
-from .._core.torch_compat import dtensor_with_local
+from .._core.torch_compat.private import dtensor_with_local
 from .._core.tree import iter_tensors, map_tensors
 from .._core.untrusted import untrusted
 from .._format.load import load_torch_file

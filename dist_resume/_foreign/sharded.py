@@ -38,7 +38,7 @@ from .._format.manifest import MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Man
 from .._format.sharded_files import manifest_problems, rank_share
 from .._format.sharded_layout import SHARDED_LAYOUT, layout_problem, lost_keys_problem
 from .._layout.layout import CheckpointParts, Key, Layout, split_checkpoint
-from .._state.optim_keys import normalize_optimizer_state, optimizer_by_name
+from .._state.optim.keys import normalize_optimizer_state, optimizer_by_name
 
 __all__ = [
     "DCP_PARTS",

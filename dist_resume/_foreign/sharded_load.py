@@ -23,13 +23,13 @@ import torch
 
 from .._core.errors import CheckpointCorruptError, CheckpointError, NotACheckpointError
 from .._core.location import Location
-from .._core.torch_errors import dcp_cause
+from .._core.torch_compat.wording import dcp_cause
 from .._core.tree import set_path
 from .._format.load import load_torch_file
 from .._format.manifest import TRAIN_STATE
 from .._format.sniff import check_walkable
 from .._layout.layout import CheckpointParts, Layout, split_checkpoint
-from .._state.optim_keys import normalize_optimizer_state
+from .._state.optim.keys import normalize_optimizer_state
 from .sharded import checked_layout, checked_manifest, join_payload
 
 __all__ = ["read_sharded_skeleton", "read_dcp_skeleton", "load_into_shards"]

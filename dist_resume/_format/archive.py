@@ -19,11 +19,20 @@ from typing import Any
 
 import torch
 
-from .._core import torch_compat, torch_errors
 from .._core.errors import CheckpointCorruptError, NotACheckpointError
 from .._core.location import Location, looked_up
 from .._core.security import warn_if_unsafe_torch
 from .._core.tensor_kind import refuse_odd_tensors
+from .._core.torch_compat.private import (
+    WeightsOnlyUnpickler,
+    allowing_plain_globals,
+    decode_location,
+    discarding_sparse_checks,
+    meta_typed_storage,
+    storage_class_of,
+    storage_id,
+)
+from .._core.torch_compat.wording import is_garbled_pickle
 from .records import Record
 from .small_records import read_checked_records
 from .sniff import check_walkable, unsafe_error
@@ -64,12 +73,12 @@ class ArchiveContents:
         """The saved storage behind a tensor of :attr:`obj`, or None (a tensor saved without storage)."""
         if not tensor.is_meta:
             return None
-        return self._by_cdata.get(torch_compat.storage_id(tensor.untyped_storage()))
+        return self._by_cdata.get(storage_id(tensor.untyped_storage()))
 
     def register(self, storage: torch.UntypedStorage, info: StorageInfo) -> None:
         """Record that the meta ``storage`` stands for the saved storage ``info`` (what re-pickling emits)."""
         self.storages[info.key] = info
-        self._by_cdata[torch_compat.storage_id(storage)] = info
+        self._by_cdata[storage_id(storage)] = info
         self._keepalive.append(storage)
 
 
@@ -81,7 +90,7 @@ class _Garbled(pickle.UnpicklingError):
     """data.pkl is not what torch.save writes (raised by the persistent_load below)."""
 
 
-class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
+class _MetaUnpickler(WeightsOnlyUnpickler):  # type: ignore[misc]
     """torch's weights_only unpickler, with every storage replaced by a zero-byte meta storage."""
 
     def __init__(self, data: bytes, contents: ArchiveContents) -> None:
@@ -93,12 +102,12 @@ class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
         if not (isinstance(pid, tuple) and len(pid) == 5):
             raise _Garbled(f"unexpected persistent id {pid!r}")
         _, storage_type, key, location, numel = pid
-        location = torch_compat.decode_location(location)
+        location = decode_location(location)
         if not (isinstance(key, str) and isinstance(location, str) and isinstance(numel, int) and numel >= 0):
             raise _Garbled(f"unexpected persistent id {pid!r}")
         if key in self._typed:
             return self._typed[key]
-        kind = torch_compat.storage_class_of(storage_type)
+        kind = storage_class_of(storage_type)
         if kind is None:
             raise _Garbled(f"unexpected storage type {storage_type!r}")
         dtype, cls = kind
@@ -106,7 +115,7 @@ class _MetaUnpickler(torch_compat.WeightsOnlyUnpickler):  # type: ignore[misc]
         untyped = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
         info = StorageInfo(key, dtype, location, numel, nbytes, ("storage", cls, key, location, numel))
         self._contents.register(untyped, info)
-        typed = torch_compat.meta_typed_storage(untyped, dtype)
+        typed = meta_typed_storage(untyped, dtype)
         self._typed[key] = typed
         return typed
 
@@ -132,10 +141,10 @@ def read_archive(path: Location) -> ArchiveContents:
     warn_if_unsafe_torch()  # the unpickler below is torch's weights_only one, with its published flaws
     try:
         # the sparse checks queued are torch.load's, not ours; argparse.Namespace (``args``) carries no code
-        with torch_compat.discarding_sparse_checks(), torch_compat.allowing_plain_globals():
+        with discarding_sparse_checks(), allowing_plain_globals():
             contents.obj = _MetaUnpickler(data, contents).load()
     except pickle.UnpicklingError as err:
-        if not isinstance(err, _Garbled) and not torch_errors.is_garbled_pickle(err):
+        if not isinstance(err, _Garbled) and not is_garbled_pickle(err):
             raise unsafe_error(p, err) from err  # what torch.load(weights_only=True) refuses, named
         raise CheckpointCorruptError(f"checkpoint {_name(p)} has a damaged data.pkl ({err})") from err
     except (EOFError, IndexError, KeyError, struct.error, UnicodeDecodeError) as err:

@@ -21,8 +21,8 @@ from .._core.errors import (
 )
 from .._core.location import Location, RemotePath
 from .._core.security import warn_if_unsafe_torch
-from .._core.torch_compat import allowing_plain_globals
-from .._core.torch_errors import (
+from .._core.torch_compat.private import allowing_plain_globals
+from .._core.torch_compat.wording import (
     LoadFailure,
     classify_load_error,
     error_summary,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._core.errors import NotACheckpointError
-from .._core.torch_compat import tensor_reduction
+from .._core.torch_compat.private import tensor_reduction
 from .archive import ArchiveContents
 
 __all__ = ["dump_pickle"]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from .._core.errors import CheckpointCorruptError
 from .._core.location import Location
-from .dcp_entries import entries_problem
-from .dcp_view import BadMetadata, metadata_view
+from .dcp.entries import entries_problem
+from .dcp.view import BadMetadata, metadata_view
 from .manifest import DCP_METADATA, MANIFEST, REQUIRED, FileEntry, Manifest, file_crc32
 from .safe_open import entry_of, folder_entries, read_in_folder
 from .sharded_layout import held_keys
@@ -52,10 +52,10 @@ def manifest_problems(
     ``verify`` have the listed CRC-32 (reads every file once; ``share``: only those files, a rank's part of a check
     the ranks split, :func:`rank_share`); the folder must hold nothing else (an unlisted file is
     damage: no reader may use a byte integrity does not cover); and ``.metadata`` must describe what the listed shards
-    hold (:func:`~dist_resume._format.dcp_view.metadata_view`: every chunk stored inside a listed shard, no two entries
+    hold (:func:`~dist_resume._format.dcp.view.metadata_view`: every chunk stored inside a listed shard, no two entries
     over the same bytes, every element of every tensor covered exactly once, the DCP state's entries those the
     manifest names), and with ``verify`` that each stored entry's header is sound and a chunk's says the dtype and
-    shape ``.metadata`` declares (:func:`~dist_resume._format.dcp_entries.entries_problem`, for the files whose CRC-32
+    shape ``.metadata`` declares (:func:`~dist_resume._format.dcp.entries.entries_problem`, for the files whose CRC-32
     this call checks).
     """
     root = folder

@@ -110,7 +110,7 @@ def unsafe_error(path: Location | str, err: BaseException) -> UnsafeCheckpointEr
     Used by the torch-file loader, the archive reader and DCP's entry reader alike; ``path`` is a
     file or the words naming what was read (``"DCP entry 'extra' of 'ckpt'"``).
     """
-    from .._core.torch_errors import refused_global  # torch's wording: imported where torch refused something
+    from .._core.torch_compat.wording import refused_global  # torch's wording: imported where torch refused something
 
     refused = refused_global(err)
     never = "do not load it unless you made it yourself (then, and only then, pass weights_only=False)"

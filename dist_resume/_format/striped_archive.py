@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import torch
 
-from .._core import torch_compat
+from .._core.torch_compat.private import storage_class_for, storage_id
 from .._core.tree import map_tensors
 from .archive import ArchiveContents, StorageInfo
 from .pickle_write import dump_pickle
@@ -158,10 +158,10 @@ def plan_archive(payload: Any, *, threshold: int = STRIPE_THRESHOLD, alignment: 
     stand_ins: dict[int, torch.Tensor] = {}
     for path, tensor in tensor_paths(payload):
         storage = tensor.untyped_storage()
-        sid = torch_compat.storage_id(storage)
+        sid = storage_id(storage)
         if sid not in metas:
             meta = torch.UntypedStorage(storage.nbytes(), device="meta")  # type: ignore[no-untyped-call]
-            cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
+            cls, storage_dtype = storage_class_for(tensor.dtype)
             key, nbytes = str(len(metas)), storage.nbytes()
             numel = nbytes // storage_dtype.itemsize
             tag = torch.serialization.location_tag(storage)

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import torch
 
-from .._core import torch_compat
+from .._core.torch_compat.private import storage_class_for
 from .._core.tree import map_tensors
 from .archive import ArchiveContents, StorageInfo
 from .pickle_write import dump_pickle
@@ -110,7 +110,7 @@ def plan_records(obj: Any) -> TensorRecords:
     sizes = []
     for i, tensor in enumerate(tensors):
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-        cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
+        cls, storage_dtype = storage_class_for(tensor.dtype)
         nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         numel = nbytes // storage_dtype.itemsize
         key = str(i)

@@ -2,7 +2,7 @@
 
 Object stores have no ``flock``. The writer creates the lease with a conditional put (S3's ``If-None-Match: *``:
 of two jobs creating it at once, exactly one succeeds), naming itself (host, pid, the process's start time, its
-torchrun job and generation: :mod:`~dist_resume._manager.holder`) and an expiry :data:`LEASE_SECONDS` ahead; a thread
+torchrun job and generation: :mod:`~dist_resume._manager.holder`) and an expiry :data:`~.lease_object.LEASE_SECONDS` ahead (:class:`~.lease_object.Lease`); a thread
 renews it every :data:`RENEW_SECONDS` while the manager holds it, and :meth:`PrefixLease.release` deletes it, as does
 the end of the process (normal, or by an uncaught exception: see :mod:`~dist_resume._core.exit`) for a lease still
 held then.
@@ -24,40 +24,37 @@ at WARNING, and in docs/checkpoint-folders.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from .._core.errors import CheckpointWriteError, UsageError
 from .._core.exit import release_at_exit
 from .._core.location import Location, RemotePath
 from .._store.upload import conditional_put, put_if_absent, put_if_unchanged, read_tagged
 from .holder import Holder, takeover_reason, this_process
+from .lease_object import LEASE_SECONDS, Lease
 from .lock import FolderLock
 
 __all__ = [
     "LEASE_NAME",
-    "LEASE_SECONDS",
     "RENEW_SECONDS",
     "WAIT_ENV",
     "WAIT_SECONDS",
-    "Lease",
     "PrefixLease",
     "wait_seconds",
     "writer_lock",
+    "lock_for_resume",
 ]
 
 # the library logger (:mod:`dist_resume._core.log`, which imports torch: this module is read by torch-free commands)
 logger = logging.getLogger("dist_resume")
 
 LEASE_NAME: Final = ".dist_resume.lease"
-LEASE_SECONDS: Final = 60.0
 RENEW_SECONDS: Final = 15.0
 WAIT_ENV: Final = "DIST_RESUME_LEASE_WAIT"
 WAIT_SECONDS: Final = LEASE_SECONDS + RENEW_SECONDS  # a holder that died now: its lease expires within this
@@ -102,52 +99,6 @@ def wait_seconds() -> float:
             f"write lease on an object store (default {WAIT_SECONDS:.0f})"
         )
     return seconds
-
-
-def _optional(fields: dict[str, Any], name: str, kind: type[Any]) -> Any:
-    value = fields.get(name)
-    return None if value is None else kind(value)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """What the lease object says: who holds it, since when, until when, and the holder's token."""
-
-    host: str
-    pid: int
-    since: float
-    expires: float
-    token: str
-    node: str | None = None
-    start: int | None = None
-    job: str | None = None
-    generation: int | None = None
-
-    @property
-    def holder(self) -> Holder:
-        return Holder(self.host, self.pid, self.node, self.start, self.job, self.generation)
-
-    def to_json(self) -> bytes:
-        return json.dumps(vars(self)).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Lease | None:
-        """The lease, or None for an object that is not one (damaged, or written by hand): taken over at once."""
-        try:
-            fields: dict[str, Any] = json.loads(data)
-            return cls(str(fields["host"]), int(fields["pid"]), float(fields["since"]), float(fields["expires"]),
-                       str(fields["token"]), _optional(fields, "node", str), _optional(fields, "start", int),
-                       _optional(fields, "job", str), _optional(fields, "generation", int))  # fmt: skip
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            return None
-
-    def describe(self, now: float) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        renewed = now - (self.expires - LEASE_SECONDS)
-        return (
-            f"{self.holder.describe()}, since {since} (held {now - self.since:.0f} s, renewed {renewed:.0f} s ago; "
-            f"its lease expires in {self.expires - now:.0f} s unless renewed)"
-        )
 
 
 class PrefixLease:
@@ -352,6 +303,18 @@ class PrefixLease:
 def _mine(lease: Lease, me: Holder) -> bool:
     """Whether ``lease`` is held by this very process (another manager of it): waiting would never end."""
     return me.same_host(lease.holder) and lease.pid == me.pid
+
+
+def lock_for_resume(lock: FolderLock | PrefixLease) -> None:
+    """Take ``lock`` (a manager's, :func:`writer_lock`) for a resume, before anything is read: a second job on the
+    folder stops before it trains. Local (rank 0); raises :class:`CheckpointWriteError` naming the holder."""
+    try:
+        lock.acquire()
+    except CheckpointWriteError as err:
+        raise CheckpointWriteError(
+            f"CheckpointManager.resume() takes the folder's write lock before it reads anything, so that a second job "
+            f"on the folder stops before it trains: {err}"
+        ) from err
 
 
 def writer_lock(folder: Location, *, lease_wait: float | None = None) -> FolderLock | PrefixLease:

@@ -7,6 +7,7 @@ cleaning up and rotating after a save :mod:`~dist_resume._manager.rotation`'s.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
@@ -18,7 +19,6 @@ from typing import Any
 from .._checkpoint.objects import LiveObjects, TrainingObjects, data_position
 from .._checkpoint.options import ResumeOptions
 from .._checkpoint.restore import ResumeResult, checked_options
-from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import logger
 from .._core.types import PathLike
@@ -29,7 +29,7 @@ from .._source.listing import latest_checkpoint, numbered_checkpoints
 from .._store.url import location
 from .epoch_end import EpochEnd, Held
 from .folder_save import SaveTarget, save_into, save_into_async
-from .lease import PrefixLease, writer_lock
+from .lease import PrefixLease, lock_for_resume, writer_lock
 from .lock import FolderLock
 from .snapshots import MemoryTier
 from .start import start_run
@@ -58,44 +58,26 @@ class CheckpointManager:
     :class:`~dist_resume.errors.UsageError` at once. ``options`` (a :class:`ResumeOptions`) is what
     :meth:`resume` uses unless it is given its own.
 
-    An FSDP2 model (``fully_shard``) is saved as a sharded checkpoint folder ``ckpt_<step>.dcp/``, every rank
-    writing its own shards, committed by one rename (see :func:`save_checkpoint`); ``full_state=True`` saves it
-    as one file ``ckpt_<step>.pt`` instead, gathered on rank 0 (a model that is not sharded always gets one file).
+    ``save`` writes ``ckpt_<step>.pt`` atomically (an FSDP2 model: the sharded folder ``ckpt_<step>.dcp/``, every rank
+    its own shards; ``full_state=True``: one file gathered on rank 0), removes temporary files of interrupted saves,
+    and only then deletes all but the newest ``keep_last`` checkpoints (counting the one just written: 1 is
+    crash-safe, the default 2 keeps a fallback for one damaged later). ``latest()`` returns the newest checkpoint that
+    passes the integrity check. ``folder`` may be a URL (``s3://bucket/run``, ``gs://``, any fsspec protocol, with
+    ``storage_options`` and a local ``cache_dir``): each checkpoint is then one object, visible only once complete,
+    resumed by ranged reads straight into the tensors (docs/checkpoint-folders.md#remote-folders-object-stores).
 
-    ``save`` writes ``ckpt_<step>.pt`` atomically and only then deletes all but the newest ``keep_last``
-    checkpoints (never the one just written), so a crash at any moment leaves the previous checkpoint in
-    place; it also removes temporary files left by interrupted saves of this folder's checkpoints
-    (``.ckpt_<step>.pt.<16 hex>.tmp``, nothing else). ``keep_last`` counts the checkpoint just written: 1 is
-    crash-safe; the default 2 also keeps a fallback for a checkpoint damaged later (disk, copy).
-    ``latest()`` returns the newest checkpoint that passes the integrity check.
+    One writer per folder: :meth:`resume` and the first ``save``/``save_async`` take an exclusive lock on the folder
+    (``flock`` on ``<folder>/.dist_resume.lock`` on global rank 0; on an object store a lease object,
+    ``<folder>/.dist_resume.lease``) and hold it until :meth:`close` (or the end of a ``with`` block, or the manager
+    being garbage-collected): another manager that resumes or saves into the folder meanwhile gets a
+    :class:`~dist_resume.errors.CheckpointWriteError` naming the holder before it reads or writes anything. A lock
+    never outlives its holder, a relaunch takes a dead holder's lease over, and reading never takes it
+    (docs/checkpoint-folders.md#what-a-folder-guarantees).
 
-    ``folder`` may be a URL (``s3://bucket/run``, ``gs://``, ``az://``, any fsspec protocol; see
-    docs/checkpoint-folders.md): each checkpoint is then one object, uploaded as a stream and visible only once
-    complete, resumed by ranged reads straight into the tensors. ``storage_options`` (fsspec's: credentials,
-    ``endpoint_url``, ...) and ``cache_dir`` (a local folder keeping copies of the objects read) apply to a URL only;
-    credentials and endpoints otherwise come the standard way (``AWS_*``, ``AWS_ENDPOINT_URL``, ...).
-
-    One writer per folder: :meth:`resume` and the first ``save``/``save_async`` take an exclusive lock
-    on the folder (``fcntl.flock`` on ``<folder>/.dist_resume.lock``, on global rank 0, the rank that
-    writes) and hold it until :meth:`close` (or the end of a ``with`` block, or the manager being
-    garbage-collected). Another manager, in another job or in this process, that resumes or saves
-    into the folder meanwhile gets a :class:`~dist_resume.errors.CheckpointWriteError` naming the folder
-    and the holder (host, pid) before it reads or writes anything: a second job stops before it trains.
-    The kernel drops the lock when its holder dies, even by SIGKILL (a process it forked, such as a DataLoader
-    worker, does not inherit it), so there is never a stale lock. Reading (``latest()``, ``checkpoints()``,
-    :func:`resume` of the folder, the CLI) never takes it. On NFS ``flock`` may be local to one client. On an
-    object store the lock is a lease object, ``<folder>/.dist_resume.lease``, renewed while it is held and ignored
-    once expired; it is deleted by :meth:`close` and, for a script that never called it, when the process ends
-    (normally or by an exception): only a process killed by a signal it does not handle (SIGKILL, a plain
-    SIGTERM) or ended by ``os._exit`` leaves it: a relaunch of the same torchrun job, or on the same host, takes it
-    over at once; another job waits up to ``$DIST_RESUME_LEASE_WAIT`` seconds (75) for it to expire.
-
-    ``save``, ``save_async``, ``resume`` and a ``close`` that waits for a save are collective: every rank calls them
-    (rank 0 writes by itself). Each first checks in through the process group's store, so a call made on some ranks only
-    (a save inside ``if rank == 0:``) is named within seconds: after ``$DIST_RESUME_COLLECTIVE_WARN`` seconds (15) a
-    WARNING names the call, the step and the missing ranks, and the rank keeps waiting (a rank may be late, evaluating);
-    at ``collective_timeout`` (seconds or a timedelta; default ``$DIST_RESUME_COLLECTIVE_TIMEOUT``, else the process
-    group's timeout) it raises :class:`~dist_resume.errors.UsageError` with the fix, and the script exits.
+    ``save``, ``snapshot``, ``save_async``, ``resume`` and a ``close`` that waits are collective: every rank calls
+    them. A call made on some ranks only (a save inside ``if rank == 0:``) is named at WARNING after
+    ``$DIST_RESUME_COLLECTIVE_WARN`` seconds (15) and raises :class:`~dist_resume.errors.UsageError` with the fix at
+    ``collective_timeout`` (seconds or a timedelta; default ``$DIST_RESUME_COLLECTIVE_TIMEOUT``, else the group's).
 
     Example::
 
@@ -191,21 +173,16 @@ class CheckpointManager:
         return self._lock.path
 
     def checkpoints(self) -> list[Location]:
-        """Every file in the folder named like a checkpoint (``ckpt_<step>.pt``), oldest step first.
-
-        Local; looks at names only, so a listed file may still be damaged: :meth:`latest` (or
-        :func:`dist_resume.tools.inspect_checkpoint` on each path) checks the contents. Never lists temporary
-        files of interrupted saves (``.ckpt_<step>.pt.<16 hex>.tmp``), the lock file, or anything else in the
-        folder. ``[]`` when the folder does not exist yet. ``dist-resume list DIR`` shows the same
-        files with their step, size, age and whether each is valid.
+        """Every file in the folder named like a checkpoint (``ckpt_<step>.pt``), oldest step first; ``[]`` before the
+        folder exists. Local; names only (:meth:`latest` checks contents; ``dist-resume list DIR`` shows both), never
+        temporary files of interrupted saves, the lock or anything else (docs/checkpoint-folders.md).
 
         Example::
 
             >>> mgr = dist_resume.CheckpointManager("ckpts", model=torch.nn.Linear(2, 2), keep_last=3)
-            >>> for step in (10, 20):
-            ...     _ = mgr.save(step)
+            >>> _ = mgr.save(10)
             >>> [p.name for p in mgr.checkpoints()]
-            ['ckpt_00000010.pt', 'ckpt_00000020.pt']
+            ['ckpt_00000010.pt']
         """
         return [path for _, path in numbered_checkpoints(self.folder)]
 
@@ -218,33 +195,25 @@ class CheckpointManager:
     ) -> ResumeResult | None:
         """Continue this folder's run, start from another run's checkpoint, or start fresh (None).
 
-        Collective under torch.distributed: call it on every rank. Global rank 0 looks at the folder,
-        takes its write lock (creating the folder on a first run; a folder another live job holds raises
-        :class:`~dist_resume.errors.CheckpointWriteError` naming the holder, before anything is read), and
-        every rank takes the branch it decides:
+        Collective under torch.distributed: call it on every rank. Global rank 0 looks at the folder and takes its
+        write lock (creating the folder on a first run; a folder another live job holds raises
+        :class:`~dist_resume.errors.CheckpointWriteError` naming the holder, before anything is read), and every rank
+        takes the branch it decides (docs/checkpoint-folders.md says each whole):
 
-        - The folder holds files named ``ckpt_<step>.pt``: its newest complete one is restored into the
-          registered objects (rank 0 chooses, every rank confirms it sees the same file, see
-          :func:`resume`); the result's ``step`` is where the loop continues. A folder whose
-          checkpoints are all damaged raises :class:`~dist_resume.errors.CheckpointCorruptError`, a rank
-          that sees other files :class:`~dist_resume.errors.CheckpointConsensusError` (on every rank):
-          never a silent fresh start.
-        - It holds none (no such file, or no folder yet under an existing parent) and ``init_from`` is
-          given: ``init_from`` (a checkpoint file or folder, saved at any world size, in any layout
-          :func:`resume` reads) restores the **model**, and the **optimizer**'s per-parameter state
-          (momentum, Adam moments and step counts) and the EMA when its file holds them (a weights-only
-          file, the usual fine-tune start, initialises the model alone, and says so once). This is a new
-          run: the optimizer keeps its own group hyperparameters (``lr``, ``betas``, ``weight_decay``,
-          ``initial_lr``, ...), and the scheduler, scaler, data position and RNG streams are left as they
-          are. The result describes ``init_from`` (``path``, ``metadata``, ``restored``) with ``step=0``
-          and ``epoch=0``; the other run's step is in ``metadata["step"]`` for dist_resume files. A
-          missing ``init_from`` raises :class:`~dist_resume.errors.CheckpointNotFoundError`.
-        - It holds none and no ``init_from``: returns None (logged at INFO on rank 0,
-          "no checkpoint in X: starting fresh").
+        - the folder holds checkpoints: its newest complete one (or a newer snapshot in shared memory) is restored into
+          the registered objects, rank 0 choosing and every rank confirming; ``result.step`` is where the loop
+          continues. All of them damaged raises :class:`~dist_resume.errors.CheckpointCorruptError`, a rank that sees
+          other files :class:`~dist_resume.errors.CheckpointConsensusError` (every rank): never a silent fresh start;
+        - none, and ``init_from`` is given (a checkpoint file or folder of another run, any world size or layout
+          :func:`resume` reads): a new run starting from its **model** (and the optimizer's per-parameter state and
+          the EMA when it holds them); the optimizer's hyperparameters, the scheduler, scaler, data position and RNG
+          streams stay this run's. The result has ``step=0`` and ``epoch=0``, the other run's step in
+          ``metadata["step"]``; a missing ``init_from`` raises :class:`~dist_resume.errors.CheckpointNotFoundError`;
+        - none and no ``init_from``: None ("no checkpoint in X: starting fresh" at INFO on rank 0).
 
-        A folder whose parent does not exist either is taken for a mistyped path and raises
-        :class:`~dist_resume.errors.CheckpointNotFoundError`. ``options`` (default: the manager's) applies
-        to both restoring branches. A resume that raises releases the write lock it took (one held before stays).
+        A folder whose parent does not exist either is taken for a mistyped path
+        (:class:`~dist_resume.errors.CheckpointNotFoundError`). ``options`` (default: the manager's) applies to both
+        restoring branches. A resume that raises releases the write lock it took (one held before stays).
 
         Example::
 
@@ -262,9 +231,8 @@ class CheckpointManager:
         opts = self.options if options is None else checked_options(options)
         held = self._lock.held
         try:
-            result = start_run(
-                self.folder, live, opts, init_from=init_from, take_lock=self._lock_for_resume, memory=self._memory
-            )
+            take_lock = functools.partial(lock_for_resume, self._lock)
+            result = start_run(self.folder, live, opts, init_from=init_from, take_lock=take_lock, memory=self._memory)
             self._memory.watch(self._target())
             return result
         except BaseException:
@@ -281,17 +249,14 @@ class CheckpointManager:
     ) -> Location:
         """Save the checkpoint of ``step`` (see :func:`save_checkpoint`), then rotate; return its path.
 
-        Collective under torch.distributed: call it on every rank; global rank 0 creates the folder,
-        takes the folder's write lock (unless :meth:`resume` took it), removes stale temporary files, writes
-        and rotates, and every rank returns once the file is durable (or raises rank 0's
-        :class:`~dist_resume.errors.CheckpointWriteError`). Local in a single process. The registered objects
-        are saved, each keyword given replacing one for this call; every rank's RNG streams are saved too.
-        Rotation problems are logged, never raised: the new checkpoint is already safe.
-
-        Right after the registered loader's last batch of an epoch, the save is held and written when the loop moves
-        on (before the loader's next iterator, at the next save or snapshot of ``step``, or at :meth:`close`), so that
-        it holds what the loop does at an epoch's end (a per-epoch scheduler step, an EMA reset, an evaluation); the
-        path returned is the one it gets. See docs/exact-resume.md#a-save-at-an-epochs-last-batch.
+        Collective under torch.distributed: call it on every rank; rank 0 takes the folder's write lock (unless
+        :meth:`resume` did), writes and rotates, and every rank returns once the file is durable (or raises rank 0's
+        :class:`~dist_resume.errors.CheckpointWriteError`). The registered objects are saved (a keyword replaces one
+        for this call), every rank's RNG streams too; rotation problems are logged, never raised. Right after the
+        registered loader's last batch of an epoch the save is held and written when the loop moves on (before the
+        loader's next iterator, at the next call of ``step``, or at :meth:`close`), so that it holds the epoch's end
+        (a per-epoch scheduler step, an evaluation); the path returned is the one it gets
+        (docs/exact-resume.md#a-save-at-an-epochs-last-batch).
         """
         live = self._live(objects, saving=True, where="save")
         self._check_in(f"save(step={step!r})")
@@ -312,29 +277,17 @@ class CheckpointManager:
         """Keep the state of ``step`` in this node's shared memory (``/dev/shm``); a restart resumes from it.
 
         Collective under torch.distributed, like :meth:`save`: call it on every rank. It returns once the state is
-        in host shared memory: each node's local rank 0 writes the registered objects and every rank's RNG streams
-        and data position, as the standard torch file ``save`` writes, into one of two slots (the newest complete
-        snapshot is never the one being written; a snapshot counts once its commit record follows its CRC-32, so a
-        process killed halfway leaves the previous one). Under DDP the copy of a large state is split across the
-        node's local ranks by bytes: each copies its share of the parameters and optimizer state into the same slot;
-        a failure on any rank commits nothing and raises the same error on every rank. For a state over 1 MiB the
-        CRC-32s and the
-        commit record follow in a background thread after the call returns; until then the previous snapshot is the
-        newest (the next ``snapshot``, ``save``, ``close`` and the exit handlers wait for it). Nothing reaches the
-        folder: ``save(step)`` of the same step copies the snapshot there in a background thread (no second copy from
-        the device) when nothing it holds changed since (version counters, the small states compared whole: else the
-        live state is saved, and the snapshot retired), ``close()`` copies the
-        newest one the folder lacks and frees the memory, and a process that ends otherwise (an exception, SIGTERM)
-        copies it too but keeps the snapshots for the restart. :meth:`resume` resumes from memory when a snapshot
-        newer than the folder's newest checkpoint can restore every rank (``ResumeResult.source == "memory"``).
-        An FSDP2 model has no node writer: every rank keeps its own shards in its own part of its node's memory (the
-        ranks agree before any commits), resumes from them only when every rank holds its own of one step at the same
-        world size (from the folder otherwise), and ``save(step)`` writes the sharded checkpoint folder from them in a
-        background thread on every rank; at SIGTERM or an exit without ``close()`` the ranks write the newest one
-        together (nothing when a rank is gone), and keep the snapshots. Linux only (elsewhere
-        :class:`~dist_resume.errors.UsageError`); too little shared memory is a
-        :class:`~dist_resume.errors.CheckpointWriteError` before the previous snapshot is touched. ``$DIST_RESUME_SHM_DIR``
-        puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
+        in host shared memory, as the standard torch file ``save`` writes, in one of two slots (the newest complete
+        snapshot is never the one being written; a process killed halfway leaves the previous one; under DDP the
+        node's ranks each copy their share; an FSDP2 model's ranks each keep their own shards). Nothing reaches the
+        folder: ``save(step)`` of the same step copies the snapshot there in the background when nothing it holds
+        changed since (else the live state is saved), ``close()`` copies the newest one the folder lacks and frees
+        the memory, and a process that ends otherwise (an exception, SIGTERM) copies it too but keeps the snapshots
+        for the restart. :meth:`resume` resumes from memory when a snapshot newer than the folder's newest checkpoint
+        can restore every rank (``ResumeResult.source == "memory"``). Right after an epoch's last batch it is held
+        as :meth:`save` is. Linux only (elsewhere :class:`~dist_resume.errors.UsageError`); too little shared memory
+        is a :class:`~dist_resume.errors.CheckpointWriteError` before the previous snapshot is touched;
+        ``$DIST_RESUME_SHM_DIR`` puts the snapshots elsewhere. See docs/checkpoint-folders.md#snapshots-in-host-memory.
         """
         live = self._live(objects, saving=True, where="snapshot")
         check_saveable(live, step=step, epoch=epoch, extra=extra, where="CheckpointManager.snapshot()")
@@ -372,12 +325,3 @@ class CheckpointManager:
     def _live(self, objects: Mapping[str, Any], *, saving: bool, where: str) -> LiveObjects:
         where = f"CheckpointManager.{where}()"
         return LiveObjects.named(objects, saving=saving, where=where, registered=self._objects)
-
-    def _lock_for_resume(self) -> None:
-        try:
-            self._lock.acquire()
-        except CheckpointWriteError as err:
-            raise CheckpointWriteError(
-                f"CheckpointManager.resume() takes the folder's write lock before it reads anything, so that a "
-                f"second job on the folder stops before it trains: {err}"
-            ) from err

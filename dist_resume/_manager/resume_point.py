@@ -28,7 +28,7 @@ from .._core.errors import UsageError
 from .._core.location import Location
 from .._core.text import preview
 from .._layout.layout import CheckpointParts, Layout
-from .._state.optim_keys import digit_id
+from .._state.optim.keys import digit_id
 
 __all__ = ["ResumePoint", "resume_point"]
 

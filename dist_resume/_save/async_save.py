@@ -1,4 +1,6 @@
-"""Asynchronous saves: snapshot the state now, write it atomically in a background thread."""
+"""Asynchronous saves: the handle of a write in a background thread (one pending at a time), and the writes: rank 0's
+file from a snapshot (:mod:`.staging`), a striped save's shares and an FSDP2 model's shards, every rank in a thread of
+its own on a second gloo group."""
 
 from __future__ import annotations
 
@@ -13,60 +15,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checkpoint.moved import refuses_moved_keywords
-from .._checkpoint.objects import LiveObjects
 from .._core.errors import CheckpointWriteError
 from .._core.exit import wait_at_exit
 from .._core.location import Location
 from .._core.log import log_saved
-from .._core.tree import map_tensors
-from .._core.types import PathLike
-from .._dist.accelerator import pinned_staging, synchronize
-from .._dist.checkin import check_in
+from .._dist.accelerator import synchronize
 from .._dist.comm import run_on_rank0
 from .._dist.env import is_distributed
 from .._dist.groups import gloo_group
-from .._exact.data import stateful_data
 from .._format.atomic import atomic_write
 from .._state.sharded import is_sharded
-from .._store.url import location
-from .save import prepare_payload, tell
-from .saveable import check_saveable
-from .sharded import ShardedSave, begin_sharded, finish_sharded, save_full
+from .full_state import save_full
+from .save import tell
+from .sharded import ShardedSave, begin_sharded, finish_sharded
+from .staging import stage
 from .striped import begin_striped, stripes
 
-__all__ = ["AsyncSave", "save_checkpoint_async", "write_in_background", "finish_sharded_in_background", "wait_pending"]
+__all__ = ["AsyncSave", "write_in_background", "finish_sharded_in_background", "wait_pending"]
 
 _pending: AsyncSave | None = None
 _pending_lock = threading.Lock()
-
-
-_staging: list[torch.Tensor] = []  # the previous snapshot's tensors; free once its write is done
-
-
-def _snapshot(obj: Any) -> tuple[Any, set[torch.device]]:
-    """A copy of ``obj`` whose tensors are private CPU copies, written into the previous snapshot's tensors
-    where shapes and dtypes match (the previous write is over by now); and the devices it copied from
-    without blocking. An accelerator tensor is staged through pinned host memory where the backend
-    supports it (:func:`~dist_resume._dist.accelerator.pinned_staging`), with a plain CPU copy otherwise."""
-    old = list(_staging)
-    _staging.clear()
-    queued: set[torch.device] = set()
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        src = t.detach()
-        i = len(_staging)
-        pinned = src.device.type != "cpu" and pinned_staging(src.device.type)
-        out = old[i] if i < len(old) else None
-        if out is None or out.shape != src.shape or out.dtype != src.dtype or out.is_pinned() != pinned:
-            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
-        out.copy_(src, non_blocking=pinned)
-        if pinned:
-            queued.add(src.device)
-        _staging.append(out)
-        return out
-
-    return map_tensors(obj, copy), queued
 
 
 class AsyncSave:
@@ -143,61 +111,6 @@ def wait_pending() -> Location | None:
     return pending.wait() if pending is not None else None
 
 
-@refuses_moved_keywords
-def save_checkpoint_async(
-    path: PathLike,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    dataloader: Any = None,
-    ema: nn.Module | None = None,
-    step: int | None = None,
-    epoch: int | None = None,
-    extra: Any = None,
-    rng: bool = True,
-    full_state: bool = False,
-) -> AsyncSave:
-    """Like :func:`save_checkpoint`, but return once the state is snapshotted; write in a background thread.
-
-    Collective under torch.distributed: call it on every rank (a call on some ranks only is named within seconds,
-    see :class:`CheckpointManager`). It first waits for the previous
-    asynchronous save (so its errors surface here at the latest), then rank 0 copies the state to
-    CPU memory (pinned memory for accelerator tensors where the backend supports it, waiting for the
-    copies with ``torch.accelerator.synchronize``) and a thread writes it atomically. Training may
-    change the model and optimizer right away. ``wait()`` on the handle blocks until the file is
-    durable. The snapshot's CPU buffers stay allocated and are reused by the next asynchronous save (no
-    1 GiB allocation per save for a 1 GiB state), so rank 0 keeps one extra copy of the state in CPU
-    memory.
-
-    A DDP model saved to a local folder every rank sees is striped: every rank copies only its own share of the
-    tensor records (rank 0: its share, the small ones and the pickle's structure) and writes it into the one file from
-    a thread of its own; the CRCs are gathered and rank 0 commits the file there, on a second gloo process group
-    (made once). An FSDP2 model's sharded checkpoint folder is written by every rank in a thread of its own from a CPU
-    copy of its shards (the collectives of the write run on a second gloo process group, made once), so
-    training goes on meanwhile; with ``full_state=True`` the file is gathered and written before this returns
-    (the gather is a collective stream), and the handle is done at once.
-
-    Example::
-
-        >>> model = torch.nn.Linear(2, 2)
-        >>> handle = dist_resume.save_checkpoint_async("ckpt.pt", model=model, step=1)
-        >>> handle.wait()
-        PosixPath('ckpt.pt')
-    """
-    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
-    check_saveable(objects, step=step, epoch=epoch, extra=extra, where="save_checkpoint_async")
-    check_in(f"dist_resume.save_checkpoint_async(step={step!r})")  # a call on some ranks only is named, not hung
-    wait_pending()
-    started = time.perf_counter()
-    build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    where = location(path)  # the entry: decided here, passed down as it is
-    return write_in_background(
-        where, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started
-    )
-
-
 _background: tuple[Any, Any] = (None, None)  # (the default process group, the second group made for it)
 
 
@@ -269,7 +182,7 @@ def _striped_in_background(
     begun = begin_striped(dest, build, model, step=step, epoch=epoch, started=started)
     if begun is None:
         return None
-    data, queued = _snapshot([tensor for _, tensor in begun.items])
+    data, queued = stage([tensor for _, tensor in begun.items])
     synchronize(queued)  # the non-blocking copies must land before the thread reads them
     save = begun.with_data(data, _IN_BACKGROUND)
     handle = AsyncSave(dest, None, every_rank=True)
@@ -328,7 +241,7 @@ def write_in_background(
     ):
         handle = striped
     elif not is_distributed() or dist.get_rank() == 0:
-        snapshot, queued = _snapshot(build())
+        snapshot, queued = stage(build())
         synchronize(queued)  # the non-blocking copies must land before the thread reads them
         handle = AsyncSave(dest, None)
 

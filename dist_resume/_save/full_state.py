@@ -1,4 +1,5 @@
-"""One ordinary torch file from an FSDP2 run: every rank's shards streamed to rank 0, which writes as they come.
+"""One ordinary torch file from an FSDP2 run (``full_state=True``, :func:`save_full`): every rank's shards streamed to
+rank 0, which writes as they come.
 
 :func:`save_full_state` is ``torch.save`` of a state holding DTensors (an FSDP2 model's state dict, its
 optimizer's), without the full state ever existing anywhere: rank 0 pickles the structure, then for
@@ -15,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
-from .._core.log import log_rank0, logger
+from .._core.log import file_size, log_rank0, log_saved, logger
 from .._core.shards import is_dtensor, local_of
 from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import all_gather_objects, collective_step, comm_device, run_on_rank0
@@ -31,8 +33,9 @@ from .._dist.env import is_distributed
 from .._dist.shard_comm import Scratch, full_pieces, send_own_shard
 from .._format.atomic import atomic_write
 from .._format.stream_write import distinct_tensors, write_streamed
+from .sharded import agree_step
 
-__all__ = ["save_full_state"]
+__all__ = ["save_full_state", "save_full"]
 
 
 def _signature(tensors: list[torch.Tensor]) -> str:
@@ -113,3 +116,33 @@ def _drain(
                 pass
     except Exception as err:  # a broken connection: the others fail in their sends too
         logger.warning("after the failed write, the other ranks' shards could not be drained: %s", err)
+
+
+def save_full(
+    path: Location,
+    build: Callable[[], dict[str, Any]],
+    *,
+    step: int | None,
+    epoch: int | None,
+    started: float | None = None,
+) -> Location:
+    """One ordinary torch file from an FSDP2 model (``full_state=True``), gathered tensor by tensor. Collective.
+
+    Every rank builds its payload (agreed before anything streams); rank 0 writes the file atomically through
+    :func:`save_full_state`, holding at most one bucket beyond its own shards. Rank 0 logs the save's line, its time
+    counted from ``started`` (this call's start when None).
+    """
+    began = time.perf_counter() if started is None else started
+    dest = path
+    error: BaseException | None = None
+    payload: dict[str, Any] = {}
+    try:
+        payload = build()
+    except Exception as err:
+        error = err
+    agree_step(error, None, "preparing the save", dest, None)
+    written = save_full_state(dest, payload, bucket_bytes=DEFAULT_BUCKET_BYTES)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the file's one stat, on the rank that logs
+        size = file_size(written)
+        log_saved(written, step=step, epoch=epoch, size=size, seconds=time.perf_counter() - began)
+    return written

@@ -1,4 +1,5 @@
-"""Writing checkpoints: one writer, atomic replacement, a payload that loads under ``weights_only=True``."""
+"""Writing one checkpoint: its payload (canonical keys, loading under ``weights_only=True``), gathered by a collective
+step, and one writer's atomic replacement (or the striped, sharded and gathered writes it hands over to)."""
 
 from __future__ import annotations
 
@@ -12,37 +13,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checkpoint.ema import canonical_ema_state
-from .._checkpoint.moved import refuses_moved_keywords
 from .._checkpoint.objects import LiveObjects
+from .._checkpoint.plan.ema import canonical_ema_state
 from .._core.errors import CheckpointWriteError
 from .._core.location import Location
 from .._core.log import log_saved
 from .._core.text import article
 from .._core.tree import structure_problem
-from .._core.types import PathLike
 from .._core.version import __version__
-from .._dist.checkin import check_in
 from .._dist.comm import collective_step, run_on_rank0
 from .._dist.ddp_buckets import saved_layout
 from .._dist.env import is_distributed
-from .._exact.data import loop_epoch, stateful_data
+from .._exact.data import loop_epoch
 from .._exact.rank_states import gather_rank_states, merge_rank_states
 from .._exact.rng import param_device
 from .._format.atomic import atomic_write
 from .._layout.layout import FORMAT_NAME, FORMAT_VERSION, Key
 from .._layout.meta import DDP_BUCKETS
-from .._state.optim import canonical_optimizer_state
+from .._state.optim.prepare import canonical_optimizer_state
 from .._state.prefix import canonical_state_dict, unwrap_model
 from .._state.sharded import is_sharded
-from .._store.url import location
 from .evidence import run_evidence
-from .saveable import check_saveable
-from .sharded import save_full, save_sharded
+from .full_state import save_full
+from .sharded import save_sharded
 from .striped import save_striped, stripes
 
 __all__ = [
-    "save_checkpoint",
     "write_checkpoint",
     "prepare_payload",
     "build_payload",
@@ -128,7 +124,7 @@ def build_payload(
         payload[Key.EXTRA] = extra
     if rng is not None:  # one entry per rank, index = rank (see _exact.gather_rank_states)
         payload[Key.RNG] = rng
-    if objects.ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.ema
+    if objects.ema is not None:  # the averaged module's canonical keys (+ n_averaged): see _checkpoint.plan.ema
         payload[Key.EMA] = canonical_ema_state(objects.ema)
     if sampler is not None:
         payload[Key.SAMPLER] = dict(sampler)
@@ -184,7 +180,7 @@ def write_checkpoint(
 
     Collective under torch.distributed (one broadcast); local in a single process. An FSDP2 ``model`` is saved
     by every rank into a sharded checkpoint folder (:func:`~dist_resume._save.sharded.save_sharded`),
-    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.sharded.save_full`). A DDP ``model``
+    or with ``full_state`` gathered into one file (:func:`~dist_resume._save.full_state.save_full`). A DDP ``model``
     saved to a local path is written by every rank, each its share of the records, into the one file
     (:func:`~dist_resume._save.striped.save_striped`), unless some rank cannot see the folder. Rank 0 logs the
     save's one line (:func:`~dist_resume._core.log.log_saved`), its time counted from ``started`` (a
@@ -215,69 +211,6 @@ def write_checkpoint(
 
     result: Location = run_on_rank0(write)
     return result
-
-
-@refuses_moved_keywords
-def save_checkpoint(
-    path: PathLike,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    dataloader: Any = None,
-    ema: nn.Module | None = None,
-    step: int | None = None,
-    epoch: int | None = None,
-    extra: Any = None,
-    rng: bool = True,
-    full_state: bool = False,
-) -> Location:
-    """Save model, optimizer, scheduler and GradScaler state, with metadata, atomically.
-
-    Collective under torch.distributed: call it on every rank, not inside ``if rank == 0:`` (a call on some ranks
-    only is named within seconds, see :class:`CheckpointManager`); every rank returns once the file is in place
-    (or raises the same error). A DDP model saved to a local folder every rank sees is written by every rank, each
-    its share of the tensor records, into the one file (a striped save; the file is an ordinary ``torch.save``
-    file); otherwise global rank 0 writes it. Local in a single process.
-    Model keys are stored in canonical form (no ``module.``/``_orig_mod.``) and optimizer groups
-    carry canonical ``param_names``, so the file resumes into plain, DDP or compiled models alike.
-    The file loads under ``torch.load(weights_only=True)``.
-
-    For exact resume, ``rng=True`` (the default, as on :func:`resume`) stores every rank's RNG streams
-    (python, torch CPU, the rank's own accelerator device, numpy), gathered on rank 0; ``dataloader`` (a
-    ``DataLoader`` whose sampler is a :class:`ResumableDistributedSampler`, torchdata's
-    ``StatefulDataLoader``, that sampler itself, or its state dict, ``sampler.state_dict(consumed=...)``)
-    stores the epoch and the position in it of what the loop trained on, after checking that all ranks
-    agree on it (docs/exact-resume.md says what each loader reproduces). ``step`` is the number of
-    optimizer steps completed (a resumed loop continues at ``ResumeResult.step``); without ``epoch``, the
-    epoch saved is the one the loop continues in, from the data position.
-
-    ``ema`` (a ``torch.optim.swa_utils.AveragedModel``, ``n_averaged`` included, or any ``nn.Module``
-    holding averaged weights) is stored under ``"ema"`` with canonical keys, like the model;
-    ``resume(..., ema=...)`` restores it.
-
-    A model sharded with FSDP2 (``fully_shard``) is saved by every rank in parallel into a sharded
-    checkpoint **folder** at ``path`` (a DCP folder, plus ``train_state.pt`` and ``manifest.json``; committed
-    by one rename once every rank's files are durable: see docs/checkpoint-folders.md), which ``dcp.load``
-    and ``dist-resume convert`` read. ``full_state=True`` writes one ordinary torch file instead, gathered
-    tensor by tensor on rank 0, which loads into a plain or DDP model like any other; for a model that is
-    not sharded, ``full_state`` changes nothing (one file either way).
-
-    Example::
-
-        >>> model = torch.nn.Linear(2, 2)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> dist_resume.save_checkpoint("ckpt.pt", model=model, optimizer=opt, step=100)
-        PosixPath('ckpt.pt')
-    """
-    started = time.perf_counter()
-    objects = LiveObjects(model, optimizer, scheduler, scaler, stateful_data(dataloader, saving=True), ema)
-    check_saveable(objects, step=step, epoch=epoch, extra=extra, where="save_checkpoint")
-    check_in(f"dist_resume.save_checkpoint(step={step!r})")  # a call made on some ranks only is named, not hung
-    build, epoch = prepare_payload(objects, step=step, epoch=epoch, extra=extra, rng=rng)
-    where = location(path)  # the entry: decided here, passed down as it is
-    return write_checkpoint(where, build, step=step, epoch=epoch, model=model, full_state=full_state, started=started)
 
 
 def _world_size() -> int:

@@ -17,8 +17,7 @@ failing one) and rank 0 removes the temporary folder: nothing is committed, the 
 latest. A process killed mid-save leaves only the temporary folder, which no reader counts and
 ``CheckpointManager`` removes on its next save. Into a folder on an object store, where nothing can be renamed, each
 rank stages its files on local disk and uploads them, and the manifest uploaded last commits the folder
-(:mod:`.sharded_remote`). :func:`save_full` writes one ordinary torch file instead
-(``full_state=True``): :func:`~dist_resume._save.full_state.save_full_state`.
+(:mod:`.sharded_remote`). ``full_state=True`` writes one ordinary torch file instead: :mod:`.full_state`.
 """
 
 from __future__ import annotations
@@ -38,18 +37,16 @@ from torch import nn
 
 from .._core.errors import CheckpointWriteError, DistResumeError, UsageError
 from .._core.location import Location, RemotePath
-from .._core.log import file_size, log_saved
+from .._core.log import log_saved
 from .._core.text import preview
 from .._core.tree import map_tensors
 from .._dist.agree import first_failure
-from .._dist.broadcast import DEFAULT_BUCKET_BYTES
 from .._dist.comm import Outcome, all_gather_objects, collective_step, run_on_rank0
 from .._foreign.sharded import new_manifest, split_payload
 from .._format.atomic import atomic_write, commit_folder, make_temp_folder, remove_path, write_error
 from .._format.manifest import DCP_METADATA, MANIFEST, SHARD_FILE, TRAIN_STATE, FileEntry, Manifest, file_entry
 from .._format.sniff import CHECKPOINT_SUFFIXES
 from .._state.sharded import is_sharded, sharded_parameters
-from .full_state import save_full_state
 from .sharded_remote import clear_destination, commit_remote, drop_staging, local_staging, upload_own
 
 __all__ = [
@@ -59,7 +56,7 @@ __all__ = [
     "begin_sharded_from",
     "finish_sharded",
     "save_sharded",
-    "save_full",
+    "agree_step",
 ]
 
 Build = Callable[[], dict[str, Any]]
@@ -70,8 +67,9 @@ def writes_folder(model: nn.Module, full_state: bool) -> bool:
     return not full_state and is_sharded(model)
 
 
-def _agree(error: BaseException | None, value: Any, step: str, dest: Location, group: Any) -> list[Any]:
-    """Collective: every rank's ``value``, or, when any rank failed, the lowest failing rank's error on every rank."""
+def agree_step(error: BaseException | None, value: Any, step: str, dest: Location, group: Any) -> list[Any]:
+    """Collective on ``group``: every rank's ``value`` after ``step`` of the save into ``dest``, or, when any rank failed,
+    the lowest failing rank's error on every rank (nothing is committed: the caller removes what it began)."""
     mine = Outcome(value=value) if error is None else Outcome.failed(dist.get_rank(), error)
     with collective_step(f"{step} for {str(dest)!r}", CheckpointWriteError):
         outcomes: list[Outcome] = all_gather_objects(mine, group=group)
@@ -263,7 +261,7 @@ def _begin(
     except Exception as err:
         error = err
     try:
-        _agree(error, None, "preparing the save", dest, group)
+        agree_step(error, None, "preparing the save", dest, group)
     except BaseException:
         _cleanup(tmp, dest)
         raise
@@ -289,7 +287,7 @@ def _finish(save: ShardedSave, rank: int, group: Any) -> Location:
             upload_own(save.tmp, save.dest, files)
     except Exception as err:
         error, files = err, []
-    reports = _agree(error, files, "writing the shards", save.dest, group)
+    reports = agree_step(error, files, "writing the shards", save.dest, group)
     entries = [e for r in reports for e in r]
     world = dist.get_world_size(group)
     manifest = new_manifest(
@@ -322,28 +320,3 @@ def save_sharded(
     ``started`` (a ``time.perf_counter()``; this call's start when None), its size the folder's total.
     """
     return finish_sharded(begin_sharded(path, build, model, step=step, epoch=epoch, started=started))
-
-
-def save_full(
-    path: Location, build: Build, *, step: int | None, epoch: int | None, started: float | None = None
-) -> Location:
-    """One ordinary torch file from an FSDP2 model (``full_state=True``), gathered tensor by tensor. Collective.
-
-    Every rank builds its payload (agreed before anything streams); rank 0 writes the file atomically through
-    :func:`save_full_state`, holding at most one bucket beyond its own shards. Rank 0 logs the save's line, its time
-    counted from ``started`` (this call's start when None).
-    """
-    began = time.perf_counter() if started is None else started
-    dest = path
-    error: BaseException | None = None
-    payload: dict[str, Any] = {}
-    try:
-        payload = build()
-    except Exception as err:
-        error = err
-    _agree(error, None, "preparing the save", dest, None)
-    written = save_full_state(dest, payload, bucket_bytes=DEFAULT_BUCKET_BYTES)
-    if not dist.is_initialized() or dist.get_rank() == 0:  # the file's one stat, on the rank that logs
-        size = file_size(written)
-        log_saved(written, step=step, epoch=epoch, size=size, seconds=time.perf_counter() - began)
-    return written

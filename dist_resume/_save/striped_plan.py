@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._core.location import Location, RemotePath
-from .._core.torch_compat import compiled_original
+from .._core.torch_compat.private import compiled_original
 from .._format.striped_archive import StorageRecord, TreePath
 from .._layout.layout import Key
 from .._state.prefix import canonical_key, unwrap_model

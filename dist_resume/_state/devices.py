@@ -11,7 +11,8 @@ from torch import nn
 from .._core.errors import DeviceMismatchError
 from .._core.text import preview
 from .._core.tree import named_tensors
-from .optim import param_names, step_on_param_device
+from .optim.placement import step_on_param_device
+from .optim.prepare import param_names
 
 __all__ = ["device_report", "check_devices", "check_first_step"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .._core.errors import KeyMismatchError
-from .._core.torch_compat import compiled_original
+from .._core.torch_compat.private import compiled_original
 
 __all__ = [
     "DDP_PREFIX",

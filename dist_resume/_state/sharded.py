@@ -6,7 +6,7 @@ shard, in place (``local.copy_(full[box])``): when the full tensor maps the file
 True)``) the rest of it is never read, and nothing is allocated but what FSDP2 already holds.
 
 Local: nothing here talks to other ranks. Rank 0 sending each rank its boxes is
-:mod:`dist_resume._dist.shard_comm`'s; the optimizer's state is :mod:`.sharded_optim`'s.
+:mod:`dist_resume._dist.shard_comm`'s; the optimizer's state is :mod:`.optim.sharded`'s.
 """
 
 from __future__ import annotations

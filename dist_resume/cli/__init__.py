@@ -41,7 +41,7 @@ def _failed(command: str, err: BaseException) -> int:
     """Say what failed, and return its exit status: the cause a DCP wrapper holds is reported as that cause."""
     cause = err
     if not isinstance(err, Exception):  # imported here: only torch.distributed.checkpoint raises one (torch is loaded)
-        from .._core.torch_errors import dcp_cause
+        from .._core.torch_compat.wording import dcp_cause
 
         cause = dcp_cause(err)
     if isinstance(cause, DistResumeError):

@@ -31,7 +31,7 @@ def part_keys_arg(items: Sequence[str] | None) -> dict[str, str] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ._inspect import describe_checkpoint, render_inspect
+    from .inspect import describe_checkpoint, render_inspect
 
     report = describe_checkpoint(args.checkpoint, part_keys=part_keys_arg(args.part))
     if args.json:

@@ -12,7 +12,7 @@ from .._core.strides import overlapping
 from .._core.tensor_kind import tensor_kind
 from .._core.text import preview, shown
 from .._layout.layout import CheckpointParts
-from .._state.optim_keys import GROUP_BOOKKEEPING, optimizer_form_problem
+from .._state.optim.keys import GROUP_BOOKKEEPING, optimizer_form_problem
 from .._state.prefix import canonical_key
 
 __all__ = ["same_bits", "max_abs_diff", "compare_values", "key_difference", "compare_parts"]

@@ -23,7 +23,7 @@ from ._fast import FORMAT_KEY, FORMAT_NAME, FORMAT_VERSION, META_KEY, PLAIN
 
 __all__ = ["fast_verify"]
 
-# dist_resume._state.optim_keys.GROUP_BOOKKEEPING and the parts _layout.layout keys a toolkit file by (tests check)
+# dist_resume._state.optim.keys.GROUP_BOOKKEEPING and the parts _layout.layout keys a toolkit file by (tests check)
 _GROUP_BOOKKEEPING: Final = frozenset({"params", "param_names"})
 _KEYED_PARTS: Final = ("model", "optimizer", "scheduler", "scaler", "ema")
 _CHUNK: Final = 16 << 20

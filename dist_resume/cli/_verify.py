@@ -65,7 +65,7 @@ def verify_checkpoints(
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
     from ._compare import compare_parts
-    from ._inspect_sources import check_sharded
+    from .inspect import check_sharded
 
     for side in (a, b):  # a sharded checkpoint folder is checked whole first: damage is said naming the file
         check_sharded(side)
@@ -110,7 +110,7 @@ def read_parts(path: Location) -> CheckpointParts:
     foreign source split by its reader. Local."""
     from .._layout.layout import split_checkpoint
     from .._source.open import open_checkpoint
-    from ._inspect_sources import check_sharded
+    from .inspect import check_sharded
 
     check_sharded(path)
     contents = open_checkpoint(path, map_location="cpu", mmap=_mmap(path), weights_only=True)

@@ -17,9 +17,9 @@ from torch.distributed.fsdp import fully_shard
 import dist_resume as dr
 from dist_resume._core.shards import shard_spec
 from dist_resume._dist.shard_comm import scatter_full_into
-from dist_resume._state.optim import prepare_optimizer_state
+from dist_resume._state.optim.prepare import prepare_optimizer_state
+from dist_resume._state.optim.sharded import load_full_optimizer_state, sharded_optimizer_state
 from dist_resume._state.sharded import load_full_model_state, model_destinations
-from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
 from tests.dist.fsdp_workers import meta_stand_ins
 from tests.helpers import local_shard
 

@@ -25,7 +25,8 @@ from dist_resume._dist.shard_comm import gather_full, scatter_full_into
 from dist_resume._format import stream_write
 from dist_resume._save.full_state import save_full_state
 from dist_resume._state.adapt import adapt_state_dict
-from dist_resume._state.optim import prepare_optimizer_state
+from dist_resume._state.optim.prepare import prepare_optimizer_state
+from dist_resume._state.optim.sharded import load_full_optimizer_state, sharded_optimizer_state
 from dist_resume._state.sharded import (
     check_optimizer_follows,
     is_sharded,
@@ -33,7 +34,6 @@ from dist_resume._state.sharded import (
     model_destinations,
     sharded_parameters,
 )
-from dist_resume._state.sharded_optim import load_full_optimizer_state, sharded_optimizer_state
 from dist_resume.errors import CheckpointWriteError, OptimizerStateMismatchError
 from tests.helpers import local_shard
 from tests.models import compile_module

@@ -6,9 +6,9 @@ from collections import Counter
 from typing import Any
 
 import dist_resume
-from dist_resume._checkpoint import model_fit as _model_fit
-from dist_resume._checkpoint import plan as _plan
 from dist_resume._checkpoint import restore as _restore
+from dist_resume._checkpoint.plan import model_fit as _model_fit
+from dist_resume._checkpoint.plan import restore_plan as _plan
 from tests.dist.ddp_workers import flat_state, make
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_resume._core.torch_compat import group_timeout
+from dist_resume._core.torch_compat.private import group_timeout
 from dist_resume._dist.groups import gloo_group
 from tests.dist.harness import run_ranks
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dist_resume as dr
-from dist_resume._core import torch_errors
+from dist_resume._core.torch_compat.wording import CommFailure, classify_comm_error
 from dist_resume._dist.comm import collective_step
 from tests.dist import death_workers as W
 from tests.dist.harness import RankFailure, run_ranks
@@ -140,12 +140,12 @@ def test_collective_step_lets_everything_else_through(err: BaseException) -> Non
 @pytest.mark.parametrize(
     ("text", "kind"),
     [
-        ("Read error [127.0.0.1]:23274: Connection reset by peer", torch_errors.CommFailure.PEER_GONE),
-        ("Write error: Broken pipe", torch_errors.CommFailure.PEER_GONE),
-        ("Timed out waiting 4000ms for send operation to complete", torch_errors.CommFailure.TIMEOUT),
-        ("Socket Timeout", torch_errors.CommFailure.TIMEOUT),
-        ("Invalid scalar type", torch_errors.CommFailure.OTHER),
+        ("Read error [127.0.0.1]:23274: Connection reset by peer", CommFailure.PEER_GONE),
+        ("Write error: Broken pipe", CommFailure.PEER_GONE),
+        ("Timed out waiting 4000ms for send operation to complete", CommFailure.TIMEOUT),
+        ("Socket Timeout", CommFailure.TIMEOUT),
+        ("Invalid scalar type", CommFailure.OTHER),
     ],
 )
-def test_comm_errors_are_classified(text: str, kind: torch_errors.CommFailure) -> None:
-    assert torch_errors.classify_comm_error(RuntimeError(text)) is kind
+def test_comm_errors_are_classified(text: str, kind: CommFailure) -> None:
+    assert classify_comm_error(RuntimeError(text)) is kind

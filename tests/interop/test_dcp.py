@@ -14,7 +14,7 @@ import torch
 from dist_resume._core.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dist_resume._foreign.dcp import read_dcp
 from dist_resume._foreign.folders import FolderKind, detect_folder, read_foreign_folder
-from dist_resume._state.optim_keys import normalize_optimizer_state
+from dist_resume._state.optim.keys import normalize_optimizer_state
 from tests.interop._compare import assert_same, loads_into
 from tests.interop.conftest import Saved, _tiny
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..._core import torch_compat
+from ..._core.torch_compat.private import storage_class_for, tensor_reduction
 from ..._format.striped_archive import STRIPE_THRESHOLD, TreePath, tensor_paths
 from ..._format.tensor_records import TensorRecords, foot_records, head_records
 from ..._format.zip_layout import plan_layout
@@ -106,10 +106,10 @@ def _reduction(i: int, tensor: torch.Tensor) -> tuple[Any, Any]:
         known = _reductions[i]
         if known[0] == shape and known[1] is tensor.dtype:
             return known[2]
-    cls, storage_dtype = torch_compat.storage_class_for(tensor.dtype)
+    cls, storage_dtype = storage_class_for(tensor.dtype)
     numel = math.prod(shape) * tensor.dtype.itemsize // storage_dtype.itemsize
     meta = torch.empty(shape, dtype=tensor.dtype, device="meta")
-    reduction = torch_compat.tensor_reduction(meta, _StorageRef(("storage", cls, str(i), "cpu", numel)), storage_dtype)
+    reduction = tensor_reduction(meta, _StorageRef(("storage", cls, str(i), "cpu", numel)), storage_dtype)
     entry = (shape, tensor.dtype, reduction)
     if i < len(_reductions):
         _reductions[i] = entry

@@ -22,7 +22,7 @@ from ..._core.text import preview
 from ..._foreign.folders import checkpoint_subfolders, foreign_kind
 from ..._layout.layout import CheckpointParts
 from ..._source.listing import numbered_checkpoints
-from ..._state.optim_keys import NOT_HYPERPARAMETERS
+from ..._state.optim.keys import NOT_HYPERPARAMETERS
 from .._compare import Report, compare_parts, compare_values
 from .._verify import read_parts
 from ._mask import Masks, mask_parts
