@@ -18,6 +18,7 @@ from .._format.atomic import TEMP_NAME
 from .._format.manifest import TRAIN_STATE
 from .._manager.lease import LEASE_NAME
 from .._manager.lock import LOCK_NAME
+from .._shm.identity import IDENTITY_NAME
 from ._common import SCHEMA_PREFIX, human_bytes
 from ._fast import CHECKPOINT_NAME, fast_entries, shards_of
 
@@ -177,7 +178,7 @@ def _others(folder: Location) -> list[str]:
     return sorted(
         p.name
         for p in folder.iterdir()
-        if p.name not in (LOCK_NAME, LEASE_NAME)
+        if p.name not in (LOCK_NAME, LEASE_NAME, IDENTITY_NAME)
         and not TEMP_NAME.match(p.name)
         and not CHECKPOINT_NAME.match(p.name)
         and not _HF_STEP_DIR.match(p.name)
