@@ -6,9 +6,10 @@ with fork, ``os.fork``) inherits the SIGTERM handler and the exit hook, and ends
 handler passes the signal on to the previous one; the tiers watched are forgotten in the child). At SIGTERM the
 DataLoader's workers get the signal too (torchrun sends it to each worker's process group), and the DataLoader's
 SIGCHLD handler raises "DataLoader worker (pid …) is killed by signal: Terminated" in the main thread when one dies:
-so the handler first sets SIGCHLD's handler to the default (put back only if it passes the signal on to a handler of
-the script's), and the copy runs in a thread of its own, which the main thread waits for whatever a signal handler
-raises in it meanwhile.
+so the handler first sets SIGCHLD's handler to the default, and keeps it so while a previous SIGTERM handler (the
+script's, coverage's) runs: the workers' deaths from this same notice are no error to raise inside it. The DataLoader's
+handler is put back if that handler returns; the DataLoader still finds a dead worker by its own liveness check. The
+copy runs in a thread of its own, which the main thread waits for whatever a signal handler raises in it meanwhile.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         _watched.clear()
     previous = _previous_sigterm
     if callable(previous):
-        if chld is not None:
-            signal.signal(signal.SIGCHLD, chld)  # the previous handler finds the process as it was
-        previous(signum, frame)
+        try:
+            previous(signum, frame)
+        finally:
+            if chld is not None:  # the previous handler returned: the process goes on as it was
+                signal.signal(signal.SIGCHLD, chld)
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     os.kill(os.getpid(), signal.SIGTERM)
