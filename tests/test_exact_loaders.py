@@ -255,3 +255,38 @@ def test_a_persistent_loaders_position_after_set_epoch_is_the_samplers(caplog):
         loader.sampler.set_epoch(3)  # type: ignore[attr-defined]
         assert (position.state_dict()["epoch"], position.state_dict()["consumed"]) == (3, 0)
     assert not caplog.records  # exact: nothing to warn about
+
+
+@pytest.mark.parametrize("kind", ["plain", "stateful"])
+def test_an_iterator_the_loop_drops_ends_its_workers_at_once_after_a_resume(tmp_path, kind):
+    """The DDP tutorial's peek after a resume: the dropped iterator (the loader's hooks count its batches) is freed as
+    torch's own are (a StatefulDataLoader keeps its newest iterator until it creates the next), and its workers end
+    with it, and so is the loader once dropped; kept until a garbage collection, torch's shutdown would wait its 5-s
+    join timeout for each worker."""
+    if kind == "stateful":
+        pytest.importorskip("torchdata.stateful_dataloader")
+    import gc
+    import weakref
+
+    loader = _loader(kind, num_workers=2)
+    model = torch.nn.Linear(1, 1)
+    dist_resume.save_checkpoint(tmp_path / "c.pt", model=model, dataloader=loader, step=0)
+    dist_resume.resume(tmp_path / "c.pt", model=model, dataloader=loader)
+    gc.disable()
+    try:
+        for _ in range(2):  # the resumed epoch's iterator, then one created as torch's own
+            peeked = iter(loader)
+            next(peeked)
+            gone, workers = weakref.ref(peeked), list(peeked._workers)
+            del peeked
+            following = iter(loader)
+            assert gone() is None, "the dropped iterator is kept alive by a reference cycle"
+            for worker in workers:
+                worker.join(timeout=2)
+            assert [w.exitcode for w in workers] == [0, 0]
+            del following
+        loader_gone = weakref.ref(loader)
+        del loader  # as a run's loader when its function returns: the hooks it holds do not keep it
+        assert loader_gone() is None, "the dropped loader is kept alive by a reference cycle"
+    finally:
+        gc.enable()

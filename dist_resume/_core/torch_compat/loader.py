@@ -8,6 +8,7 @@ workers, and the fetch of the main process. Each item says which torch behaviour
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -70,9 +71,10 @@ def loader_iterator_finished(iterator: Any) -> bool:
 # and deleting it restores the class's method. The iterator draws its ``_base_seed`` in ``__init__`` from
 # ``loader.generator`` (the global CPU stream when it is None), before the sampler's ``__iter__`` runs.
 def set_iterator_factory(loader: Any, factory: Any) -> Any:
-    """Make ``loader`` create its iterators with ``factory()`` (None: torch's own method again); return torch's."""
+    """Make ``loader`` create its iterators with ``factory()`` (None: torch's own method again); return torch's,
+    holding the loader weakly (see :func:`_weakly_bound`)."""
     vars(loader).pop("_get_iterator", None)
-    original = loader._get_iterator
+    original = _weakly_bound(loader, loader._get_iterator)
     if factory is not None:
         loader._get_iterator = factory
     return original
@@ -83,8 +85,28 @@ def set_iterator_factory(loader: Any, factory: Any) -> Any:
 # counts it in ``_num_yielded``) and starts a new pass with ``self._reset(loader)`` (persistent workers, each epoch):
 # callables set on the instance are called instead (torch >= 1.7).
 def wrap_iterator_method(iterator: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``iterator``'s method ``name`` (``_next_index``, ``_next_data``, ``_reset``) by ``wrapper(method)``."""
-    setattr(iterator, name, wrapper(getattr(iterator, name)))
+    """Replace ``iterator``'s method ``name`` (``_next_index``, ``_next_data``, ``_reset``) by ``wrapper(method)``,
+    ``method`` holding the iterator weakly (see :func:`_weakly_bound`)."""
+    setattr(iterator, name, wrapper(_weakly_bound(iterator, getattr(iterator, name))))
+
+
+def _weakly_bound(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, bound to ``owner`` weakly when it is one of ``owner``'s own methods.
+
+    What replaces a loader's or an iterator's method is kept on that object (or on what it holds): the method bound
+    to it strongly would be a reference cycle, which keeps a loader or an iterator the loop dropped (the DDP
+    tutorial's peek, a ``break``, a run's loader when it returns) and its worker processes alive until a garbage
+    collection, whose shutdown then waits torch's join timeout (5 s) for each worker.
+    """
+    function = getattr(method, "__func__", None)
+    if function is None or getattr(method, "__self__", None) is not owner:
+        return method
+    ref = weakref.ref(owner)
+
+    def weakly_bound(*args: Any, **kwargs: Any) -> Any:
+        return function(ref(), *args, **kwargs)
+
+    return weakly_bound
 
 
 def map_style(loader: Any) -> bool:
