@@ -101,3 +101,30 @@ def test_close_writes_a_held_save_and_a_later_step_drops_it(tmp_path):
     assert not (tmp_path / "ckpt_00000004.pt").exists()
     mgr.close()
     assert (tmp_path / "ckpt_00000005.pt").exists()
+
+
+def test_a_run_that_returns_with_a_save_held_frees_its_loader_and_workers_at_once(tmp_path):
+    """Kept until a garbage collection (the hook waiting for the next iterator held the manager's loader position,
+    which holds the loader), the loader's persistent workers would make torch's shutdown wait 5 s each."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        loader, model, opt, sched = _objects()
+        loader = DataLoader(
+            loader.dataset, batch_size=2, sampler=loader.sampler, num_workers=2, persistent_workers=True
+        )
+        mgr = dist_resume.CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+        for _ in loader:
+            pass
+        mgr.save(BATCHES)  # held until the next epoch: the run returns first, as a killed one would
+        assert not (tmp_path / "ckpt_00000004.pt").exists()
+        gone, workers = weakref.ref(loader), list(loader._iterator._workers)  # type: ignore[attr-defined]
+        del loader, mgr
+        assert gone() is None, "the loader is kept alive by a reference cycle"
+        for worker in workers:
+            worker.join(timeout=2)
+        assert [w.exitcode for w in workers] == [0, 0]
+    finally:
+        gc.enable()

@@ -26,6 +26,7 @@ from .._core.log import log_rank0, logger
 from .._dist.comm import all_gather_objects
 from .._dist.env import is_distributed
 from .._exact.data import between_epochs
+from .._exact.loader_hooks import LoaderHooks
 from .._exact.loaders import LoaderPosition, StatefulLoaderPosition
 
 __all__ = ["Held", "EpochEnd"]
@@ -84,7 +85,7 @@ class EpochEnd:
         if check is not None:
             check()
         self._held[call.kind] = call
-        self._arm(data, write)
+        self._arm(data.hooks, write)
         if not self._said:
             self._said = True
             log_rank0(
@@ -112,22 +113,25 @@ class EpochEnd:
                 with self._busy_now():
                     write(held)
 
-    def _arm(self, data: Any, write: Callable[[Held], None]) -> None:
-        """Write the held calls just before ``data``'s loader creates its next iterator. The loader holds the manager
-        weakly (a manager dropped without close(), as a killed process's, writes nothing more)."""
+    def _arm(self, hooks: LoaderHooks, write: Callable[[Held], None]) -> None:
+        """Write the held calls just before the loader of ``hooks`` creates its next iterator. The loader holds the
+        manager weakly (a manager dropped without close(), as a killed process's, writes nothing more), and the hook
+        holds ``hooks`` weakly (they hold it: a cycle would keep the loader's workers alive until a collection)."""
         manager_write = weakref.WeakMethod(write)  # type: ignore[arg-type]
-        this = weakref.ref(self)
+        this, own = weakref.ref(self), weakref.ref(hooks)
 
         def at_next_iterator() -> None:
             epoch_end, write_now = this(), manager_write()
             if epoch_end is None or write_now is None:
                 return
             if epoch_end._busy:  # the manager's own call made the iterator (a StatefulDataLoader's state_dict)
-                epoch_end._arm(data, write_now)
+                loader_hooks = own()
+                if loader_hooks is not None:
+                    epoch_end._arm(loader_hooks, write_now)
                 return
             epoch_end.write_held(None, write_now)
 
-        data.hooks.before_next_iterator(at_next_iterator)
+        hooks.before_next_iterator(at_next_iterator)
 
     @contextmanager
     def _busy_now(self) -> Iterator[None]:
