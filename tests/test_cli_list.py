@@ -174,7 +174,7 @@ def test_a_folder_of_other_files_is_not_called_empty_and_lists_them(
 ) -> None:
     torch.save({"w": torch.ones(1)}, tmp_path / "model_final.pt")
     (tmp_path / "notes.txt").write_text("hi")
-    (tmp_path / ".dist_resume.id").write_text("0123")  # the folder's identity (snapshots): the library's own, not listed
+    (tmp_path / ".dist_resume.id").write_text("0123")  # the folder's identity (snapshots): not listed
     code, out, _ = _run(capsys, str(tmp_path))
     assert code == 0
     assert "no checkpoints, 0 checkpoint(s)" in out.splitlines()[0] and "empty" not in out

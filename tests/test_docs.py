@@ -146,6 +146,12 @@ def test_readme_commands_match_ci_and_train_py():
     demo, tests = _readme_commands()
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci, ".ci/run must run the README's test command verbatim (keep the two in sync)"
+    # then the end-to-end launches it leaves out, appended to the same coverage measurement, whose floor is checked
+    # once, at the end (an e2e step without the append would check the floor on the e2e tests alone)
+    e2e = ci.index("python -m pytest -n auto -m e2e")
+    assert e2e > ci.index(tests), ".ci/run must run the e2e tests after the README's command"
+    addopts = [line for line in ci[:e2e] if line.startswith("export PYTEST_ADDOPTS=")]
+    assert "--cov-fail-under" not in addopts[0] and "--cov-append" in addopts[-1] and "--cov-fail-under" in addopts[-1]
     # the demo command runs launch/demo.sh: its three launches run launch/single_node.sh with flags train.py accepts,
     # the first stopped as if preempted, the second resuming it, the third uninterrupted in another folder; then
     # dist-resume verify compares the two last checkpoints
@@ -238,6 +244,7 @@ def suite_figures(items: list[pytest.Item], deselected: list[pytest.Item]) -> di
     return {
         "tests": len(items),
         "slow": sum(1 for i in deselected if i.get_closest_marker("slow")),
+        "e2e": sum(1 for i in deselected if i.get_closest_marker("e2e") and not i.get_closest_marker("slow")),
         "dist": under("dist"),
         "marked dist": sum(1 for i in items if i.get_closest_marker("dist")),
         "interop": under("interop"),
@@ -248,7 +255,8 @@ def suite_figures(items: list[pytest.Item], deselected: list[pytest.Item]) -> di
 
 
 _FIGURES = re.compile(
-    r"\*\*(?P<tests>[\d,]+) tests\*\* run in the default suite \((?P<slow>\d+) more under `-m slow`\): "
+    r"\*\*(?P<tests>[\d,]+) tests\*\* run in the default suite \((?P<slow>\d+) more under `-m slow`, "
+    r"(?P<e2e>\d+) under `-m e2e`[^)]*\): "
     r"(?P<dist>\d+) in `tests/dist/` \(multi-process, real gloo collectives; (?P<marked_dist>\d+) in the suite marked `dist`\), "
     r"(?P<interop>\d+) in `tests/interop/`.*?, (?P<accelerator>\d+) on the test accelerator's fixture \(sim and CUDA "
     r"variants\), of which (?P<cuda>\d+) are CUDA variants \(marked `cuda`, (?P<multigpu>\d+) of them also `multigpu`",

@@ -120,7 +120,7 @@ def test_a_run_that_returns_with_a_save_held_frees_its_loader_and_workers_at_onc
             pass
         mgr.save(BATCHES)  # held until the next epoch: the run returns first, as a killed one would
         assert not (tmp_path / "ckpt_00000004.pt").exists()
-        gone, workers = weakref.ref(loader), list(loader._iterator._workers)  # type: ignore[attr-defined]
+        gone, workers = weakref.ref(loader), list(loader._iterator._workers)  # type: ignore[union-attr]
         del loader, mgr
         assert gone() is None, "the loader is kept alive by a reference cycle"
         for worker in workers:

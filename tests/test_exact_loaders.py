@@ -277,7 +277,7 @@ def test_an_iterator_the_loop_drops_ends_its_workers_at_once_after_a_resume(tmp_
         for _ in range(2):  # the resumed epoch's iterator, then one created as torch's own
             peeked = iter(loader)
             next(peeked)
-            gone, workers = weakref.ref(peeked), list(peeked._workers)
+            gone, workers = weakref.ref(peeked), list(peeked._workers)  # type: ignore[attr-defined]
             del peeked
             following = iter(loader)
             assert gone() is None, "the dropped iterator is kept alive by a reference cycle"

@@ -195,6 +195,7 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_latest(tmp_path: Path)
     assert left == [".dist_resume.lock", checkpoint_name(previous), checkpoint_name(1000)], left
 
 
+@pytest.mark.e2e
 def test_sigkill_during_async_saves_always_leaves_a_complete_latest(tmp_path: Path) -> None:
     folder = tmp_path / "ckpts"
     durations = [d for step in (1, 2) if (d := _run_child(folder, step, None, _save_async_child)) is not None]

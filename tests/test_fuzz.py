@@ -42,6 +42,7 @@ def _no_bad_outcome(summary: dict[str, Any], output: str) -> None:
     assert not bad, output
 
 
+@pytest.mark.e2e
 def test_corpus_reproducers_and_a_seeded_slice_in_one_fuzz_run(tmp_path: Path) -> None:
     """scripts/fuzz.py --ci: one corpus, one worker pool (each costs seconds to build) for three guarantees."""
     out = _fuzz("--ci", "--cases", "150", "--seed", "1", "--replay", str(MANIFEST), "--out", str(tmp_path))

@@ -109,6 +109,7 @@ def _names(fs: Any, url: str) -> list[str]:
     return sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, refresh=True))
 
 
+@pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.timeout(220)
 def test_a_job_on_a_bucket_saves_rotates_resumes_under_torchrun_and_survives_a_kill_and_damage(

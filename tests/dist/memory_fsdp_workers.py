@@ -108,7 +108,7 @@ def uneven_commits(rank: int, world_size: int, folder: str) -> list[str]:
         mgr.snapshot(step)
     if rank == 1:
         store = mgr._memory.newest.path.parent  # type: ignore[union-attr]
-        (store / f"{own_part(1)}.{mgr._memory.newest.slot}.json").unlink()  # type: ignore[union-attr]
+        (store / f"{own_part(1)}.{mgr._memory.newest.slot}.json").unlink()  # type: ignore[union-attr,operator]
     dist.barrier()
     persist_newest(mgr._memory.folder, mgr._target(), mgr._memory.live, mgr._memory.identity, mgr._memory.exit_group)
     written = sorted(p.name for p in Path(folder).glob("ckpt_*"))

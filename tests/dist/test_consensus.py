@@ -88,7 +88,7 @@ def test_ranks_agree_or_all_raise(tmp_path: Path) -> None:
 def test_absent_rank_ends_in_an_error_within_the_timeout(tmp_path: Path, how: str) -> None:
     folder = tmp_path / "ckpts"
     _save(folder, 1, 1.0)
-    pg_timeout = 4.0
+    pg_timeout = 2.0
     try:
         run_ranks(
             W.absent_rank, 2, tmp_path=tmp_path, args=(str(folder), how, pg_timeout), pg_timeout=pg_timeout, deadline=40

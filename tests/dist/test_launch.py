@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 import subprocess
 import sys
 import uuid
@@ -120,6 +121,26 @@ def _per_rank_state_worker(rank: int, world_size: int, path: str, skew: bool) ->
     }
 
 
+def _resumed_by_one_process(tmp_path: Path, folder: str, before: dict[int, list[dict[str, Any]]]) -> None:
+    """2 -> 1 ranks: a copy of ``folder``, stopped by 2 ranks at step 13 (160 of 256 samples of epoch 1), resumed in
+    one process, which must see the rest of epoch 1, each sample once (1 -> 4, on two nodes, is the multi-node test's).
+    ``before``: what the 2 ranks logged."""
+    shutil.copytree(tmp_path / folder, tmp_path / "one")
+    out = _ok(_launch([sys.executable, TRAIN, *COMMON, "--ckpt-dir", "one", "--dump-losses", "one_losses"], tmp_path))
+    assert f"resumed from {tmp_path / 'one' / 'ckpt_00000013.pt'} at step " in out
+    assert "continuing at step 13, epoch 1, sample 160 of 256 (saved by 2 rank(s), now 1" in out
+    assert "holds RNG state for 2 rank(s) but the job has 1" in out  # the stated policy, logged
+    assert "done: step 20" in out
+    after = _records(tmp_path / "one_losses")
+    assert [r["world_size"] for r in after[0]] == [1] * 7
+    _seen_once(
+        [i for rank in (0, 1) for r in before[rank] if r["epoch"] == 1 for i in r["indices"]]
+        + [i for r in after[0] if r["epoch"] == 1 for i in r["indices"]],
+        256,
+    )
+    assert {r["epoch"] for r in after[0]} == {1, 2}, "training continued into the next epoch"
+
+
 def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_path):
     path = str(tmp_path / "c.pt")
     results = run_ranks(_per_rank_state_worker, 2, tmp_path=tmp_path, args=(path, False))
@@ -136,6 +157,7 @@ def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_pat
     assert all("samplers are at different positions" in f for f in err.value.failures.values())
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(480)
 def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     # reference: launch/single_node.sh, 20 uninterrupted steps on 2 ranks
@@ -171,6 +193,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
     out = _ok(first)
     assert "stopping at step 13 as if preempted (--stop-after 13): epoch 1, sample 160 of 256" in out
     assert "done:" not in out
+    _resumed_by_one_process(tmp_path, "b", _records(tmp_path / "b_losses"))  # a copy of the folder, 2 -> 1 ranks
     second = run_torchrun(
         [TRAIN, *COMMON, "--ckpt-dir", "b", "--resume", "auto", "--dump-final", "b.pt", "--dump-losses", "b_losses"],
         nproc=2,
@@ -232,34 +255,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
         assert _losses(records[rank]) == _losses(reference[rank]), f"rank {rank}: loss sequence differs"
 
 
-@pytest.mark.timeout(480)
-def test_two_ranks_resumed_by_one_mid_epoch_see_every_sample_once(tmp_path):
-    """2 -> 1 ranks; 1 -> 4 (on two nodes) is the multi-node test's."""
-    n = 256
-    single = [sys.executable, TRAIN, *COMMON]
-    # 2 -> 1: a 2-rank checkpoint at step 5 (160 of 256 samples of epoch 0) resumed in one process
-    first = run_torchrun(
-        [TRAIN, *COMMON, "--ckpt-dir", "a", "--stop-after", "5", "--dump-losses", "a1"],
-        nproc=2,
-        cwd=tmp_path,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    assert "sample 160 of 256" in _ok(first)
-    out = _ok(_launch([*single, "--ckpt-dir", "a", "--dump-losses", "a2"], tmp_path))
-    assert f"resumed from {tmp_path / 'a' / 'ckpt_00000005.pt'} at step " in out
-    assert "continuing at step 5, epoch 0, sample 160 of 256 (saved by 2 rank(s), now 1" in out
-    assert "holds RNG state for 2 rank(s) but the job has 1" in out  # the stated policy, logged
-    assert "done: step 20" in out
-    before, after = _records(tmp_path / "a1"), _records(tmp_path / "a2")
-    assert [r["world_size"] for r in after[0]] == [1] * 15
-    _seen_once(
-        [i for rank in (0, 1) for r in before[rank] for i in r["indices"]]
-        + [i for r in after[0] if r["epoch"] == 0 for i in r["indices"]],
-        n,
-    )
-    assert {r["epoch"] for r in after[0]} == {0, 1}, "training continued into the next epoch"
-
-
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp_path):
     n = 256

@@ -24,6 +24,7 @@ def _steps(path: Path) -> list[tuple[int, int]]:
     return [(int(g), int(s)) for g, s in (line.split() for line in path.read_text().splitlines())]
 
 
+@pytest.mark.e2e
 def test_a_killed_worker_and_a_dead_job_resume_from_memory_bitwise_and_redo_no_step(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -11,6 +11,7 @@ from tests.dist.harness import run_torchrun
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_collectives_work_without_numpy(tmp_path, repo_root):
     worker = os.path.join(os.path.dirname(__file__), "no_numpy_worker.py")

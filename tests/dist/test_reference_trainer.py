@@ -41,6 +41,7 @@ def _check(tmp_path: Path, nproc: int, *flags: str, interrupts: int = 1, seed: i
     return "".join(launch.stderr.read_text() + launch.stdout.read_text() for launch in result.launches[1:])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_at_4_ranks_with_a_snapshot_every_step_the_relaunch_resumes_bitwise(tmp_path):
     logged = _check(tmp_path, 4, "--workers=1", "--snapshot", "--save-every=3")
@@ -49,6 +50,7 @@ def test_at_4_ranks_with_a_snapshot_every_step_the_relaunch_resumes_bitwise(tmp_
     assert "resumed from" in logged, logged[-3000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_at_2_ranks_with_two_workers_each_the_relaunch_resumes_bitwise(tmp_path):
     _check(tmp_path, 2, "--workers=2", "--save-every=2", seed=1)  # resumed mid-epoch: the workers draw again

@@ -70,6 +70,7 @@ def _check(flags: list[str], interrupts: int) -> None:
     assert result.exact, result.report()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", DEFAULT)
 def test_a_killed_and_relaunched_run_ends_bitwise_equal_to_an_uninterrupted_one(case):
