@@ -18,7 +18,7 @@ from dist_resume._format import striped_write
 from dist_resume._save import striped, striped_plan
 
 FILE_SCRIPT = """
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 import dist_resume as dr
@@ -40,7 +40,9 @@ for step in range(1, 4):
     if step == 3:
         before = written()
         mgr.save(step)
-        print(json.dumps({"rank": dist.get_rank(), "written": written() - before}), flush=True)
+        report = json.dumps({"rank": dist.get_rank(), "written": written() - before}) + chr(10)
+        sys.stdout.flush()
+        os.write(1, report.encode())  # one write of the whole line: the ranks share torchrun's stdout
 mgr.close()
 dr.destroy_distributed()
 """
