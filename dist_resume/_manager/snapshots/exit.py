@@ -115,7 +115,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         try:
             previous(signum, frame)
         finally:
-            if chld is not None:  # the previous handler returned: the process goes on as it was
+            if chld is not None:  # the previous handler returned (or raised): the DataLoader's handler is back
                 signal.signal(signal.SIGCHLD, chld)
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
