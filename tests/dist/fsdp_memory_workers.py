@@ -32,16 +32,21 @@ class _AnonPeak:
         self.start = self.peak = _rss_anon()
         self.samples = 0
         self._stop = threading.Event()
+        self._sampling = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, _rss_anon())
             self.samples += 1
+            self._sampling.set()
             time.sleep(0.0005)
 
     def __enter__(self) -> _AnonPeak:
         self._thread.start()
+        # the block starts once the thread has sampled: under load a thread just started may not run before a short
+        # block ends (one sample, the one taken at exit, seen in a full run)
+        self._sampling.wait()
         return self
 
     def __exit__(self, *exc: object) -> None:
