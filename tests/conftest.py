@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,44 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
     """Keep what ``-m``/``-k`` left out, so that tests/test_docs.py can count the whole suite (the ``slow`` tests)."""
     if items:
         items[0].config.stash.setdefault(DESELECTED, []).extend(items)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _dataloader_workers_unmeasured()
+
+
+def _dataloader_workers_unmeasured() -> None:
+    """Under coverage (.ci/run), a DataLoader's worker processes run without it; other multiprocessing children (the
+    harness's ranks) are measured as before. Starting coverage in each worker and saving its data at exit made the
+    loader tests 2.5x slower (tests/test_exact_loaders.py, test_worker_streams.py and test_stateful_loader.py: 55 s
+    against 22 s unmeasured, 408 data files) for what the workers run of dist_resume: the ``worker_init_fn`` of
+    ``WorkerStreams``, which tests/test_worker_streams.py also calls in-process."""
+    import multiprocessing.process
+
+    try:
+        from coverage import multiproc
+    except ImportError:
+        return
+    measured = multiprocessing.process.BaseProcess._bootstrap  # type: ignore[attr-defined]
+    unmeasured = getattr(multiproc, "original_bootstrap", measured)
+    if measured is unmeasured:  # no coverage, or coverage without its multiprocessing patch
+        return
+    loops = {torch.utils.data._utils.worker._worker_loop}
+    try:
+        from torchdata.stateful_dataloader import worker as stateful_worker
+    except ImportError:
+        pass
+    else:
+        loops.add(stateful_worker._worker_loop)
+
+    def _bootstrap(self: multiprocessing.process.BaseProcess, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_target", None) not in loops:
+            return measured(self, *args, **kwargs)
+        sys.settrace(None)  # the tracer a forked worker inherits from its parent
+        threading.settrace(None)  # type: ignore[arg-type]
+        return unmeasured(self, *args, **kwargs)
+
+    multiprocessing.process.BaseProcess._bootstrap = _bootstrap  # type: ignore[attr-defined]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
