@@ -8,8 +8,9 @@ DataLoader's workers get the signal too (torchrun sends it to each worker's proc
 SIGCHLD handler raises "DataLoader worker (pid …) is killed by signal: Terminated" in the main thread when one dies:
 so the handler first sets SIGCHLD's handler to the default, and keeps it so while a previous SIGTERM handler (the
 script's, coverage's) runs: the workers' deaths from this same notice are no error to raise inside it. The DataLoader's
-handler is put back if that handler returns; the DataLoader still finds a dead worker by its own liveness check. The
-copy runs in a thread of its own, which the main thread waits for whatever a signal handler raises in it meanwhile.
+handler is put back once that handler ends, returned or raised; the DataLoader still finds a dead worker by its own
+liveness check. The copy runs in a thread of its own, which the main thread waits for whatever a signal handler raises
+in it meanwhile.
 """
 
 from __future__ import annotations
