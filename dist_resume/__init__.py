@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._core.version import __version__
 
+# every fork of the process waits until no thread holds the interpreter's thread-list lock (CPython < 3.12)
+importlib.import_module("._core.fork", __name__)
+
 if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs (the same imports, made eagerly)
     from . import errors as errors
     from . import tools as tools
