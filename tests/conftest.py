@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _e2e_launches_unmeasured(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under coverage (.ci/run), the processes an ``e2e`` test launches (torchrun, whole scripts, their workers) run
     without it: coverage's subprocess patch measures a child Python that finds ``COVERAGE_PROCESS_CONFIG`` in its
-    environment, and the launches copy the test's. Measured, that step took 8 min 20 s instead of 6 min 47 s for half a
+    environment, and the launches copy the test's. Measured, the e2e set took 8 min 20 s instead of 6 min 47 s for half a
     point of coverage; the test's own process is still measured (``check_resume`` runs there)."""
     if request.node.get_closest_marker("e2e") is not None:
         monkeypatch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
