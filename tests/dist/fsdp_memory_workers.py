@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,22 @@ class _AnonPeak:
         return (self.peak - self.start) * 1024
 
 
+def _sampled(block: Callable[[], None], tries: int = 5) -> _AnonPeak:
+    """``block`` under a sampler, again (on every rank: the block may hold collectives) while a rank's sampler took no
+    sample inside it: a loaded machine can leave the sampler's thread unscheduled for a whole short block (a CI-like
+    session saw one sample in the block of copies). Loading the same state again allocates what it did the first time.
+    """
+    for _ in range(tries):
+        dist.barrier()
+        with _AnonPeak() as peak:
+            block()
+        short = torch.tensor([int(peak.samples < 2)])
+        dist.all_reduce(short)
+        if not short.item():
+            break
+    return peak
+
+
 def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -109,17 +126,21 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
     shard = sum(local_shard(p).nbytes for p in model.parameters()) * 3
     saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)
     dist.barrier()
-    with _AnonPeak() as copied:
+
+    def copy() -> None:
         load_full_model_state(model, saved["model"])
         load_full_optimizer_state(opt, prepare_optimizer_state(saved["optimizer"], opt, model))
-    dist.barrier()
+
+    copied = _sampled(copy)
     source = saved if rank == 0 else meta_stand_ins(saved)
-    with _AnonPeak() as scattered:
+
+    def scatter() -> None:
         pairs = [(full, dst) for _, full, dst in model_destinations(model, source["model"])]
         opt_sd, opt_pairs = sharded_optimizer_state(opt, prepare_optimizer_state(source["optimizer"], opt, model))
         scatter_full_into(pairs + opt_pairs)
         opt.load_state_dict(opt_sd)
-    dist.barrier()
+
+    scattered = _sampled(scatter)
     # the same through resume: every rank's mapping (a file), rank 0's scatter, dcp.load of a sharded folder
     folder_ckpt = dr.save_checkpoint(Path(folder) / "big.dcp", model=model, optimizer=opt, step=1)
     growth = {}
