@@ -3,7 +3,9 @@
 (tests/check_scripts/): a correct one, the same with one mistake planted, and PyTorch's DDP tutorial.
 
 Each run of a one-process script costs ~3 s here (a fresh interpreter importing torch), so the cases that only need
-one interruption ask for one; the torchrun case is the check of launch/train.py that CI runs on 2 CPU ranks.
+one interruption ask for one. CI runs one whole check (the mistakes named, in a test); the others, each three
+launches, run with ``-m slow`` (docs/testing.md lists them), and .ci/run checks launch/train.py under torchrun on the
+test accelerator (scripts/ci_multigpu.sh).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def test_a_command_that_saves_only_at_its_end_is_exit_2(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("dist-resume-check.*"))  # the check's folders are gone (torch may leave a cache)
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
     # seeded as most scripts are, torch alone: Python's and NumPy's streams differ between the runs (OS entropy), and
     # nothing it trains draws from them: exact, with a note. It saves its arguments in extra (as nanoGPT's config and
@@ -154,7 +156,7 @@ def test_a_correct_script_resumes_exactly(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_script_that_snapshots_every_step_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a snapshot into shared memory every step, a save every 8: killed between saves, the relaunch resumes from its
     # newest snapshot (or from the folder when the kill came right after a save), and the run stays exact; the
@@ -175,7 +177,7 @@ def test_a_script_that_snapshots_every_step_resumes_exactly(tmp_path: Path, monk
     assert list(shm.iterdir()) == [] and _leftovers(tmp_path) == []
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_pytorchs_ddp_tutorial_is_found_and_named(tmp_path: Path) -> None:
     args = ("--json", "--interrupts", "1", "--timeout", RUN_TIMEOUT, "--", sys.executable, TUTORIAL, "{dir}")
     result = _json(check(tmp_path, *args))
@@ -208,7 +210,7 @@ def test_check_resume_in_a_test_names_each_mistake() -> None:
     assert failed.value.run == "reference" and failed.value.returncode == 1 and "does not exist" in failed.value.stderr
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_batch_held_across_the_save_is_named_with_its_evidence() -> None:
     # the next step's batch drawn before the save (as nanoGPT's loop prefetches it): the saved position counts it, and
     # the resumed run skips it. Its RNG streams are restored and equal: nothing shows them as a cause
@@ -228,7 +230,7 @@ def test_a_batch_held_across_the_save_is_named_with_its_evidence() -> None:
         assert unfounded not in text, unfounded
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_loader_whose_position_counts_prefetched_batches_is_named_from_what_its_checkpoints_record() -> None:
     # torchvision's detection loader: workers, no generator=, a batch sampler of its own that no save can count. Its
     # checkpoints record that the position counts the prefetched batches (with the first save's WARNING): the cause
@@ -310,11 +312,11 @@ def test_a_graceful_stop_and_the_test_accelerator(tmp_path: Path, sim_worker_env
     assert "sim:0" in describe_checkpoint(newest)["device_tags"]  # it trained on the test accelerator
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(420)
 def test_launch_train_py_under_torchrun_resumes_exactly(tmp_path: Path) -> None:
-    """The check CI runs of the project's own launch flow on 2 CPU ranks, with one stop (two, the default, on the test
+    """The project's own launch flow on 2 CPU ranks, with one stop (CI runs it with two, the default, on the test
     accelerator: scripts/ci_multigpu.sh): torchrun's workers run in sessions of their own and are stopped with it."""
     train = [
         *("--steps", "120", "--save-every", "20", "--num-samples", "128", "--batch-size", "16"),

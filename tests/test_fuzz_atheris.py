@@ -42,7 +42,7 @@ def _coverage(output: str) -> int:
     return max(int(n) for n in re.findall(r"\bcov: (\d+)", output))
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_seeded_slice_finds_nothing_and_grows_coverage(tmp_path: Path) -> None:  # 10-20 s
     out, output = _fuzz(tmp_path, "-runs=300", "-seed=1", timeout=120)
     assert out.returncode == 0, output[-6000:]

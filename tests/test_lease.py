@@ -151,7 +151,7 @@ def test_a_lease_object_is_parsed_totally_and_the_wait_is_configured(monkeypatch
             wait_seconds()
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_live_job_is_refused_after_the_wait_and_a_relaunch_after_its_sigkill_resumes_at_once(
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

@@ -128,7 +128,7 @@ def test_after_logging_basicconfig_each_line_comes_once_through_the_applications
     assert sum(line.startswith("APP WARNING checkpoint folder ") for line in app) == 1, lines
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_the_environment_variable_and_set_verbosity_quiet_the_lines_and_warnings_stay(tmp_path: Path) -> None:
     lines, _ = _run(tmp_path, DIST_RESUME_VERBOSITY="warning")
     assert len(lines) == 2 and all(map(_warning, lines)), lines

@@ -73,7 +73,7 @@ def _list(tmp_path: Path) -> str:
     return out.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_restart_resumes_from_memory_and_close_copies_the_newest_then_frees_it(tmp_path: Path) -> None:
     (tmp_path / "shm").mkdir()
     first = _run(tmp_path, 7, "die")
@@ -90,7 +90,7 @@ def test_a_restart_resumes_from_memory_and_close_copies_the_newest_then_frees_it
     assert "resumed (9, 'folder')" in third, third
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_snapshot_newer_than_the_folders_names_is_taken_without_reading_the_folder(tmp_path: Path) -> None:
     (tmp_path / "shm").mkdir()
     _run(tmp_path, 7, "die")  # the folder: ckpt 5; shared memory: snapshots 6 and 7

@@ -355,7 +355,7 @@ def test_build_is_locked_and_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert _build.library_path() != target  # a changed source builds afresh
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.dist
 def test_ddp_trains_on_sim_devices_under_torchrun(sim_worker_env: dict[str, str], tmp_path: Path) -> None:
     worker = Path(ddp_worker.__file__)

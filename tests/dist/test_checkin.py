@@ -29,7 +29,7 @@ SCRIPT = str(REPO_ROOT / "tests/dist/checkin_script.py")
 FIX = "call it on every rank, not inside `if rank == 0:`"
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_late_rank_saves_and_a_save_inside_if_rank_0_fails_fast(tmp_path: Path) -> None:
     # short waits, each a margin above the one it must outlast: the warning after 1 s, rank 0 3 s late, the bound 6 s
     env = {"DIST_RESUME_COLLECTIVE_WARN": "1", "DIST_RESUME_COLLECTIVE_TIMEOUT": "6"}
@@ -48,7 +48,7 @@ def test_a_late_rank_saves_and_a_save_inside_if_rank_0_fails_fast(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000002.pt"]
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_save_inside_if_rank_0_is_named_within_a_minute_by_default(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIST_RESUME_COLLECTIVE")}
     env["OMP_NUM_THREADS"] = "1"

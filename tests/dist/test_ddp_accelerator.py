@@ -135,7 +135,7 @@ def test_two_ranks_single_and_ddp_both_ways_and_an_elastic_restart_ends_bitwise_
         assert_same(_state(tmp_path, "resumed", 1, rank), _state(tmp_path, "uninterrupted", 0, rank))
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @sim.on_accelerators(2)
 @pytest.mark.timeout(300)
 def test_two_nodes_of_two_ranks_place_by_local_rank_single_and_ddp_both_ways(

@@ -157,7 +157,7 @@ def test_each_rank_gets_its_own_rng_stream_and_the_sampler_position_back(tmp_pat
     assert all("samplers are at different positions" in f for f in err.value.failures.values())
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     # reference: launch/single_node.sh, 20 uninterrupted steps on 2 ranks
@@ -255,7 +255,7 @@ def test_stopped_and_killed_runs_end_bitwise_equal_to_an_uninterrupted_run(tmp_p
         assert _losses(records[rank]) == _losses(reference[rank]), f"rank {rank}: loss sequence differs"
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_multi_node_script_as_two_agents_resumes_a_single_process_checkpoint(tmp_path):
     n = 256

@@ -34,7 +34,7 @@ dr.destroy_distributed()
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_script_without_logging_under_torchrun_says_each_resume_and_save_once(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -25,7 +25,7 @@ def _steps(path: Path) -> list[int]:
     return [int(line.split()[1]) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_killed_fsdp2_worker_resumes_from_its_own_shards_in_memory_bitwise(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 WORKER = str(Path(W.__file__))
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_max_restarts_restart_takes_the_dead_generations_lease_and_resumes_from_the_bucket(
     s3_bucket: str, tmp_path: Path

@@ -69,7 +69,7 @@ def test_a_damaged_record_or_a_failed_read_is_the_same_error_on_every_rank(tmp_p
     assert "CRC" in results[0]["verify_message"] + results[1]["verify_message"]
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_user_script_under_torchrun_resumes_striped(tmp_path):
     model = S.Big()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -89,7 +89,7 @@ def test_every_rank_writes_its_share_of_one_ordinary_file(tmp_path: Path) -> Non
         assert verify_zip(tmp_path / "hidden" / name) == []
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_a_users_loop_under_torchrun_saves_striped(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 WORKER = str(Path(__file__).with_name("sources_worker.py"))
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_hf_and_dcp_folders_resume_into_ddp_on_two_ranks(hf_checkpoint: Saved, dcp_dsd: Saved, tmp_path: Path) -> None:
     assert hf_checkpoint.optimizer is not None and dcp_dsd.optimizer is not None
