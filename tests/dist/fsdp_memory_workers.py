@@ -125,7 +125,6 @@ def anon_growth(rank: int, world_size: int, folder: str, width: int) -> dict[str
     opt.zero_grad(set_to_none=True)
     shard = sum(local_shard(p).nbytes for p in model.parameters()) * 3
     saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)
-    dist.barrier()
 
     def copy() -> None:
         load_full_model_state(model, saved["model"])
